@@ -1,0 +1,26 @@
+"""hf_posenc: swap and extend the positional mechanism of pretrained causal language models.
+
+    import hf_posenc
+    hf_posenc.patch_model(model, "alibi")       # in place; returns the model
+    hf_posenc.get_posenc_config(model)          # AlibiConfig(slopes='bloom', trainable=False)
+    hf_posenc.unpatch_model(model)              # the original model, exactly
+"""
+
+from . import families, methods  # noqa: F401  (registers the built-in families and methods)
+from .config import PosEncConfig
+from .errors import PosEncError
+from .families.base import ModelFamily
+from .methods import AlibiConfig, LearnedConfig, NopeConfig, RopeConfig, SinusoidalConfig
+from .methods.base import AbsolutePositionMethod, AttentionBiasMethod, PositionalMethod, RotaryMethod
+from .model_info import ModelInfo
+from .patching import get_positional_module, get_posenc_config, patch_model, unpatch_model
+from .registry import available_methods, get_method, register_family, register_method, supported_model_types
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AbsolutePositionMethod", "AlibiConfig", "AttentionBiasMethod", "LearnedConfig", "ModelFamily", "ModelInfo",
+    "NopeConfig", "PosEncConfig", "PosEncError", "PositionalMethod", "RopeConfig", "RotaryMethod",
+    "SinusoidalConfig", "available_methods", "get_method", "get_positional_module", "get_posenc_config",
+    "patch_model", "register_family", "register_method", "supported_model_types", "unpatch_model",
+]

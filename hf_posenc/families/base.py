@@ -1,0 +1,93 @@
+"""A model family says where position enters its models and how the native mechanism is removed.
+
+The shared parts live here: reading the positions of each forward (a pre-hook on the base model), adding
+absolute embeddings there, and routing attention through the shared bias path. A family subclass names its
+modules and overrides what its architecture does differently.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..attention import ATTENTION_NAME, register_attention
+from ..methods.base import PositionalMethod, RotaryMethod, rotate
+from ..model_info import ModelInfo
+from ..state import STATE_ATTR, PositionCapture, PositionState, forward_signature, positions_after_offset
+from ..undo import UndoLog
+
+
+class ModelFamily:
+    name: ClassVar[str]
+    model_types: ClassVar[tuple[str, ...]]
+    native_method: ClassVar[str]
+
+    # --- what each family must say about its models -------------------------------------------------
+    def model_info(self, model: nn.Module) -> ModelInfo:
+        raise NotImplementedError
+
+    def attention_modules(self, model: nn.Module) -> list[nn.Module]:
+        raise NotImplementedError
+
+    def remove_native(self, model: nn.Module, state: PositionState, log: UndoLog) -> None:
+        """Take the family's own positional mechanism out."""
+        raise NotImplementedError
+
+    def add_rotary(self, model: nn.Module, method: RotaryMethod, state: PositionState, log: UndoLog) -> None:
+        raise NotImplementedError
+
+    # --- shared behaviour ------------------------------------------------------------------------------
+    def base_model(self, model: nn.Module) -> nn.Module:
+        return model.base_model
+
+    def default_positions(self, arguments: dict[str, Any], q: int, offset: int, device: torch.device):
+        return positions_after_offset(arguments, q, offset, device)
+
+    def keeps_native(self, method: PositionalMethod, info: ModelInfo) -> bool:
+        """True when the method is exactly what the model already computes (nothing to remove or add)."""
+        return isinstance(method, RotaryMethod) and method.is_native(info)
+
+    def install(self, model: nn.Module, method: PositionalMethod, info: ModelInfo, log: UndoLog) -> PositionState:
+        base = self.base_model(model)
+        state = PositionState(method, backend=model.config._attn_implementation)
+        log.set_attr(base, "posenc", method)  # registers the method's parameters under the base model
+        capture = PositionCapture(state, forward_signature(base), self.default_positions,
+                                  base.get_input_embeddings())
+        log.add_hook(base.register_forward_pre_hook(capture, with_kwargs=True))
+        if self.keeps_native(method, info):
+            return state
+        self.remove_native(model, state, log)
+        if method.kind == "bias":
+            self.route_bias(model, state, log)
+        elif method.kind == "rotary":
+            self.add_rotary(model, method, state, log)
+        return state
+
+    def route_bias(self, model: nn.Module, state: PositionState, log: UndoLog) -> None:
+        """Send attention through the shared bias path (for families that use transformers' interface)."""
+        register_attention()
+        for attention in self.attention_modules(model):
+            log.set_attr(attention, STATE_ATTR, state)
+        config = model.config
+        # Recorded through set_attr so that undo puts back the exact value, whatever set_attn_implementation does.
+        log.set_attr(config, "_attn_implementation_internal", config._attn_implementation_internal)
+        model.set_attn_implementation(ATTENTION_NAME)
+
+
+class RotateProjectionOutput:
+    """Forward hook on a fused qkv projection: rotates its query and key parts with the positions of the
+    current forward, so the KV cache holds rotated keys exactly as a native RoPE model's does.
+
+    `rotate_qk(output, fn)` is the family's knowledge of its fused layout: it applies fn to the query and key
+    parts, each viewed as [B, q, heads, head_dim], and returns the new fused output."""
+
+    def __init__(self, state: PositionState, rotate_qk):
+        self.state = state
+        self.rotate_qk = rotate_qk
+
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.state.cos_sin
+        cos, sin = cos[:, :, None].to(output.dtype), sin[:, :, None].to(output.dtype)
+        return self.rotate_qk(output, lambda x: rotate(x, cos, sin))

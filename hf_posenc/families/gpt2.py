@@ -1,0 +1,68 @@
+"""GPT-2: `GPT2Model.forward` adds `wpe(position_ids)` to the token embeddings; attention goes through
+transformers' AttentionInterface (with `module.scaling` holding the layer-index scaling)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..model_info import ModelInfo
+from ..registry import register_family
+from .base import ModelFamily, RotateProjectionOutput
+
+
+class NoPositionEmbedding(nn.Module):
+    """Stands in for `wpe`: zeros at every position (zeroing wpe's weights would still fail past n_positions)."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.register_buffer("dtype_reference", torch.zeros((), dtype=dtype), persistent=False)
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.dtype_reference.new_zeros((*position_ids.shape, self.hidden_size))
+
+
+@register_family
+class GPT2Family(ModelFamily):
+    name = "gpt2"
+    model_types = ("gpt2",)
+    native_method = "learned"
+
+    def model_info(self, model):
+        config = model.config
+        base = self.base_model(model)
+        return ModelInfo(
+            model_type=config.model_type,
+            num_layers=config.n_layer,
+            num_heads=config.n_head,
+            num_kv_heads=config.n_head,
+            head_dim=config.n_embd // config.n_head,
+            hidden_size=config.n_embd,
+            max_positions=config.n_positions,
+            rope_theta=None,
+            native_method=self.native_method,
+            token_embedding=base.wte.weight,
+            native_position_table=base.wpe.weight if isinstance(base.wpe, nn.Embedding) else None,
+        )
+
+    def attention_modules(self, model):
+        return [block.attn for block in self.base_model(model).h]
+
+    def remove_native(self, model, state, log):
+        base = self.base_model(model)
+        log.set_attr(base, "wpe", NoPositionEmbedding(model.config.n_embd, base.wte.weight.dtype))
+
+    def add_rotary(self, model, method, state, log):
+        heads, hidden = model.config.n_head, model.config.n_embd
+
+        def rotate_qk(fused: torch.Tensor, rotate) -> torch.Tensor:
+            query, key, value = fused.split(hidden, dim=-1)
+            shape = (*query.shape[:-1], heads, hidden // heads)
+            query = rotate(query.reshape(shape)).flatten(-2)
+            key = rotate(key.reshape(shape)).flatten(-2)
+            return torch.cat((query, key, value), dim=-1)
+
+        hook = RotateProjectionOutput(state, rotate_qk)
+        for attention in self.attention_modules(model):
+            log.add_hook(attention.c_attn.register_forward_hook(hook))

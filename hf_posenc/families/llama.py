@@ -1,0 +1,71 @@
+"""LLaMA-style models (llama, mistral, qwen2, qwen3): the base model's `rotary_emb` returns cos/sin for
+the forward's position_ids and every attention layer rotates q and k with them before the cache update;
+attention goes through transformers' AttentionInterface."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..methods.base import RotaryMethod
+from ..model_info import ModelInfo
+from ..registry import register_family
+from .base import ModelFamily
+
+
+class NoRotation(nn.Module):
+    """Stands in for `rotary_emb`: cos = 1, sin = 0, so the layers' rotation is an exact identity."""
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+        shape = (*position_ids.shape, self.head_dim)
+        return x.new_ones(shape), x.new_zeros(shape)
+
+    def __init__(self, head_dim: int):
+        super().__init__()
+        self.head_dim = head_dim
+
+
+class MethodRotation(nn.Module):
+    """Stands in for `rotary_emb` with a rotary method's cos/sin (cast to the activations' dtype, as native)."""
+
+    def __init__(self, method: RotaryMethod):
+        super().__init__()
+        self.method = [method]  # a list, so the method is not registered twice in the module tree
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+        cos, sin = self.method[0].cos_sin(position_ids)
+        return cos.to(x.dtype), sin.to(x.dtype)
+
+
+@register_family
+class LlamaFamily(ModelFamily):
+    name = "llama"
+    model_types = ("llama", "mistral", "qwen2", "qwen3")
+    native_method = "rope"
+
+    def model_info(self, model):
+        config = model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rope = getattr(config, "rope_parameters", None) or {}
+        return ModelInfo(
+            model_type=config.model_type,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=head_dim,
+            hidden_size=config.hidden_size,
+            max_positions=getattr(config, "max_position_embeddings", None),
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            native_method=self.native_method,
+            token_embedding=self.base_model(model).get_input_embeddings().weight,
+        )
+
+    def attention_modules(self, model):
+        return [layer.self_attn for layer in self.base_model(model).layers]
+
+    def remove_native(self, model, state, log):
+        log.set_attr(self.base_model(model), "rotary_emb", NoRotation(self.model_info(model).head_dim))
+
+    def add_rotary(self, model, method, state, log):
+        # The layers already rotate with whatever rotary_emb returns: give them this method's cos/sin.
+        log.set_attr(self.base_model(model), "rotary_emb", MethodRotation(method))

@@ -1,0 +1,12 @@
+"""Positional methods: importing this package registers the built-in ones."""
+
+from .alibi import Alibi, AlibiConfig
+from .learned import LearnedConfig, LearnedPositions
+from .nope import NoPositions, NopeConfig
+from .rope import Rope, RopeConfig
+from .sinusoidal import Sinusoidal, SinusoidalConfig
+
+__all__ = [
+    "Alibi", "AlibiConfig", "LearnedConfig", "LearnedPositions", "NoPositions", "NopeConfig",
+    "Rope", "RopeConfig", "Sinusoidal", "SinusoidalConfig",
+]

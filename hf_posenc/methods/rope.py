@@ -1,0 +1,48 @@
+"""RoPE (Su et al. 2021): rotate queries and keys by position-dependent angles theta^(-2k/d) * position."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..config import PosEncConfig, require
+from ..errors import PosEncError
+from ..model_info import ModelInfo
+from ..registry import register_method
+from .base import RotaryMethod
+
+DEFAULT_THETA = 10000.0
+
+
+@dataclass
+class RopeConfig(PosEncConfig):
+    theta: float | None = None  # None: the model's own theta where it has one, else 10000
+
+    def validate(self) -> None:
+        require(self.theta is None or (isinstance(self.theta, (int, float)) and math.isfinite(self.theta)
+                                       and self.theta > 1),
+                f"RopeConfig.theta={self.theta!r} must be a number > 1 (or None for the model's own).")
+
+
+@register_method("rope", RopeConfig)
+class Rope(RotaryMethod):
+    def __init__(self, config: RopeConfig, info: ModelInfo):
+        super().__init__(config, info)
+        if info.head_dim % 2:
+            raise PosEncError(f"RoPE needs an even head dimension; this model's is {info.head_dim}.")
+        self.theta = float(config.theta or info.rope_theta or DEFAULT_THETA)
+        dim = info.rotary_dim
+        self._inv_freq = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        self._per_device: dict[torch.device, torch.Tensor] = {}
+
+    def is_native(self, info: ModelInfo) -> bool:
+        return info.rope_theta is not None and (self.config.theta is None or self.theta == info.rope_theta)
+
+    def cos_sin(self, positions):
+        if positions.device not in self._per_device:
+            self._per_device[positions.device] = self._inv_freq.to(positions.device)
+        freqs = positions[..., None].float() * self._per_device[positions.device]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos(), angles.sin()

@@ -1,0 +1,52 @@
+"""Sinusoidal absolute positions (Vaswani et al. 2017) added to the input embeddings; defined at any length."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..config import PosEncConfig, require
+from ..errors import PosEncError
+from ..model_info import ModelInfo
+from ..registry import register_method
+from .base import AbsolutePositionMethod
+
+
+@dataclass
+class SinusoidalConfig(PosEncConfig):
+    base: float = 10000.0
+    # Amplitude of the encoding. None: match the RMS of the model's token embeddings (unit-amplitude sinusoids
+    # would swamp a pretrained model's small embeddings). The value used is kept in the state dict.
+    scale: float | None = None
+
+    def validate(self) -> None:
+        require(isinstance(self.base, (int, float)) and self.base > 1, f"SinusoidalConfig.base={self.base!r} must be > 1.")
+        require(self.scale is None or (isinstance(self.scale, (int, float)) and math.isfinite(self.scale)
+                                       and self.scale > 0),
+                f"SinusoidalConfig.scale={self.scale!r} must be a positive number or None.")
+
+
+@register_method("sinusoidal", SinusoidalConfig)
+class Sinusoidal(AbsolutePositionMethod):
+    def __init__(self, config: SinusoidalConfig, info: ModelInfo):
+        super().__init__(config, info)
+        if info.hidden_size % 2:
+            raise PosEncError(f"Sinusoidal positions need an even hidden size; this model's is {info.hidden_size}.")
+        self.hidden_size = info.hidden_size
+        if config.scale is not None:
+            scale = float(config.scale)
+        elif info.token_embedding is not None:
+            # A sinusoid pair has mean square 1/2 per dimension.
+            scale = info.token_embedding.detach().float().pow(2).mean().sqrt().item() / math.sqrt(0.5)
+        else:
+            scale = 1.0
+        self.register_buffer("scale", torch.tensor(scale, dtype=torch.float32))
+
+    def embed(self, positions):
+        half = self.hidden_size // 2
+        inv_freq = self.config.base ** (-torch.arange(half, device=positions.device, dtype=torch.float32) / half)
+        angles = positions[..., None].float() * inv_freq
+        table = torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)  # interleaved sin, cos
+        return table * self.scale.float()

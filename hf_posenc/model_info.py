@@ -1,0 +1,26 @@
+"""What a positional method needs to know about the model it is built for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_type: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    max_positions: int | None  # the trained window, where the config states one
+    rope_theta: float | None  # None when the model has no rotary embedding of its own
+    native_method: str  # "rope", "learned" or "alibi"
+    token_embedding: torch.Tensor | None = None  # the input embedding matrix, for scale-matched inits
+    native_position_table: torch.Tensor | None = None  # GPT-2's wpe, for the "learned" identity init
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.head_dim

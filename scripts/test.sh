@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Installs everything into .venv and runs the whole test suite (slow cases included).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_venv.sh
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+exec .venv/bin/python -m pytest -q "$@"

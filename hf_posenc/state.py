@@ -29,7 +29,8 @@ class PositionState:
         self.query_positions: torch.Tensor | None = None  # [B or 1, q], as the model uses them
         self.slot_offset = 0
         self.shift: torch.Tensor | None = None
-        self.cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None  # for rotary methods, per forward
+        self.seq_len = 0  # highest position + 1: what length-dependent rotary scalings depend on
+        self.cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None  # rotary cos/sin of the queries
 
     def update(self, query_positions: torch.Tensor, slot_offset: int) -> None:
         self.query_positions = query_positions
@@ -37,7 +38,10 @@ class PositionState:
         q = query_positions.shape[-1]
         # The last query is a real token in every row (padding is on the left), so its position is reliable.
         self.shift = query_positions[:, -1:] - (slot_offset + q - 1)
-        self.cos_sin = self.method.cos_sin(query_positions) if self.method.kind == "rotary" else None
+        self.cos_sin = None
+        if self.method.kind == "rotary":
+            self.seq_len = int(query_positions.max()) + 1 if self.method.length_dependent else 0
+            self.cos_sin = self.method.cos_sin(query_positions, self.seq_len)
 
     def slots(self, q: int, kv: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache slots of the q queries and the kv keys seen by attention."""

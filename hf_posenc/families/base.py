@@ -59,14 +59,14 @@ class ModelFamily:
         if self.keeps_native(method, info):
             return state
         self.remove_native(model, state, log)
-        if method.kind == "bias":
-            self.route_bias(model, state, log)
+        if method.kind == "bias" or (isinstance(method, RotaryMethod) and method.rotates_in_attention):
+            self.route_attention(model, state, log)
         elif method.kind == "rotary":
             self.add_rotary(model, method, state, log)
         return state
 
-    def route_bias(self, model: nn.Module, state: PositionState, log: UndoLog) -> None:
-        """Send attention through the shared bias path (for families that use transformers' interface)."""
+    def route_attention(self, model: nn.Module, state: PositionState, log: UndoLog) -> None:
+        """Send attention through the shared path (for families that use transformers' AttentionInterface)."""
         register_attention()
         for attention in self.attention_modules(model):
             log.set_attr(attention, STATE_ATTR, state)

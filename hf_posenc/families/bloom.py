@@ -1,41 +1,46 @@
 """BLOOM: `BloomModel.forward` builds an ALiBi tensor [B*H, 1, kv] and passes it to every block as the
 `alibi` keyword; `BloomAttention` adds it to the scores in its own eager code (it does not use
-transformers' AttentionInterface). A forward pre-hook on each block rewrites that keyword: zeros to remove
-position, or the method's [B*H, q, kv] bias. RoPE rotates the q and k parts of the fused qkv projection."""
+transformers' AttentionInterface).
+
+- Removing position: a forward pre-hook on each block replaces that keyword with zeros.
+- Bias methods (and rotary methods that rotate inside attention): each attention module gets a per-instance
+  forward that runs BLOOM's own projections and cache update, then the shared attention path.
+- RoPE: a hook rotates the q and k parts of the fused `query_key_value` output before the cache update."""
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
+from transformers.models.bloom.modeling_bloom import dropout_add
 
+from ..attention import posenc_attention
 from ..model_info import ModelInfo
 from ..registry import register_family
-from ..state import PositionState
+from ..state import STATE_ATTR
 from .base import ModelFamily, RotateProjectionOutput
 
 
-class ReplaceAlibi:
-    """Block forward pre-hook: swaps BLOOM's `alibi` keyword for zeros or for the method's bias."""
+def zero_alibi(module: nn.Module, args: tuple, kwargs: dict):
+    """Block forward pre-hook: BLOOM's ALiBi tensor becomes zeros."""
+    kwargs["alibi"] = torch.zeros_like(kwargs["alibi"])
+    return args, kwargs
 
-    def __init__(self, state: PositionState, layer_idx: int, num_heads: int):
-        self.state = state
-        self.layer_idx = layer_idx
-        self.num_heads = num_heads
 
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
-        alibi = kwargs["alibi"]
-        if self.state.method.kind != "bias":
-            kwargs["alibi"] = torch.zeros_like(alibi)
-            return args, kwargs
-        hidden_states = args[0] if args else kwargs["hidden_states"]
-        batch, q = hidden_states.shape[:2]
-        kv = alibi.shape[-1]
-        query_slots, key_slots, query_positions, key_positions = self.state.relative_positions(q, kv, alibi.device)
-        # BLOOM adds its own causal/padding mask afterwards, so only the bias itself goes in here.
-        bias = self.state.method.bias(self.layer_idx, query_positions, key_positions)
-        bias = bias.expand(batch, self.num_heads, q, kv).clamp_min(torch.finfo(alibi.dtype).min)
-        kwargs["alibi"] = bias.reshape(batch * self.num_heads, q, kv).to(alibi.dtype)
-        return args, kwargs
+def attention_forward(self, hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
+                      output_attentions=False, **kwargs):
+    """BloomAttention.forward with the score computation replaced by the shared attention path (bound to one
+    module instance by `route_attention`; the class is untouched)."""
+    batch, q = hidden_states.shape[:2]
+    query, key, value = self._reshape(self.query_key_value(hidden_states))
+    if layer_past is not None:
+        key, value = layer_past.update(key, value, self.layer_idx)
+    dropout = self.attention_dropout.p if self.training else 0.0
+    output, weights = posenc_attention(self, query, key, value, attention_mask, scaling=self.inv_norm_factor,
+                                       dropout=dropout)
+    output = self.dense(output.reshape(batch, q, -1))
+    return dropout_add(output, residual, self.hidden_dropout, self.training), weights
 
 
 @register_family
@@ -70,12 +75,13 @@ class BloomFamily(ModelFamily):
         return (mask.long().cumsum(-1) - 1).clamp_min(0)[:, offset:offset + q].to(device)
 
     def remove_native(self, model, state, log):
-        for layer_idx, block in enumerate(self.base_model(model).h):
-            hook = ReplaceAlibi(state, layer_idx, model.config.n_head)
-            log.add_hook(block.register_forward_pre_hook(hook, with_kwargs=True))
+        for block in self.base_model(model).h:
+            log.add_hook(block.register_forward_pre_hook(zero_alibi, with_kwargs=True))
 
-    def route_bias(self, model, state, log):
-        pass  # ReplaceAlibi, installed by remove_native, already writes the bias into BLOOM's own path
+    def route_attention(self, model, state, log):
+        for attention in self.attention_modules(model):
+            log.set_attr(attention, STATE_ATTR, state)
+            log.set_attr(attention, "forward", types.MethodType(attention_forward, attention))
 
     def add_rotary(self, model, method, state, log):
         heads = model.config.n_head

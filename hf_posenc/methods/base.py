@@ -53,14 +53,35 @@ class AttentionBiasMethod(PositionalMethod):
 
 class RotaryMethod(PositionalMethod):
     kind: ClassVar[str] = "rotary"
+    # Rotate queries and the whole (un-rotated) key cache inside the shared attention path rather than before
+    # the cache update: needed when the rotation of old keys changes with the length (dynamic scalings) or
+    # differs between queries and keys (xPos).
+    rotates_in_attention: ClassVar[bool] = False
+    # The frequencies depend on the current length (highest position + 1).
+    length_dependent: ClassVar[bool] = False
 
     def is_native(self, info: ModelInfo) -> bool:
         """True when the model's own rotary embedding already computes exactly this method."""
         return False
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B or 1, q] -> float32 (cos, sin), each [B or 1, q, rotary_dim]."""
+    def frequencies(self, seq_len: int) -> tuple[torch.Tensor, float]:
+        """(inv_freq float32 [rotary_dim / 2] on CPU, attention scaling applied to cos and sin)."""
         raise NotImplementedError
+
+    def cos_sin(self, positions: torch.Tensor, seq_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B or 1, q] -> float32 (cos, sin), each [B or 1, q, rotary_dim]."""
+        inv_freq, attention_scaling = self.frequencies(seq_len)
+        freqs = positions[..., None].float() * inv_freq.to(positions.device)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos() * attention_scaling, angles.sin() * attention_scaling
+
+    def rotate_query_key(self, query: torch.Tensor, key: torch.Tensor, query_positions: torch.Tensor,
+                         key_positions: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """query [B, H, q, D], key [B, H_kv, kv, D] -> both rotated (used by the shared attention path)."""
+        cos_q, sin_q = self.cos_sin(query_positions, seq_len)
+        cos_k, sin_k = self.cos_sin(key_positions, seq_len)
+        return (rotate(query, cos_q[:, None].to(query.dtype), sin_q[:, None].to(query.dtype)),
+                rotate(key, cos_k[:, None].to(key.dtype), sin_k[:, None].to(key.dtype)))
 
 
 def relative_distance(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
@@ -69,7 +90,11 @@ def relative_distance(query_positions: torch.Tensor, key_positions: torch.Tensor
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding in the half-split layout that LLaMA checkpoints use; cos/sin broadcast over x."""
-    half = x.shape[-1] // 2
-    rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated_half * sin
+    """Rotary embedding in the half-split layout that LLaMA checkpoints use; cos/sin broadcast over x and
+    cover its first cos.shape[-1] dimensions (the rest pass through: partial rotary)."""
+    dim = cos.shape[-1]
+    rotary, rest = (x, None) if dim == x.shape[-1] else (x[..., :dim], x[..., dim:])
+    half = dim // 2
+    rotated_half = torch.cat((-rotary[..., half:], rotary[..., :half]), dim=-1)
+    out = rotary * cos + rotated_half * sin
+    return out if rest is None else torch.cat((out, rest), dim=-1)

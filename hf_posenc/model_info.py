@@ -20,7 +20,15 @@ class ModelInfo:
     native_method: str  # "rope", "learned" or "alibi"
     token_embedding: torch.Tensor | None = None  # the input embedding matrix, for scale-matched inits
     native_position_table: torch.Tensor | None = None  # GPT-2's wpe, for the "learned" identity init
+    # The model's own RoPE settings (LLaMA family), or those of the `rope` patch a scaling is applied on top of.
+    rope_parameters: dict | None = None
+    partial_rotary_factor: float = 1.0
 
     @property
     def rotary_dim(self) -> int:
-        return self.head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def original_window(self) -> int | None:
+        """The window the model was trained with, before any RoPE scaling in its config."""
+        return (self.rope_parameters or {}).get("original_max_position_embeddings") or self.max_positions

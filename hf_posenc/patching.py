@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,7 +10,7 @@ from torch import nn
 
 from .config import PosEncConfig
 from .errors import PosEncError
-from .methods.base import PositionalMethod
+from .methods.base import PositionalMethod, RotaryMethod
 from .registry import config_for, get_family, get_method
 from .state import PositionState
 from .undo import UndoLog
@@ -54,6 +55,9 @@ def patch_model(model: nn.Module, method: str | PosEncConfig, **options: Any) ->
     log = UndoLog()
     try:
         info = family.model_info(model)
+        if info.rope_theta is None and previous is not None and isinstance(previous.method, RotaryMethod):
+            # A RoPE scaling on a model that was patched to `rope` scales that RoPE (never the previous scaling).
+            info = dataclasses.replace(info, rope_theta=previous.method.theta)
         method_module = config_for(config).module_class(config, info)  # model-dependent checks happen here
         _move_like(method_module, model)
         state = family.install(model, method_module, info, log)

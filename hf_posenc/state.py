@@ -68,11 +68,12 @@ class PositionCapture:
 
     def __init__(self, state: PositionState, signature: inspect.Signature,
                  default_positions: Callable[[dict[str, Any], int, int, torch.device], torch.Tensor],
-                 embed_tokens: Callable[[torch.Tensor], torch.Tensor]):
+                 embed_tokens: Callable[[torch.Tensor], torch.Tensor], replay=None):
         self.state = state
         self.signature = signature
         self.default_positions = default_positions
         self.embed_tokens = embed_tokens
+        self.replay = replay  # a PrefixReplay for length-dependent RoPE scalings with exact caching
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
         arguments = dict(self.signature.bind_partial(*args, **kwargs).arguments)
@@ -88,10 +89,12 @@ class PositionCapture:
         if positions is None:
             positions = self.default_positions(arguments, q, offset, source.device)
         positions = positions.reshape(-1, q).long()
+        if self.replay is not None:
+            arguments, positions, offset = self.replay.prepare(arguments, positions, offset, cache, self.embed_tokens)
         self.state.update(positions, offset)
 
         if self.state.method.kind != "absolute":
-            return None
+            return ((), arguments) if self.replay is not None else None
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         inputs_embeds = inputs_embeds + self.state.method.embed(positions).to(inputs_embeds.dtype)

@@ -438,3 +438,19 @@ def test_torch_compile(model_type, method):
         eager = model(ids).logits
         compiled = torch.compile(model)
         assert max_diff(compiled(ids).logits, eager) <= TOL
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_a_deep_copy_carries_its_own_patch(model_type):
+    import copy
+
+    model = hf_posenc.patch_model(tiny_model(model_type), "alibi", trainable=True)
+    ids = random_ids(1, 9)
+    with torch.no_grad():
+        patched = model(ids).logits
+        twin = copy.deepcopy(model)
+        assert torch.equal(twin(ids).logits, patched)
+        hf_posenc.unpatch_model(twin)  # undoes the copy, not the original
+        assert torch.equal(model(ids).logits, patched)
+        assert hf_posenc.get_posenc_config(model) is not None
+        assert max_diff(twin(ids).logits, patched) > 1e-4

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..attention import ATTENTION_NAME, register_attention
 from ..methods.base import PositionalMethod, RotaryMethod, rotate
+from ..replay import PrefixReplay
 from ..model_info import ModelInfo
 from ..state import STATE_ATTR, PositionCapture, PositionState, forward_signature, positions_after_offset
 from ..undo import UndoLog
@@ -53,9 +54,13 @@ class ModelFamily:
         base = self.base_model(model)
         state = PositionState(method, backend=model.config._attn_implementation)
         log.set_attr(base, "posenc", method)  # registers the method's parameters under the base model
-        capture = PositionCapture(state, forward_signature(base), self.default_positions,
-                                  base.get_input_embeddings())
-        log.add_hook(base.register_forward_pre_hook(capture, with_kwargs=True))
+        signature = forward_signature(base)
+        replay = None
+        if getattr(method, "length_dependent", False) and getattr(method.config, "exact_cache", False):
+            replay = PrefixReplay(method, "position_ids" in signature.parameters, model.config)
+            log.add_forward_hook(base, replay.cut_outputs, with_kwargs=True)
+        capture = PositionCapture(state, signature, self.default_positions, base.get_input_embeddings(), replay)
+        log.add_forward_pre_hook(base, capture, with_kwargs=True)
         if self.keeps_native(method, info):
             return state
         self.remove_native(model, state, log)

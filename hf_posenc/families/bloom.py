@@ -76,7 +76,7 @@ class BloomFamily(ModelFamily):
 
     def remove_native(self, model, state, log):
         for block in self.base_model(model).h:
-            log.add_hook(block.register_forward_pre_hook(zero_alibi, with_kwargs=True))
+            log.add_forward_pre_hook(block, zero_alibi, with_kwargs=True)
 
     def route_attention(self, model, state, log):
         for attention in self.attention_modules(model):
@@ -94,4 +94,4 @@ class BloomFamily(ModelFamily):
 
         hook = RotateProjectionOutput(state, rotate_qk)
         for attention in self.attention_modules(model):
-            log.add_hook(attention.query_key_value.register_forward_hook(hook))
+            log.add_forward_hook(attention.query_key_value, hook)

@@ -65,4 +65,4 @@ class GPT2Family(ModelFamily):
 
         hook = RotateProjectionOutput(state, rotate_qk)
         for attention in self.attention_modules(model):
-            log.add_hook(attention.c_attn.register_forward_hook(hook))
+            log.add_forward_hook(attention.c_attn, hook)

@@ -58,6 +58,8 @@ class LlamaFamily(ModelFamily):
             rope_theta=float(rope.get("rope_theta", 10000.0)),
             native_method=self.native_method,
             token_embedding=self.base_model(model).get_input_embeddings().weight,
+            rope_parameters=dict(rope),
+            partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0)),
         )
 
     def attention_modules(self, model):
@@ -65,6 +67,18 @@ class LlamaFamily(ModelFamily):
 
     def remove_native(self, model, state, log):
         log.set_attr(self.base_model(model), "rotary_emb", NoRotation(self.model_info(model).head_dim))
+
+    def install(self, model, method, info, log):
+        state = super().install(model, method, info, log)
+        update = method.native_config_update() if isinstance(method, RotaryMethod) and not self.keeps_native(
+            method, info) else None
+        for name, value in (update or {}).items():
+            # So that save_pretrained writes a config.json plain transformers loads to the same logits.
+            if name == "rope_parameters":
+                value = {**{k: v for k, v in (info.rope_parameters or {}).items()
+                            if k == "partial_rotary_factor"}, **value}
+            log.set_attr(model.config, name, value)
+        return state
 
     def add_rotary(self, model, method, state, log):
         # The layers already rotate with whatever rotary_emb returns: give them this method's cos/sin.

@@ -4,9 +4,13 @@ from .alibi import Alibi, AlibiConfig
 from .learned import LearnedConfig, LearnedPositions
 from .nope import NoPositions, NopeConfig
 from .rope import Rope, RopeConfig
+from .rope_scaling import (DynamicConfig, DynamicYarnConfig, Llama3Config, LinearConfig, LongRopeConfig, NtkConfig,
+                           RopeScalingConfig, ScaledRope, YarnConfig)
 from .sinusoidal import Sinusoidal, SinusoidalConfig
 
 __all__ = [
     "Alibi", "AlibiConfig", "LearnedConfig", "LearnedPositions", "NoPositions", "NopeConfig",
     "Rope", "RopeConfig", "Sinusoidal", "SinusoidalConfig",
+    "DynamicConfig", "DynamicYarnConfig", "Llama3Config", "LinearConfig", "LongRopeConfig", "NtkConfig",
+    "RopeScalingConfig", "ScaledRope", "YarnConfig",
 ]

@@ -64,6 +64,15 @@ class RotaryMethod(PositionalMethod):
         """True when the model's own rotary embedding already computes exactly this method."""
         return False
 
+    def native_config_update(self) -> dict | None:
+        """{config attribute: value} with which a LLaMA-family config.json reproduces this method in plain
+        transformers (rope_parameters, max_position_embeddings), or None if transformers has no equivalent."""
+        return None
+
+    def scale_key(self, seq_len: int):
+        """Equal for two lengths exactly when they give the same frequencies."""
+        return seq_len if self.length_dependent else 0
+
     def frequencies(self, seq_len: int) -> tuple[torch.Tensor, float]:
         """(inv_freq float32 [rotary_dim / 2] on CPU, attention scaling applied to cos and sin)."""
         raise NotImplementedError

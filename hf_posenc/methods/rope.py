@@ -16,6 +16,11 @@ from .base import RotaryMethod
 DEFAULT_THETA = 10000.0
 
 
+def default_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    """theta^(-2k/dim) for k < dim/2, computed as transformers' default RoPE computes it."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
 @dataclass
 class RopeConfig(PosEncConfig):
     theta: float | None = None  # None: the model's own theta where it has one, else 10000
@@ -34,10 +39,13 @@ class Rope(RotaryMethod):
             raise PosEncError(f"RoPE needs an even head dimension; this model's is {info.head_dim}.")
         self.theta = float(config.theta or info.rope_theta or DEFAULT_THETA)
         dim = info.rotary_dim
-        self._inv_freq = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        self._inv_freq = default_inv_freq(self.theta, dim)
 
     def is_native(self, info: ModelInfo) -> bool:
         return info.rope_theta is not None and (self.config.theta is None or self.theta == info.rope_theta)
+
+    def native_config_update(self):
+        return {"rope_parameters": {"rope_type": "default", "rope_theta": self.theta}}
 
     def frequencies(self, seq_len):
         return self._inv_freq, 1.0

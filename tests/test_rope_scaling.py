@@ -1,0 +1,283 @@
+"""RoPE context extension: parity with transformers' native rope_parameters, native checkpoints,
+exactness of the length-dependent types under KV caches, and the core suite on every family."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
+
+import hf_posenc
+from hf_posenc import PosEncError
+from test_core import (assert_same_fingerprint, decode_token_by_token, left_pad, max_diff, model_fingerprint,
+                       positions_from_mask)
+from tiny_models import random_ids, tiny_model
+
+WINDOW = {"llama": 64, "gpt2": 32, "bloom": 32}  # the tiny models' trained windows
+HALF = 8  # rotary_dim / 2 of the tiny LLaMA (head_dim 16)
+OPTIONS = {
+    "linear": dict(factor=2.0),
+    "ntk": dict(factor=4.0),
+    "dynamic": dict(factor=4.0),
+    "yarn": dict(factor=4.0),
+    "dynamic-yarn": dict(factor=4.0),
+    "llama3": dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0),
+    "longrope": dict(factor=4.0, short_factor=[1.0 + 0.1 * i for i in range(HALF)],
+                     long_factor=[1.0 + 0.5 * i for i in range(HALF)]),
+}
+SCALINGS = list(OPTIONS)
+LENGTH_DEPENDENT = {"dynamic", "dynamic-yarn", "longrope"}
+NATIVE = {"linear", "dynamic", "yarn", "llama3", "longrope", "ntk"}  # ntk is written as a default RoPE base
+
+
+def scaled_model(model_type: str, method: str, **extra):
+    """A tiny model with `method`; GPT-2 and BLOOM are patched to `rope` first, as users must."""
+    model = tiny_model(model_type)
+    options = dict(OPTIONS[method], **extra)
+    if model_type != "llama":
+        hf_posenc.patch_model(model, "rope")
+        options.setdefault("original_max_position_embeddings", WINDOW[model_type])
+    return hf_posenc.patch_model(model, method, **options)
+
+
+def native_twin(model):
+    """The same weights in plain transformers, built from the patched model's config."""
+    config = copy.deepcopy(model.config)
+    config._attn_implementation_internal = "sdpa"
+    twin = AutoModelForCausalLM.from_config(config)
+    hf_posenc.unpatch_model(original := copy.deepcopy(model))
+    twin.load_state_dict(original.state_dict())
+    return twin.eval()
+
+
+@pytest.mark.parametrize("method", sorted(NATIVE))
+def test_logits_equal_native_rope_parameters_below_and_above_the_window(method):
+    model = scaled_model("llama", method)
+    for length in (40, 100, 160):  # the window is 64
+        twin = native_twin(model)  # fresh: transformers' dynamic types remember the longest length seen
+        ids = random_ids(1, length)
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, twin(ids).logits), (method, length)
+
+
+@pytest.mark.parametrize("method", sorted(NATIVE))
+def test_saved_checkpoint_loads_in_plain_transformers(method, tmp_path):
+    model = scaled_model("llama", method)
+    model.save_pretrained(tmp_path)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert plain.config._attn_implementation != hf_posenc.attention.ATTENTION_NAME
+    expected_window = 64 if method == "dynamic" else int(64 * OPTIONS[method]["factor"])
+    assert plain.config.max_position_embeddings == expected_window
+    ids = random_ids(1, 150)
+    with torch.no_grad():
+        assert max_diff(model(ids).logits, plain(ids).logits) <= 1e-6
+
+
+def test_rope_theta_patch_is_saved_natively(tmp_path):
+    model = hf_posenc.patch_model(tiny_model("llama"), "rope", theta=500.0)
+    model.save_pretrained(tmp_path)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert plain.config.rope_parameters["rope_theta"] == 500.0
+    ids = random_ids(1, 30)
+    with torch.no_grad():
+        assert max_diff(model(ids).logits, plain(ids).logits) <= 1e-6
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "bloom"])
+@pytest.mark.parametrize("method", sorted(LENGTH_DEPENDENT))
+def test_length_dependent_types_are_exact_at_every_decoding_step(model_type, method):
+    """A dynamic scale depends on the current length, so each cached step must equal a fresh full forward
+    of the text so far (not one long forward). The text crosses the original window."""
+    model = scaled_model(model_type, method)
+    window = WINDOW[model_type]
+    ids = random_ids(1, window + 24)
+    cache = DynamicCache(config=model.config)
+    start = window - 8
+    with torch.no_grad():
+        model(ids[:, :start], past_key_values=cache, use_cache=True)
+        for t in range(start, ids.shape[1]):
+            step = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[0, -1]
+            fresh = model(ids[:, :t + 1]).logits[0, -1]
+            assert max_diff(step, fresh) <= 1e-4, (t, max_diff(step, fresh))
+
+
+def test_transformers_own_dynamic_ntk_drifts_under_a_cache():
+    """Why the criterion above matters: plain transformers caches keys rotated with an older base."""
+    model = scaled_model("llama", "dynamic")
+    twin = native_twin(model)
+    ids = random_ids(1, 100)
+    cache = DynamicCache(config=twin.config)
+    with torch.no_grad():
+        twin(ids[:, :60], past_key_values=cache, use_cache=True)
+        steps = [twin(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[0, -1] for t in range(60, 100)]
+        native_drift = max_diff(steps[-1], native_twin(model)(ids).logits[0, -1])
+        ours = model(ids).logits[0, -1]
+    assert native_drift > 1e-4
+    assert max_diff(ours, native_twin(model)(ids).logits[0, -1]) <= 1e-5
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "bloom"])
+@pytest.mark.parametrize("method", SCALINGS)
+def test_core_suite_on_every_family(model_type, method):
+    model = scaled_model(model_type, method)
+    window = WINDOW[model_type]
+    # Past the window for the static types; within it for the length-dependent ones, whose full forward
+    # legitimately differs from step-by-step decoding once the length changes the scale.
+    length = window - 4 if method in LENGTH_DEPENDENT else window + 12
+    ids = random_ids(2, length)
+    with torch.no_grad():
+        full = model(ids).logits
+        assert max_diff(full, decode_token_by_token(model, ids, DynamicCache(config=model.config))) <= 1e-4
+        static = StaticCache(config=model.config, max_cache_len=length + 4)
+        assert max_diff(full, decode_token_by_token(model, ids, static)) <= 1e-4
+
+        sequences = [random_ids(1, 20, seed=3)[0], random_ids(1, 11, seed=4)[0]]
+        padded, mask = left_pad(sequences)
+        batch = model(padded, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
+        for row, seq in enumerate(sequences):
+            assert max_diff(batch[row, -len(seq):], model(seq[None]).logits[0]) <= 1e-4
+        generated = model.generate(padded, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                   output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+        for row, seq in enumerate(sequences):
+            alone = model.generate(seq[None], max_new_tokens=5, do_sample=False, output_scores=True,
+                                   return_dict_in_generate=True, pad_token_id=0)
+            assert torch.equal(generated.sequences[row, padded.shape[1]:], alone.sequences[0, len(seq):])
+            assert max(max_diff(a[row], b[0]) for a, b in zip(generated.scores, alone.scores)) <= 1e-4
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "bloom"])
+@pytest.mark.parametrize("method", ["yarn", "dynamic"])
+def test_unpatch_restores_the_original_and_low_precision_is_finite(model_type, method):
+    model = tiny_model(model_type)
+    ids = random_ids(1, 30)  # the unpatched GPT-2 cannot go past its 32 positions
+    with torch.no_grad():
+        original = model(ids).logits
+    before = model_fingerprint(model)
+    scaled_model_in_place = scaled_model(model_type, method)  # a separate model for bf16
+    scaled_model_in_place.to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.isfinite(scaled_model_in_place(ids).logits).all()
+    if model_type != "llama":
+        hf_posenc.patch_model(model, "rope")
+        hf_posenc.patch_model(model, method, original_max_position_embeddings=WINDOW[model_type],
+                              **OPTIONS[method])
+    else:
+        hf_posenc.patch_model(model, method, **OPTIONS[method])
+    hf_posenc.unpatch_model(model)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, original)
+    assert_same_fingerprint(before, model_fingerprint(model))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_switching_types_never_compounds_factors(model_type):
+    ids = random_ids(1, 90)
+    direct = scaled_model(model_type, "linear")
+    chained = scaled_model(model_type, "yarn")
+    extra = {"original_max_position_embeddings": WINDOW[model_type]} if model_type != "llama" else {}
+    hf_posenc.patch_model(chained, "dynamic", factor=3.0, **extra)
+    hf_posenc.patch_model(chained, "linear", **OPTIONS["linear"], **extra)
+    with torch.no_grad():
+        assert torch.equal(chained(ids).logits, direct(ids).logits)
+    if model_type == "llama":
+        assert chained.config.rope_parameters == direct.config.rope_parameters
+        assert chained.config.max_position_embeddings == 128
+
+
+def test_original_window_and_theta_are_read_from_the_config():
+    model = scaled_model("llama", "yarn")
+    method = hf_posenc.get_positional_module(model)
+    assert (method.original_window, method.theta) == (64, 10000.0)
+    assert model.config.rope_parameters["original_max_position_embeddings"] == 64
+    # a model already scaled in its config keeps its original window as the base
+    hf_posenc.patch_model(model, "yarn", factor=2.0)
+    assert hf_posenc.get_positional_module(model).original_window == 64
+
+
+def test_gradients_and_checkpointing_with_a_length_dependent_type():
+    model = scaled_model("llama", "dynamic")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = random_ids(2, 80)
+    model(ids, labels=ids).loss.backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("method,options,message", [
+    ("yarn", {"factor": 0}, r"YarnConfig.factor=0 must be a number > 0"),
+    ("yarn", {"factor": -2.0}, r"YarnConfig.factor=-2.0 must be a number > 0"),
+    ("yarn", {"factor": 0.5}, r"YarnConfig.factor=0.5 is below 1.0"),
+    ("dynamic", {}, r"DynamicConfig.factor is required"),
+    ("yarn", {"factor": 4.0, "beta_fast": 1.0, "beta_slow": 2.0}, r"beta_fast=1.0 must be larger than beta_slow"),
+    ("yarn", {"factor": 4.0, "betta_fast": 1.0}, r"Unknown option\(s\) 'betta_fast' for method 'yarn'"),
+    ("llama3", {"factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0}, r"with low < high"),
+    ("longrope", {"factor": 4.0}, r"LongRopeConfig.short_factor is required"),
+    ("longrope", {"factor": 4.0, "short_factor": [1.0] * 3, "long_factor": [1.0] * 3},
+     r"short_factor has 3 values; this model needs rotary_dim / 2 = 8"),
+    ("linear", {"factor": 2.0, "original_max_position_embeddings": -5}, r"original_max_position_embeddings=-5"),
+])
+def test_bad_scaling_options_are_named(method, options, message):
+    model = tiny_model("llama")
+    before = model_fingerprint(model)
+    with pytest.raises(PosEncError, match=message):
+        hf_posenc.patch_model(model, method, **options)
+    assert_same_fingerprint(before, model_fingerprint(model))
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "bloom"])
+def test_scaling_a_model_without_rope_says_to_patch_rope_first(model_type):
+    model = tiny_model(model_type)
+    with pytest.raises(PosEncError, match=r"Patch it to 'rope' first: patch_model\(model, 'rope'\)"):
+        hf_posenc.patch_model(model, "yarn", factor=4.0, original_max_position_embeddings=32)
+    hf_posenc.patch_model(model, "alibi")
+    with pytest.raises(PosEncError, match="Patch it to 'rope' first"):
+        hf_posenc.patch_model(model, "linear", factor=2.0, original_max_position_embeddings=32)
+    assert type(hf_posenc.get_posenc_config(model)).__name__ == "AlibiConfig"  # the failed patch changed nothing
+
+
+def test_bloom_needs_its_window_stated():
+    model = hf_posenc.patch_model(tiny_model("bloom"), "rope")
+    with pytest.raises(PosEncError, match="original_max_position_embeddings is required"):
+        hf_posenc.patch_model(model, "yarn", factor=2.0)
+
+
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+@pytest.mark.parametrize("method", sorted(LENGTH_DEPENDENT))
+def test_generate_past_the_window_equals_generation_without_a_cache(method, cache_implementation):
+    model = scaled_model("llama", method)
+    ids = random_ids(1, 56)
+    kwargs = dict(max_new_tokens=20, do_sample=False, output_scores=True, return_dict_in_generate=True,
+                  pad_token_id=0)
+    cached = model.generate(ids, cache_implementation=cache_implementation, **kwargs)
+    uncached = model.generate(ids, use_cache=False, **kwargs)  # a fresh full forward at every step
+    assert torch.equal(cached.sequences, uncached.sequences)
+    assert max(max_diff(a, b) for a, b in zip(cached.scores, uncached.scores)) <= 1e-4
+
+
+def test_exact_cache_off_keeps_only_the_in_attention_rotation():
+    """Without replay the first layer is exact but deeper layers carry hidden states computed at older scales:
+    close, measurably not equal. This is the trade the exact_cache option makes."""
+    ids = random_ids(1, 100)
+    drift = {}
+    for exact in (True, False):
+        model = scaled_model("llama", "longrope", exact_cache=exact)
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ids[:, :60], past_key_values=cache, use_cache=True)
+            for t in range(60, 100):
+                step = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[0, -1]
+            drift[exact] = max_diff(step, model(ids).logits[0, -1])
+    assert drift[True] <= 1e-5 < drift[False] < 1e-2
+
+
+def test_replay_refuses_a_cache_it_has_not_seen():
+    model = tiny_model("llama")
+    ids = random_ids(1, 70)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :66], past_key_values=cache, use_cache=True)  # filled before the patch
+        hf_posenc.patch_model(model, "dynamic", factor=4.0)
+        with pytest.raises(PosEncError, match="Start from an empty cache, or patch with exact_cache=False"):
+            model(ids[:, 66:67], past_key_values=cache, use_cache=True)

@@ -23,6 +23,8 @@ class ModelInfo:
     # The model's own RoPE settings (LLaMA family), or those of the `rope` patch a scaling is applied on top of.
     rope_parameters: dict | None = None
     partial_rotary_factor: float = 1.0
+    # The theta of a `rope` patch being replaced, on a model with no RoPE of its own: what a RoPE scaling scales.
+    patched_rope_theta: float | None = None
 
     @property
     def rotary_dim(self) -> int:

@@ -57,7 +57,7 @@ def patch_model(model: nn.Module, method: str | PosEncConfig, **options: Any) ->
         info = family.model_info(model)
         if info.rope_theta is None and previous is not None and isinstance(previous.method, RotaryMethod):
             # A RoPE scaling on a model that was patched to `rope` scales that RoPE (never the previous scaling).
-            info = dataclasses.replace(info, rope_theta=previous.method.theta)
+            info = dataclasses.replace(info, patched_rope_theta=previous.method.theta)
         method_module = config_for(config).module_class(config, info)  # model-dependent checks happen here
         _move_like(method_module, model)
         state = family.install(model, method_module, info, log)

@@ -444,7 +444,7 @@ def test_torch_compile(model_type, method):
 def test_a_deep_copy_carries_its_own_patch(model_type):
     import copy
 
-    model = hf_posenc.patch_model(tiny_model(model_type), "alibi", trainable=True)
+    model = hf_posenc.patch_model(tiny_model(model_type), "learned", init="normal", init_std=0.5)
     ids = random_ids(1, 9)
     with torch.no_grad():
         patched = model(ids).logits

@@ -281,3 +281,12 @@ def test_replay_refuses_a_cache_it_has_not_seen():
         hf_posenc.patch_model(model, "dynamic", factor=4.0)
         with pytest.raises(PosEncError, match="Start from an empty cache, or patch with exact_cache=False"):
             model(ids[:, 66:67], past_key_values=cache, use_cache=True)
+
+
+def test_repatching_rope_on_gpt2_keeps_rotating():
+    model = hf_posenc.patch_model(tiny_model("gpt2"), "rope")
+    ids = random_ids(1, 12)
+    with torch.no_grad():
+        once = model(ids).logits
+        hf_posenc.patch_model(model, "rope")  # the previous rope patch must not make RoPE look native
+        assert torch.equal(model(ids).logits, once)

@@ -186,13 +186,14 @@ class ScaledRope(RotaryMethod):
 
     def __init__(self, config: RopeScalingConfig, info: ModelInfo):
         super().__init__(config, info)
-        if info.rope_theta is None:
+        base_theta = info.rope_theta or info.patched_rope_theta
+        if base_theta is None:
             raise PosEncError(
                 f"{config.method!r} scales a rotary embedding, and this {info.model_type} model has none. Patch "
                 f"it to 'rope' first: patch_model(model, 'rope'), then patch_model(model, {config.method!r}, ...)."
             )
         own = info.rope_parameters or {}
-        self.theta = float(config.rope_theta or own.get("rope_theta") or info.rope_theta)
+        self.theta = float(config.rope_theta or own.get("rope_theta") or base_theta)
         self.partial_rotary_factor = float(config.partial_rotary_factor or info.partial_rotary_factor)
         self.original_window = config.original_max_position_embeddings or info.original_window
         if not self.original_window:

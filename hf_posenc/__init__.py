@@ -11,6 +11,7 @@ from .config import PosEncConfig
 from .errors import PosEncError
 from .families.base import ModelFamily
 from .methods import AlibiConfig, LearnedConfig, NopeConfig, RopeConfig, SinusoidalConfig
+from .methods.relative_biases import FireConfig, KerpleConfig, SandwichConfig, T5Config, XposConfig
 from .methods.base import AbsolutePositionMethod, AttentionBiasMethod, PositionalMethod, RotaryMethod
 from .model_info import ModelInfo
 from .patching import get_positional_module, get_posenc_config, patch_model, unpatch_model
@@ -24,3 +25,4 @@ __all__ = [
     "SinusoidalConfig", "available_methods", "get_method", "get_positional_module", "get_posenc_config",
     "patch_model", "register_family", "register_method", "supported_model_types", "unpatch_model",
 ]
+__all__ += ["FireConfig", "KerpleConfig", "SandwichConfig", "T5Config", "XposConfig"]

@@ -7,11 +7,28 @@ all per-model state from the attention module it is called with, so any number o
 different methods, can use it at once. BLOOM, whose attention does not use the interface, reaches the same
 function through a per-instance forward (families/bloom.py).
 
-Biases are built per block of queries (at most `BLOCK_BYTES` of bias at a time), in float32, from query and
-key positions, and added to the scores inside SDPA or an eager softmax: whichever backend the model had.
+Three ways to compute attention with a bias, never materialising a [B, H, L, L] tensor:
+
+- "blocked" (portable, the default on CPU): queries in blocks of at most `BLOCK_BYTES` of bias; each block
+  sees only the keys that causality allows it (so the work is about half the square, like causal SDPA), and
+  for a bias that depends on i - j alone (`bias_table`) the block's bias is a copy of a Toeplitz view of a
+  table of length L rather than a computation. SDPA or eager softmax per block: whichever backend the model had.
+- "flex": `torch.nn.attention.flex_attention` (compiled) with a `score_mod` that indexes the distance table.
+  Only for table methods with a boolean or no mask, no dropout, no sliding window, the sdpa backend.
+- "flash": flash-attn's `alibi_slopes`, for ALiBi with fixed slopes on CUDA in fp16/bf16 with flash-attn
+  installed, no padding mask, and a cache holding exactly the keys seen (not a StaticCache).
+
+`set_attention_path("auto" | "blocked" | "flex" | "flash")` (or the `attention_path(...)` context manager)
+chooses. "auto" takes flash where it applies, flex on CUDA where it applies, blocked otherwise: compiled flex on
+CPU costs 20-45 s of compilation per shape and failed to compile for left-padded decoding, so it is never
+chosen automatically there. An explicit "flex" or "flash" falls back to blocked, silently, for calls it cannot
+serve (the conditions above); `last_paths` counts which path served each call, for checking.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +39,13 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .state import STATE_ATTR, PositionState
 
 ATTENTION_NAME = "hf_posenc"
-BLOCK_BYTES = 32 * 2**20
+BLOCK_BYTES = 16 * 2**20
+ATTENTION_PATHS = ("auto", "blocked", "flex", "flash")
 
 _registered = False
+_path = "auto"
+_compiled_flex = None
+last_paths: Counter = Counter()
 
 
 def register_attention() -> None:
@@ -35,21 +56,56 @@ def register_attention() -> None:
         _registered = True
 
 
-def block_rows(batch: int, heads: int, kv: int) -> int:
-    return max(1, BLOCK_BYTES // (4 * batch * heads * max(kv, 1)))
+def set_attention_path(path: str) -> None:
+    """Choose how biased attention is computed, process-wide: "auto" (default), "blocked", "flex" or "flash"."""
+    from .errors import PosEncError
+
+    if path not in ATTENTION_PATHS:
+        raise PosEncError(f"Attention path {path!r} is unknown; use one of {', '.join(ATTENTION_PATHS)}.")
+    global _path
+    _path = path
+
+
+def get_attention_path() -> str:
+    return _path
+
+
+@contextlib.contextmanager
+def attention_path(path: str):
+    previous = _path
+    set_attention_path(path)
+    try:
+        yield
+    finally:
+        set_attention_path(previous)
+
+
+def block_rows(batch: int, heads: int, kv: int, cost: float = 1.0) -> int:
+    return max(1, int(BLOCK_BYTES // (4 * batch * heads * max(kv, 1) * cost)))
 
 
 def block_mask(state: PositionState, layer_idx: int, rows: slice, query_slots, key_slots, query_positions,
                key_positions, attention_mask, dtype: torch.dtype) -> torch.Tensor:
-    """The attention mask for query rows `rows`: the method's bias with disallowed keys at dtype's minimum
-    [B or 1, H, r, kv], or a boolean mask [B or 1, 1, r, kv] for methods without a bias."""
-    # Causal by cache slot, aligned to the lower right: needed whenever the mask function skipped the mask.
+    """The attention mask for query rows `rows` (all keys given): the method's bias with disallowed keys at dtype's
+    minimum [B or 1, H, r, kv], or a boolean mask [B or 1, 1, r, kv] for methods without a bias. This is the
+    reference, materialised computation that the fast paths are tested against."""
     allowed = key_slots[None, :] <= query_slots[rows, None]
     bias = None
     if state.method.kind == "bias":
         bias = state.method.bias(layer_idx, query_positions[:, rows], key_positions)
-    if attention_mask is not None:
-        given = attention_mask[..., rows, :]
+    given = attention_mask[..., rows, :] if attention_mask is not None else None
+    return _combine(state, allowed, bias, given, query_positions[:, rows], key_positions, dtype)
+
+
+def _combine(state, allowed, bias, given, query_positions, key_positions, dtype, fresh=False):
+    """Causal slots `allowed` [r, k], the method's extra key mask, the given mask [.., r, k] and the bias -> one
+    mask (see block_mask). `fresh`: the bias is this block's own tensor and may be overwritten."""
+    extra = getattr(state.method, "allowed_keys", None)
+    if extra is not None:
+        extra = extra(query_positions, key_positions)
+        if extra is not None:
+            allowed = allowed & extra
+    if given is not None:
         if given.dtype == torch.bool:
             allowed = allowed & given
         else:  # an additive float mask (BLOOM's, or a caller's)
@@ -57,7 +113,36 @@ def block_mask(state: PositionState, layer_idx: int, rows: slice, query_slots, k
     if bias is None:
         return allowed[None, None] if allowed.dim() == 2 else allowed
     low = torch.finfo(dtype).min
-    return torch.where(allowed, bias.clamp_min(low), low).to(dtype)
+    if not fresh or bias.dtype != torch.float32 or torch.broadcast_shapes(bias.shape, allowed.shape) != bias.shape:
+        return torch.where(allowed, bias.clamp_min(low), low).to(dtype)
+    # In place, so that no second [B, H, r, k] tensor is made.
+    bias = bias.clamp_min_(low).masked_fill_(~allowed, low)
+    return bias if dtype == torch.float32 else bias.to(dtype)
+
+
+def distance_table(method, layer_idx: int, num_distances: int, max_position: int, device) -> torch.Tensor | None:
+    """float32 [H, num_distances] for methods whose bias depends on i - j alone (for these queries), else None."""
+    if method.kind != "bias":
+        return None
+    table = getattr(method, "bias_table", None)
+    if table is not None:
+        return table(layer_idx, num_distances, max_position, device)
+    slopes = getattr(method, "head_slopes", None)  # ALiBi
+    if slopes is not None:
+        return -slopes(device)[:, None] * torch.arange(num_distances, device=device, dtype=torch.float32)
+    return None
+
+
+def toeplitz_block(table: torch.Tensor, first: int, rows: int, keys: int) -> torch.Tensor:
+    """The bias of a query block with its keys in REVERSED order: out[h, r, c] = table[h, first + r - (keys-1-c)]
+    for r < rows, c < keys (indices below 0 read table[h, 0]; those entries are masked). Reversing the keys makes
+    every row a forward window of the table, so this is one contiguous copy of an unfolded view: no index
+    arithmetic, one allocation of [H, rows, keys]."""
+    low, high = first - keys + 1, first + rows - 1
+    segment = table[:, max(low, 0):high + 1]
+    if low < 0:
+        segment = torch.cat([segment[:, :1].expand(-1, -low), segment], dim=1)
+    return segment.unfold(-1, keys, 1).contiguous()
 
 
 def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -79,29 +164,151 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         # Keys are cached un-rotated; rotating the whole cache here costs O(kv * D) per layer and step, the same
         # order as attention itself, and is what keeps length-dependent scalings exact under a KV cache.
         query, key = state.method.rotate_query_key(query, key, query_positions, key_positions, state.seq_len)
+    dropout = dropout if module.training else 0.0
     eager = state.backend == "eager"
+    layer_idx = getattr(module, "layer_idx", 0) or 0
+
+    if not eager and dropout == 0.0 and state.method.kind == "bias":
+        if _path in ("auto", "flash"):
+            output = _flash_alibi(state, query, key, value, attention_mask, scaling, query_slots, key_slots)
+            if output is not None:
+                last_paths["flash"] += 1
+                return output, None
+        if _path == "flex" or (_path == "auto" and query.is_cuda):
+            output = _flex(module, state, layer_idx, query, key, value, attention_mask, scaling, query_slots,
+                           key_slots, query_positions, key_positions, kwargs)
+            if output is not None:
+                last_paths["flex"] += 1
+                return output, None
+    last_paths["blocked"] += 1
+    return _blocked(module, state, layer_idx, query, key, value, attention_mask, scaling, dropout, eager,
+                    query_slots, key_slots, query_positions, key_positions)
+
+
+def _blocked(module, state, layer_idx, query, key, value, attention_mask, scaling, dropout, eager, query_slots,
+             key_slots, query_positions, key_positions):
+    batch, heads, q, _ = query.shape
+    kv = key.shape[2]
     groups = heads // key.shape[1]
     if eager and groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    first_key = int(key_slots[0]) if kv else 0
+    query_offset = int(query_slots[0]) - first_key  # slot distance of the first query to the first key
+    table = None
+    if not eager:  # eager returns attention weights, in key order: it takes the generic path
+        table = distance_table(state.method, layer_idx, query_offset + q, int(query_positions.max()), query.device)
+    if table is not None:
+        # Keys in reversed order (see toeplitz_block); softmax does not care about the order of keys.
+        key, value, key_slots, key_positions = key.flip(2), value.flip(2), key_slots.flip(0), key_positions.flip(-1)
+        attention_mask = attention_mask.flip(-1) if attention_mask is not None else None
+    cost = 1.0 if table is not None else float(getattr(state.method, "block_cost", 1.0))
 
     outputs, weights = [], []
-    step = block_rows(batch, heads, kv)
+    step = block_rows(batch, heads, kv, cost)
     for start in range(0, q, step):
-        rows = slice(start, min(q, start + step))
-        mask = block_mask(state, module.layer_idx, rows, query_slots, key_slots, query_positions, key_positions,
-                          attention_mask, query.dtype)
+        stop = min(q, start + step)
+        rows = slice(start, stop)
+        # Keys past the block's last query slot are masked for every row of the block: leave them out
+        # (eager mode keeps them, for full-width attention weights).
+        keys = kv if eager else max(1, min(kv, query_offset + stop))
+        columns = slice(kv - keys, kv) if table is not None else slice(0, keys)
+        allowed = key_slots[None, columns] <= query_slots[rows, None]
+        if state.method.kind != "bias":
+            bias = None
+        elif table is not None:
+            bias = toeplitz_block(table, query_offset + start, stop - start, keys)[None]
+        else:
+            bias = state.method.bias(layer_idx, query_positions[:, rows], key_positions[:, columns])
+        given = attention_mask[..., rows, columns] if attention_mask is not None else None
+        mask = _combine(state, allowed, bias, given, query_positions[:, rows], key_positions[:, columns],
+                        query.dtype, fresh=table is not None)
         block_query = query[:, :, rows]
+        block_key, block_value = key[:, :, columns], value[:, :, columns]
         if eager:
-            scores = torch.matmul(block_query, key.transpose(2, 3)) * scaling
+            scores = torch.matmul(block_query, block_key.transpose(2, 3)) * scaling
             scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool \
                 else scores + mask
             probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
             probs = F.dropout(probs, p=dropout, training=module.training)
-            outputs.append(torch.matmul(probs, value))
+            outputs.append(torch.matmul(probs, block_value))
             weights.append(probs)
         else:
             outputs.append(F.scaled_dot_product_attention(
-                block_query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=groups > 1))
+                block_query, block_key, block_value, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                enable_gqa=groups > 1))
     output = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
     attn_weights = (torch.cat(weights, dim=2) if len(weights) > 1 else weights[0]) if eager else None
     return output.transpose(1, 2).contiguous(), attn_weights
+
+
+def _key_validity(attention_mask, batch: int, kv: int):
+    """[B, kv] bool: keys the last query row may see (padding masked), from a boolean mask; None if unusable."""
+    if attention_mask is None:
+        return torch.ones(batch, kv, dtype=torch.bool)
+    if attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
+        return None
+    return attention_mask[:, 0, -1, :].expand(batch, kv)
+
+
+def _flex(module, state, layer_idx, query, key, value, attention_mask, scaling, query_slots, key_slots,
+          query_positions, key_positions, kwargs):
+    """flex_attention with a distance-table score_mod, or None where it does not apply."""
+    global _compiled_flex
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    if getattr(state.method, "allowed_keys", None) is not None or kwargs.get("sliding_window") \
+            or getattr(module, "sliding_window", None):
+        return None
+    batch, heads, q, _ = query.shape
+    kv = key.shape[2]
+    valid = _key_validity(attention_mask, batch, kv)
+    if valid is None:
+        return None
+    first_key = int(key_slots[0])
+    offset = int(query_slots[0]) - first_key
+    table = distance_table(state.method, layer_idx, offset + q, int(query_positions.max()), query.device)
+    if table is None:
+        return None
+    valid = valid.to(query.device)
+    offset_t = torch.tensor(offset, device=query.device)
+    last = table.shape[1] - 1
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        distance = (q_idx + offset_t - kv_idx).clamp(0, last)
+        return score + table[h, distance]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx + offset_t) & valid[b, kv_idx]
+
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention)
+    blocks = create_block_mask(mask_mod, batch, None, q, kv, device=query.device)
+    output = _compiled_flex(query, key, value, score_mod=score_mod, block_mask=blocks, scale=scaling,
+                            enable_gqa=heads != key.shape[1])
+    return output.transpose(1, 2).contiguous()
+
+
+def _flash_alibi(state, query, key, value, attention_mask, scaling, query_slots, key_slots):
+    """flash-attn with alibi_slopes, or None where it does not apply (see the module docstring)."""
+    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    slopes = getattr(state.method, "head_slopes", None)
+    if slopes is None or getattr(state.method.config, "trainable", False):
+        return None
+    q, kv = query.shape[2], key.shape[2]
+    # A boolean mask whose last row is all True holds no padding: it is the causal mask, which flash applies.
+    if attention_mask is not None and not (attention_mask.dtype == torch.bool
+                                           and bool(attention_mask[:, :, -1, :].all())):
+        return None
+    # flash-attn aligns causal attention to the lower right: key slots must be exactly 0..offset+q-1.
+    if int(key_slots[0]) != 0 or int(query_slots[-1]) != kv - 1:
+        return None
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError:
+        return None
+    output = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling,
+                             causal=True, alibi_slopes=slopes(query.device).float())
+    return output

@@ -7,6 +7,7 @@ from .rope import Rope, RopeConfig
 from .rope_scaling import (DynamicConfig, DynamicYarnConfig, Llama3Config, LinearConfig, LongRopeConfig, NtkConfig,
                            RopeScalingConfig, ScaledRope, YarnConfig)
 from .sinusoidal import Sinusoidal, SinusoidalConfig
+from .relative_biases import *  # noqa: F401,F403  (fire, t5, kerple, sandwich, xpos)
 
 __all__ = [
     "Alibi", "AlibiConfig", "LearnedConfig", "LearnedPositions", "NoPositions", "NopeConfig",

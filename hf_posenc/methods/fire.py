@@ -1,0 +1,118 @@
+"""FIRE (Li et al. 2023, "Functional Interpolation for Relative Positions Improves Long Context Transformers"):
+
+    bias_h(i, j) = f_theta(psi(i - j) / psi(max(L, i)))_h,   psi(x) = log(c x + 1),
+
+with f_theta a small MLP per layer (1 -> mlp_width -> heads, ReLU), and c > 0 and the threshold L > 0 learned
+(kept positive as exp of a parameter). i is the query's true position, so left padding and caches give the
+same bias. For queries at positions i <= L the normaliser psi(L) is the same for every query, so the bias is a
+function of i - j alone: the attention path then uses a distance table (O(L) memory); past L it evaluates the
+MLP per query block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..config import PosEncConfig, require
+from ..model_info import ModelInfo
+from ..registry import register_method
+from .alibi import bloom_slopes
+from .distance import DistanceBiasMethod
+
+DEFAULT_THRESHOLD = 2048
+
+
+@dataclass
+class FireConfig(PosEncConfig):
+    mlp_width: int = 32
+    # "alibi": the MLP starts as the piecewise-linear interpolant of ALiBi's bias (BLOOM slopes) at mlp_width
+    # knots evenly spaced in psi-normalised distance, so a model swapped from ALiBi, or from RoPE to an
+    # ALiBi-like prior, starts near a working point. "random": PyTorch's default Linear init, as in the paper.
+    init: str = "alibi"
+    c: float = 1.0  # initial c of psi(x) = log(c x + 1)
+    threshold: float | None = None  # initial L; None: the model's window (max_position_embeddings), else 2048
+    learn_c: bool = True
+    learn_threshold: bool = True
+
+    def validate(self) -> None:
+        require(isinstance(self.mlp_width, int) and not isinstance(self.mlp_width, bool) and self.mlp_width >= 1,
+                f"FireConfig.mlp_width={self.mlp_width!r} must be a positive integer.")
+        require(self.init in ("alibi", "random"), f"FireConfig.init={self.init!r}: use 'alibi' or 'random'.")
+        require(isinstance(self.c, (int, float)) and math.isfinite(self.c) and self.c > 0,
+                f"FireConfig.c={self.c!r} must be a positive number.")
+        require(self.threshold is None or (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold)
+                                           and self.threshold >= 1),
+                f"FireConfig.threshold={self.threshold!r} must be a number >= 1 (or None for the model's window).")
+        require(isinstance(self.learn_c, bool), f"FireConfig.learn_c={self.learn_c!r} must be True or False.")
+        require(isinstance(self.learn_threshold, bool),
+                f"FireConfig.learn_threshold={self.learn_threshold!r} must be True or False.")
+
+
+def alibi_interpolant(slopes: torch.Tensor, width: int, c: float, threshold: float):
+    """MLP weights (w1 [W], b1 [W], w2 [W, H], b2 [H]) of the piecewise-linear interpolant of -slope * d, as a
+    function of u = psi(d) / psi(L), through knots u_k = k / W (k = 0..W-1) and u = 1."""
+    knots = torch.arange(width + 1, dtype=torch.float64) / width
+    # the distance whose normalised psi is u: psi^-1(u psi(L)) = (exp(u log(c L + 1)) - 1) / c
+    distance = torch.expm1(knots * math.log(c * threshold + 1)) / c
+    values = -slopes.double()[None, :] * distance[:, None]  # [W + 1, H]
+    segment_slopes = (values[1:] - values[:-1]) / (knots[1:] - knots[:-1])[:, None]  # [W, H]
+    # f(u) = sum_k a_k relu(u - u_k): a_0 is the first segment's slope, a_k the change of slope at knot k.
+    w2 = torch.cat([segment_slopes[:1], segment_slopes[1:] - segment_slopes[:-1]])
+    return torch.ones(width), -knots[:-1].float(), w2.float(), values[0].float()
+
+
+@register_method("fire", FireConfig)
+class Fire(DistanceBiasMethod):
+    def __init__(self, config: FireConfig, info: ModelInfo):
+        super().__init__(config, info)
+        layers, width, heads = info.num_layers, config.mlp_width, info.num_heads
+        threshold = float(config.threshold or info.max_positions or DEFAULT_THRESHOLD)
+        if config.init == "alibi":
+            w1, b1, w2, b2 = alibi_interpolant(bloom_slopes(heads), width, config.c, threshold)
+            w1, b1, w2, b2 = (t[None].repeat(layers, *[1] * t.dim()) for t in (w1, b1, w2, b2))
+        else:
+            w1, b1, w2, b2 = torch.empty(layers, width), torch.empty(layers, width), \
+                torch.empty(layers, width, heads), torch.empty(layers, heads)
+            for layer in range(layers):
+                first, second = nn.Linear(1, width), nn.Linear(width, heads)
+                w1[layer], b1[layer] = first.weight.detach()[:, 0], first.bias.detach()
+                w2[layer], b2[layer] = second.weight.detach().T, second.bias.detach()
+        self.w1, self.b1, self.w2, self.b2 = (nn.Parameter(t.contiguous()) for t in (w1, b1, w2, b2))
+        log_c = torch.full((layers,), math.log(config.c))
+        log_threshold = torch.full((layers,), math.log(threshold))
+        self.log_c = nn.Parameter(log_c, requires_grad=config.learn_c)
+        self.log_threshold = nn.Parameter(log_threshold, requires_grad=config.learn_threshold)
+        self.block_cost = 1 + width / heads  # the MLP's hidden activations per bias entry, for block sizing
+
+    def threshold(self, layer_idx: int) -> torch.Tensor:
+        return self.log_threshold[layer_idx].float().exp()
+
+    def psi(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
+        return torch.log1p(self.log_c[layer_idx].float().exp() * x)
+
+    def mlp(self, layer_idx: int, u: torch.Tensor) -> torch.Tensor:
+        """u float32 [...] -> [..., H]."""
+        hidden = torch.relu(u[..., None] * self.w1[layer_idx].float() + self.b1[layer_idx].float())
+        return hidden @ self.w2[layer_idx].float() + self.b2[layer_idx].float()
+
+    def distance_bias(self, layer_idx, distance):
+        """The bias for queries at positions <= L (where psi(max(L, i)) = psi(L))."""
+        u = self.psi(layer_idx, distance) / self.psi(layer_idx, self.threshold(layer_idx))
+        return self.mlp(layer_idx, u).T
+
+    def bias_table(self, layer_idx, num_distances, max_position=None, device=None):
+        if max_position is None or max_position > float(self.threshold(layer_idx).detach()):
+            return None
+        return super().bias_table(layer_idx, num_distances, max_position, device)
+
+    def bias(self, layer_idx, query_positions, key_positions):
+        if int(query_positions.max()) <= float(self.threshold(layer_idx).detach()):
+            return super().bias(layer_idx, query_positions, key_positions)
+        distance = (query_positions[:, :, None] - key_positions[:, None, :]).clamp_min(0).float()
+        normaliser = self.psi(layer_idx, torch.maximum(self.threshold(layer_idx), query_positions.float()))
+        u = self.psi(layer_idx, distance) / normaliser[:, :, None]
+        return self.mlp(layer_idx, u).permute(0, 3, 1, 2)

@@ -1,0 +1,85 @@
+"""xPos (Sun et al. 2022, "A Length-Extrapolatable Transformer"): RoPE whose rotated pair k is also scaled,
+queries by zeta_k ** (i / scale_base) and keys by zeta_k ** (-j / scale_base), zeta_k = (2k/d + gamma) / (1 + gamma),
+so q_i . k_j decays as zeta ** ((i - j) / scale_base). Keys are cached un-rotated and scaled in the shared
+attention path (the scale of a key depends on the query it meets only through i - j, but scaling each side
+relative to the current last query keeps the factors bounded at any length).
+
+Extrapolation: "bca" is the paper's blockwise causal attention: positions are cut into blocks of `window`
+tokens and a query sees the keys of its own and the previous block only."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..config import PosEncConfig, require
+from ..errors import PosEncError
+from ..model_info import ModelInfo
+from ..registry import register_method
+from .base import RotaryMethod, rotate
+
+DEFAULT_THETA = 10000.0
+DEFAULT_WINDOW = 2048
+
+
+@dataclass
+class XposConfig(PosEncConfig):
+    theta: float | None = None  # None: the model's own RoPE theta, else 10000
+    scale_base: float = 512.0
+    gamma: float = 0.4
+    extrapolation: str = "none"  # "none" or "bca" (blockwise causal attention)
+    window: int | None = None  # BCA block length; None: the model's window, else 2048
+
+    def validate(self) -> None:
+        require(self.theta is None or (isinstance(self.theta, (int, float)) and math.isfinite(self.theta)
+                                       and self.theta > 1),
+                f"XposConfig.theta={self.theta!r} must be a number > 1 (or None for the model's own).")
+        require(isinstance(self.scale_base, (int, float)) and math.isfinite(self.scale_base) and self.scale_base > 0,
+                f"XposConfig.scale_base={self.scale_base!r} must be a positive number.")
+        require(isinstance(self.gamma, (int, float)) and math.isfinite(self.gamma) and self.gamma > 0,
+                f"XposConfig.gamma={self.gamma!r} must be a positive number.")
+        require(self.extrapolation in ("none", "bca"),
+                f"XposConfig.extrapolation={self.extrapolation!r}: use 'none' or 'bca'.")
+        require(self.window is None or (isinstance(self.window, int) and not isinstance(self.window, bool)
+                                        and self.window >= 1),
+                f"XposConfig.window={self.window!r} must be a positive integer (or None for the model's window).")
+
+
+@register_method("xpos", XposConfig)
+class Xpos(RotaryMethod):
+    rotates_in_attention = True
+
+    def __init__(self, config: XposConfig, info: ModelInfo):
+        super().__init__(config, info)
+        dim = info.rotary_dim
+        if dim % 2:
+            raise PosEncError(f"xPos needs an even rotary dimension; this model's is {dim}.")
+        self.theta = float(config.theta or info.rope_theta or DEFAULT_THETA)
+        self._inv_freq = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        zeta = (torch.arange(0, dim, 2, dtype=torch.float64) / dim + config.gamma) / (1 + config.gamma)
+        self._log_zeta = (torch.cat((zeta, zeta)).log() / config.scale_base).float()  # half-split layout
+        self.window = config.window or info.max_positions or DEFAULT_WINDOW
+
+    def frequencies(self, seq_len):
+        return self._inv_freq, 1.0
+
+    def rotate_query_key(self, query, key, query_positions, key_positions, seq_len):
+        cos_q, sin_q = self.cos_sin(query_positions, seq_len)
+        cos_k, sin_k = self.cos_sin(key_positions, seq_len)
+        log_zeta = self._log_zeta.to(query.device)
+        centre = query_positions[:, -1:]  # the last query of each row is a real token
+        scale_q = torch.exp((query_positions - centre)[..., None].float() * log_zeta)[:, None]
+        scale_k = torch.exp(-(key_positions - centre)[..., None].float() * log_zeta)[:, None]
+        query = rotate(query, (cos_q[:, None] * scale_q).to(query.dtype), (sin_q[:, None] * scale_q).to(query.dtype))
+        key = rotate(key, (cos_k[:, None] * scale_k).to(key.dtype), (sin_k[:, None] * scale_k).to(key.dtype))
+        return query, key
+
+    def allowed_keys(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor | None:
+        """Extra key mask [B or 1, 1, q, kv] (True = may attend), or None: blockwise causal attention."""
+        if self.config.extrapolation != "bca":
+            return None
+        query_block = torch.div(query_positions, self.window, rounding_mode="floor")
+        key_block = torch.div(key_positions, self.window, rounding_mode="floor")
+        return (key_block[:, None, None, :] >= query_block[:, None, :, None] - 1)

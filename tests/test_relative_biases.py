@@ -1,0 +1,403 @@
+"""FIRE, T5, KERPLE, Sandwich and xPos through the core's correctness suite, and the attention paths against the
+naive materialised computation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+
+import hf_posenc
+from hf_posenc import PosEncError, attention
+from hf_posenc.state import STATE_ATTR, PositionState
+from test_core import (TOL, assert_same_fingerprint, decode_token_by_token, left_pad, max_diff, model_fingerprint,
+                       positions_from_mask)
+from tiny_models import FAMILIES, random_ids, tiny_model
+
+NEW_METHODS = ["fire", "t5", "kerple", "sandwich", "xpos"]
+TRAINABLE = [("fire", {}), ("fire", {"init": "random"}), ("t5", {}), ("t5", {"per_layer": True}),
+             ("kerple", {}), ("kerple", {"variant": "power"})]
+
+
+# the core suite ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("model_type,method", [(f, m) for f in FAMILIES for m in NEW_METHODS]
+                         + [("qwen3", "fire"), ("mistral", "xpos"), ("llama", ("kerple", {"variant": "power"}))])
+def test_full_forward_equals_cached_decoding(model_type, method):
+    method, options = method if isinstance(method, tuple) else (method, {})
+    model = hf_posenc.patch_model(tiny_model(model_type), method, **options)
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        full = model(ids).logits
+        dynamic = decode_token_by_token(model, ids, DynamicCache(config=model.config))
+        static = decode_token_by_token(model, ids, StaticCache(config=model.config, max_cache_len=20))
+        cache = DynamicCache(config=model.config)
+        prefix = model(ids[:, :7], past_key_values=cache, use_cache=True).logits
+        rest = decode_token_by_token(model, ids[:, 7:], cache)
+    assert max_diff(full, dynamic) <= TOL
+    assert max_diff(full, static) <= TOL
+    assert max_diff(full, torch.cat([prefix, rest], dim=1)) <= TOL
+
+
+@pytest.mark.parametrize("method", NEW_METHODS)
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_left_padded_batch_equals_sequences_alone(model_type, method):
+    model = hf_posenc.patch_model(tiny_model(model_type), method)
+    sequences = [random_ids(1, 9, seed=3)[0], random_ids(1, 5, seed=4)[0]]
+    ids, mask = left_pad(sequences)
+    with torch.no_grad():
+        batch = model(ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
+        for row, seq in enumerate(sequences):
+            assert max_diff(batch[row, -len(seq):], model(seq[None]).logits[0]) <= TOL
+        kwargs = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True,
+                      pad_token_id=0)
+        generated = model.generate(ids, attention_mask=mask, **kwargs)
+        for row, seq in enumerate(sequences):
+            alone = model.generate(seq[None], attention_mask=torch.ones_like(seq[None]), **kwargs)
+            assert torch.equal(generated.sequences[row, ids.shape[1]:], alone.sequences[0, len(seq):])
+            for step_batch, step_alone in zip(generated.scores, alone.scores):
+                assert max_diff(step_batch[row], step_alone[0]) <= TOL
+
+
+@pytest.mark.parametrize("method", NEW_METHODS)
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_unpatch_restores_bit_identical_logits(model_type, method):
+    model = tiny_model(model_type)
+    ids = random_ids(2, 10)
+    with torch.no_grad():
+        original = model(ids).logits
+    before = model_fingerprint(model)
+    hf_posenc.patch_model(model, method)
+    with torch.no_grad():
+        assert max_diff(model(ids).logits, original) > 1e-6  # the patch did change something
+    hf_posenc.patch_model(model, "alibi" if method != "alibi" else "rope")
+    hf_posenc.patch_model(model, method)
+    hf_posenc.unpatch_model(model)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, original)
+    assert_same_fingerprint(before, model_fingerprint(model))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("method,options", TRAINABLE)
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_gradients_reach_positional_parameters(model_type, method, options, checkpointing):
+    model = hf_posenc.patch_model(tiny_model(model_type), method, **options)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = random_ids(2, 10)
+    model(ids, labels=ids).loss.backward()
+    params = dict(hf_posenc.get_positional_module(model).named_parameters())
+    assert params
+    for name, param in params.items():
+        assert param.grad is not None and param.grad.abs().sum() > 0, name
+    assert all(any(p is q for q in model.parameters()) for p in params.values())
+
+
+@pytest.mark.parametrize("method", ["sandwich", "xpos"])
+def test_parameter_free_methods_add_no_parameters(method):
+    model = tiny_model("llama")
+    count = sum(p.numel() for p in model.parameters())
+    hf_posenc.patch_model(model, method)
+    assert sum(p.numel() for p in model.parameters()) == count
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("method", NEW_METHODS)
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_low_precision_forward_is_finite(model_type, method, dtype):
+    model = tiny_model(model_type).to(dtype)
+    hf_posenc.patch_model(model, method)
+    ids = random_ids(2, 16)
+    ids_padded, mask = left_pad([ids[0], ids[1, :9]])
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+        assert torch.isfinite(model(ids_padded, attention_mask=mask).logits[mask.bool()]).all()
+
+
+@pytest.mark.parametrize("method", NEW_METHODS)
+def test_gpt2_runs_past_n_positions(method):
+    # FIRE's threshold defaults to n_positions (32): past it, the per-query normaliser path is exercised too.
+    model = hf_posenc.patch_model(tiny_model("gpt2"), method)
+    length = model.config.n_positions + 16
+    ids = random_ids(1, length)
+    with torch.no_grad():
+        full = model(ids).logits
+        cached = decode_token_by_token(model, ids, DynamicCache(config=model.config))
+    assert full.shape[1] == length and torch.isfinite(full).all()
+    assert max_diff(full, cached) <= TOL
+
+
+# what each method computes ---------------------------------------------------------------------------------------
+def module_of(method, model_type="llama", **options):
+    return hf_posenc.get_positional_module(hf_posenc.patch_model(tiny_model(model_type), method, **options))
+
+
+def test_t5_buckets_equal_transformers_t5():
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    from hf_posenc.methods.t5 import causal_buckets
+
+    distance = torch.arange(0, 3000)
+    for buckets, max_distance in [(32, 128), (16, 50), (8, 1000)]:
+        expected = T5Attention._relative_position_bucket(-distance, bidirectional=False, num_buckets=buckets,
+                                                          max_distance=max_distance)
+        assert torch.equal(causal_buckets(distance.float(), buckets, max_distance), expected)
+
+
+def test_t5_shared_or_per_layer_tables():
+    shared, per_layer = module_of("t5"), module_of("t5", per_layer=True)
+    assert shared.weight.shape == (1, 32, 4) and per_layer.weight.shape == (2, 32, 4)
+    assert not torch.equal(per_layer.bias_table(0, 40), per_layer.bias_table(1, 40))
+    assert torch.equal(shared.bias_table(0, 40), shared.bias_table(1, 40))
+    assert module_of("t5", init="zeros").bias_table(0, 10).abs().max() == 0
+
+
+def test_kerple_power_starts_as_alibi_and_log_matches_its_formula():
+    from hf_posenc.methods.alibi import bloom_slopes
+
+    power = module_of("kerple", variant="power")
+    distance = torch.arange(0, 500).float()
+    alibi = -bloom_slopes(4)[:, None] * distance
+    assert max_diff(power.bias_table(0, 500), alibi) <= 1e-4 * 500
+    log = module_of("kerple")
+    r1, r2 = log.kernel_parameters()
+    assert torch.allclose(r1, torch.ones(4)) and torch.allclose(r2, bloom_slopes(4), rtol=1e-5)
+    assert torch.allclose(log.bias_table(0, 500), -torch.log1p(bloom_slopes(4)[:, None] * distance), atol=1e-5)
+    # positivity holds whatever the raw parameters become
+    with torch.no_grad():
+        log.r1_raw.fill_(-30.0)
+        power.r2_raw.fill_(30.0)
+    assert (log.kernel_parameters()[0] > 0).all() and (power.kernel_parameters()[1] <= 2).all()
+
+
+def test_kerple_uniform_init_is_random_default_is_deterministic():
+    from hf_posenc.methods.kerple import Kerple, KerpleConfig
+    from hf_posenc.model_info import ModelInfo
+
+    info = ModelInfo("llama", 2, 4, 2, 16, 64, 64, None, "rope")
+    torch.manual_seed(0)
+    a, default_a = Kerple(KerpleConfig(init="uniform"), info), Kerple(KerpleConfig(), info)
+    torch.manual_seed(1)
+    b, default_b = Kerple(KerpleConfig(init="uniform"), info), Kerple(KerpleConfig(), info)
+    assert not torch.equal(a.r1_raw, b.r1_raw)
+    assert torch.equal(default_a.r1_raw, default_b.r1_raw) and torch.equal(default_a.r2_raw, default_b.r2_raw)
+
+
+def test_sandwich_is_the_dot_product_of_sinusoids_with_head_scaling():
+    sandwich = module_of("sandwich", dim=16)
+    positions = torch.arange(40).double()
+    inv_freq = 10000.0 ** (-2.0 * torch.arange(1, 9, dtype=torch.float64) / 16)
+    emb = torch.cat([torch.sin(positions[:, None] * inv_freq), torch.cos(positions[:, None] * inv_freq)], -1)
+    dot = emb[39] @ emb.T - 8  # p_i . p_j - d'/2 for i = 39, j = 0..39
+    expected = dot.flip(0)[None] / (8.0 * torch.arange(1, 5, dtype=torch.float64) / 4)[:, None]
+    assert max_diff(sandwich.bias_table(0, 40), expected) <= 1e-5
+    assert sandwich.bias_table(0, 1).abs().max() == 0
+    unscaled = module_of("sandwich", dim=16, head_scaling=False).bias_table(0, 40)
+    assert torch.equal(unscaled[0], unscaled[3])
+
+
+def test_xpos_scores_decay_with_distance_only():
+    xpos = module_of("xpos")
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+
+    def score(i, j, centre_shift=0):
+        qp, kp = torch.tensor([[i]]), torch.tensor([[j]])
+        rq, rk = xpos.rotate_query_key(q, k, qp, kp, 0)
+        return (rq * rk).sum().item()
+
+    # relative: shifting both positions changes nothing
+    assert score(10, 3) == pytest.approx(score(1010, 1003), rel=1e-4)
+    # the explicit formula: rope(q, i) * zeta^(i/sb) . rope(k, j) * zeta^(-j/sb)
+    from hf_posenc.methods.base import rotate
+
+    zeta = (torch.arange(0, 16, 2) / 16 + 0.4) / 1.4
+    zeta = torch.cat([zeta, zeta])
+    cos_q, sin_q = xpos.cos_sin(torch.tensor([[50]]))
+    cos_k, sin_k = xpos.cos_sin(torch.tensor([[10]]))
+    expected = (rotate(q, cos_q[:, None], sin_q[:, None]) * zeta ** (50 / 512)
+                * rotate(k, cos_k[:, None], sin_k[:, None]) * zeta ** (-10 / 512)).sum().item()
+    assert score(50, 10) == pytest.approx(expected, rel=1e-4)
+
+
+def test_xpos_blockwise_causal_attention_limits_the_context():
+    model = hf_posenc.patch_model(tiny_model("llama"), "xpos", extrapolation="bca", window=4)
+    a, b = random_ids(1, 14, seed=5), random_ids(1, 14, seed=6)
+    b[:, 4:] = a[:, 4:]  # differ only in block 0, which the queries of block 3 (positions 12, 13) cannot see
+    with torch.no_grad():
+        la, lb = model(a).logits, model(b).logits
+        cached = decode_token_by_token(model, a, DynamicCache(config=model.config))
+    assert max_diff(la[:, 12:], lb[:, 12:]) <= 1e-5
+    assert max_diff(la[:, 8:12], lb[:, 8:12]) > 1e-4  # block 2 still sees block 1 only, yet via layer 2 ...
+    assert max_diff(la, cached) <= TOL
+
+
+def test_fire_alibi_init_is_close_to_alibi():
+    """How close FIRE's ALiBi init is: the attention a position prior alone gives (softmax of the bias row)."""
+    from hf_posenc.methods.alibi import bloom_slopes
+    from hf_posenc.methods.fire import Fire, FireConfig
+    from hf_posenc.model_info import ModelInfo
+
+    info = ModelInfo("llama", 1, 8, 8, 64, 512, 2048, None, "rope")
+    fire = Fire(FireConfig(), info)
+    distance = torch.arange(2048).float()
+    table = fire.bias_table(0, 2048, 2047)
+    alibi = -bloom_slopes(8)[:, None] * distance
+    near = (table[:, :64] - alibi[:, :64]).abs().max().item()
+    total_variation = 0.5 * (table.softmax(-1) - alibi.softmax(-1)).abs().sum(-1).max().item()
+    assert near <= 0.35 and total_variation <= 0.05, (near, total_variation)
+    # exact at the knots
+    knots = torch.expm1(torch.arange(33).double() / 32 * math.log(2049)).float()
+    at_knots = fire.distance_bias(0, knots)
+    assert max_diff(at_knots, -bloom_slopes(8)[:, None] * knots) <= 1e-3 * knots.max()
+
+
+def test_fire_past_the_threshold_normalises_by_the_query_position():
+    fire = module_of("fire", threshold=8.0)
+    query, key = torch.tensor([[20]]), torch.arange(21)[None]
+    bias = fire.bias(0, query, key)
+    def psi(x):  # c = 1
+        return torch.log1p(torch.as_tensor(x, dtype=torch.float32))
+    u = psi((20 - key).float()) / psi(20.0)
+    assert max_diff(bias[0, :, 0], fire.mlp(0, u[0]).T) <= 1e-6
+    assert fire.bias_table(0, 21, max_position=20) is None and fire.bias_table(0, 21, max_position=8) is not None
+    # below the threshold the table and the direct formula agree
+    query = torch.tensor([[7]])
+    direct = fire.mlp(0, psi((7 - torch.arange(8)).float()) / psi(8.0)).T
+    assert max_diff(fire.bias(0, query, torch.arange(8)[None])[0, :, 0], direct) <= 1e-6
+
+
+@pytest.mark.parametrize("method,options,message", [
+    ("fire", {"mlp_width": 0}, r"FireConfig.mlp_width=0"),
+    ("fire", {"init": "zero"}, r"FireConfig.init='zero'"),
+    ("fire", {"c": -1.0}, r"FireConfig.c=-1.0"),
+    ("fire", {"threshold": 0.5}, r"FireConfig.threshold=0.5"),
+    ("t5", {"num_buckets": 1}, r"T5Config.num_buckets=1"),
+    ("t5", {"max_distance": 8}, r"T5Config.max_distance=8"),
+    ("t5", {"per_layer": "yes"}, r"T5Config.per_layer='yes'"),
+    ("kerple", {"variant": "cubic"}, r"KerpleConfig.variant='cubic'"),
+    ("kerple", {"init": "random"}, r"KerpleConfig.init='random'"),
+    ("sandwich", {"dim": 7}, r"SandwichConfig.dim=7"),
+    ("xpos", {"scale_base": 0}, r"XposConfig.scale_base=0"),
+    ("xpos", {"extrapolation": "window"}, r"XposConfig.extrapolation='window'"),
+    ("xpos", {"window": -3}, r"XposConfig.window=-3"),
+])
+def test_bad_options_are_named(method, options, message):
+    model = tiny_model("llama")
+    before = model_fingerprint(model)
+    with pytest.raises(PosEncError, match=message):
+        hf_posenc.patch_model(model, method, **options)
+    assert_same_fingerprint(before, model_fingerprint(model))
+
+
+def test_configs_serialise():
+    config = hf_posenc.FireConfig(mlp_width=16)
+    assert config.to_dict()["method"] == "fire" and config.to_dict()["mlp_width"] == 16
+    model = hf_posenc.patch_model(tiny_model("gpt2"), config)
+    assert hf_posenc.get_posenc_config(model) is config
+
+
+# the attention paths against the naive materialised computation ---------------------------------------------------
+class FakeAttention(torch.nn.Module):
+    def __init__(self, state, layer_idx=1):
+        super().__init__()
+        setattr(self, STATE_ATTR, state)
+        self.layer_idx = layer_idx
+
+
+def naive_attention(state, layer_idx, query, key, value, attention_mask, scaling):
+    """Everything materialised: the full [B, H, q, kv] bias and mask, softmax in float64."""
+    q, kv = query.shape[2], key.shape[2]
+    query_slots, key_slots, query_positions, key_positions = state.relative_positions(q, kv, query.device)
+    if state.method.kind == "rotary":
+        query, key = state.method.rotate_query_key(query, key, query_positions, key_positions, 0)
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    mask = attention.block_mask(state, layer_idx, slice(None), query_slots, key_slots, query_positions,
+                                key_positions, attention_mask, torch.float32)
+    scores = (query.double() @ key.double().transpose(2, 3)) * scaling
+    scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.double()
+    return (scores.softmax(-1) @ value.double()).transpose(1, 2).float()
+
+
+CASES = {  # (batch, query length, keys, cache offset, left padding of row 0)
+    "prefill": (1, 37, 37, 0, 0),
+    "chunk after cache": (2, 11, 40, 29, 0),
+    "static cache": (1, 5, 64, 20, 0),
+    "left padded": (2, 30, 30, 0, 7),
+    "decode one token": (2, 1, 33, 32, 3),
+}
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("method,options", [("alibi", {}), ("fire", {}), ("fire", {"threshold": 10.0}),
+                                            ("t5", {"per_layer": True}), ("kerple", {}), ("sandwich", {}),
+                                            ("xpos", {"extrapolation": "bca", "window": 8})])
+def test_blocked_attention_equals_materialised(method, options, case, backend, monkeypatch):
+    monkeypatch.setattr(attention, "BLOCK_BYTES", 4 * 2 * 4 * 40 * 3)  # about 3 query rows per block
+    batch, q, kv, offset, pad = CASES[case]
+    module = module_of(method, **options)
+    state = PositionState(module, backend=backend)
+    positions = torch.arange(offset, offset + q)[None].repeat(batch, 1)
+    positions[0] -= pad
+    state.update(positions, offset)
+    torch.manual_seed(0)
+    query, key, value = torch.randn(batch, 4, q, 16), torch.randn(batch, 2, kv, 16), torch.randn(batch, 2, kv, 16)
+    slots = torch.arange(kv)
+    mask = (slots[None, :] <= torch.arange(offset, offset + q)[:, None])[None, None].repeat(batch, 1, 1, 1)
+    mask[0, :, :, :pad] = False
+    attention.last_paths.clear()
+    out, _ = attention.posenc_attention(FakeAttention(state), query, key, value, mask if pad else None, scaling=0.25)
+    expected = naive_attention(state, 1, query, key, value, mask if pad else None, 0.25)
+    real = torch.ones(batch, q, dtype=torch.bool)
+    real[0, :max(0, pad - offset)] = False  # fully masked padding queries are undefined in both
+    assert max_diff(out[real], expected[real]) <= 1e-5
+    assert attention.last_paths == {"blocked": 1}
+
+
+def test_toeplitz_block_equals_a_gather():
+    table = torch.randn(3, 50)
+    for first, rows, keys in [(0, 5, 1), (10, 4, 14), (20, 7, 9), (44, 6, 50)]:
+        block = attention.toeplitz_block(table, first, rows, keys)
+        distance = (first + torch.arange(rows)[:, None] - torch.arange(keys - 1, -1, -1)[None]).clamp_min(0)
+        assert block.shape == (3, rows, keys) and block.is_contiguous()
+        assert torch.equal(block, table[:, distance])
+
+
+def test_attention_path_setting():
+    assert attention.get_attention_path() == "auto"
+    with pytest.raises(PosEncError, match=r"Attention path 'fast' is unknown; use one of auto, blocked, flex, flash"):
+        attention.set_attention_path("fast")
+    with attention.attention_path("blocked"):
+        assert attention.get_attention_path() == "blocked"
+    assert attention.get_attention_path() == "auto"
+    # on CPU, "auto" never compiles flex; "flash" without CUDA falls back to the blocked path
+    model = hf_posenc.patch_model(tiny_model("llama"), "alibi")
+    attention.last_paths.clear()
+    with torch.no_grad(), attention.attention_path("flash"):
+        model(random_ids(1, 8))
+    assert attention.last_paths == {"blocked": 2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,options", [("t5", {}), ("kerple", {}), ("alibi", {})])
+def test_flex_attention_path_equals_blocked(method, options):
+    """Compiles flex_attention on CPU (tens of seconds), so slow; only where the distance table applies."""
+    model = hf_posenc.patch_model(tiny_model("llama"), method, **options)
+    ids = random_ids(2, 40)
+    ids_padded, mask = left_pad([ids[0], ids[1, :25]])
+    model.train(False)
+    with torch.no_grad():
+        blocked = model(ids).logits
+        blocked_padded = model(ids_padded, attention_mask=mask).logits
+    attention.last_paths.clear()
+    with torch.no_grad(), attention.attention_path("flex"):
+        flex = model(ids).logits
+        flex_padded = model(ids_padded, attention_mask=mask).logits
+    assert attention.last_paths == {"flex": 4}
+    assert max_diff(flex, blocked) <= 1e-5
+    assert max_diff(flex_padded[mask.bool()], blocked_padded[mask.bool()]) <= 1e-5

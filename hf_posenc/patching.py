@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import nn
 
+from .checkpoint import attach_save_hook
 from .config import PosEncConfig
 from .errors import PosEncError
 from .methods.base import PositionalMethod, RotaryMethod
@@ -60,6 +61,7 @@ def patch_model(model: nn.Module, method: str | PosEncConfig, **options: Any) ->
             info = dataclasses.replace(info, patched_rope_theta=previous.method.theta)
         method_module = config_for(config).module_class(config, info)  # model-dependent checks happen here
         _move_like(method_module, model)
+        attach_save_hook(model, method_module, previous.method if previous is not None else None, log)
         state = family.install(model, method_module, info, log)
     except BaseException:
         log.undo()
@@ -74,6 +76,7 @@ def _reinstall(model: nn.Module, family, previous: AppliedPatch) -> None:
     """Put the previous patch back (same module, so trained parameters survive) after a failed replacement."""
     log = UndoLog()
     try:
+        attach_save_hook(model, previous.method, None, log)
         state = family.install(model, previous.method, family.model_info(model), log)
     except BaseException:
         log.undo()  # leave the original model rather than a half-installed one

@@ -28,7 +28,7 @@ TEMPLATE_NAME = "model_card.md.j2"
 TAGS = ("hf_posenc", "positional-encoding")
 PIPELINE_TAGS = ("text-generation",)
 # Names the fine-tuning script may save its settings under, inside the checkpoint directory.
-FINETUNE_SETTINGS_NAMES = ("finetune_settings.json", "training_settings.json")
+FINETUNE_SETTINGS_NAMES = ("training_args.json", "finetune_settings.json", "training_settings.json")
 _LICENSE = re.compile(r"^[a-z0-9][a-z0-9.\-]*$")
 
 

@@ -21,7 +21,6 @@ import importlib
 import json
 import logging
 import os
-import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -45,39 +44,56 @@ NATIVE_CONFIG_KEYS = ("rope_parameters", "max_position_embeddings")
 
 logger = logging.getLogger(__name__)
 
-# Method module -> configs of the earlier patches it was built on (a RoPE scaling on GPT-2 scales the `rope`
-# patch before it), replayed in that order when the checkpoint is loaded.
-_LINEAGE: "weakref.WeakKeyDictionary[PositionalMethod, list[PosEncConfig]]" = weakref.WeakKeyDictionary()
+LINEAGE_ATTR = "posenc_lineage"  # on a method module: configs of the earlier patches it was built on
 
 
 # --- saving -----------------------------------------------------------------------------------------------
 def attach_save_hook(model: nn.Module, method: PositionalMethod, previous: PositionalMethod | None, log) -> None:
     """Called by patch_model on the unpatched model, just before the patch is installed: remembers the
-    original state dict (references, no copies) and gives the model a `save_pretrained` that saves the patch."""
-    if method not in _LINEAGE:
-        _LINEAGE[method] = [*_LINEAGE.get(previous, []), previous.config] if previous is not None else []
-    original_state = model.state_dict(keep_vars=True)
-    original_save = model.save_pretrained
-    config_before = {name: copy.deepcopy(getattr(model.config, name, None)) for name in NATIVE_CONFIG_KEYS}
+    original state dict (references, no copies) and gives the model a `save_pretrained` that saves the patch.
 
-    def save_pretrained(save_directory, is_main_process: bool = True, state_dict: dict | None = None,
-                        push_to_hub: bool = False, *, standalone: bool = False, base_model: str | None = None,
-                        base_model_revision: str | None = None, **kwargs):
+    A RoPE scaling on GPT-2 scales the `rope` patch before it: the configs of such earlier patches travel with
+    the method module and are replayed in order when the checkpoint is loaded."""
+    if not hasattr(method, LINEAGE_ATTR):
+        lineage = [*getattr(previous, LINEAGE_ATTR, []), previous.config] if previous is not None else []
+        setattr(method, LINEAGE_ATTR, lineage)
+    config_before = {name: copy.deepcopy(getattr(model.config, name, None)) for name in NATIVE_CONFIG_KEYS}
+    save = PatchedSavePretrained(model, method, model.state_dict(keep_vars=True), model.save_pretrained,
+                                 config_before)
+    log.set_attr(model, "save_pretrained", save)
+
+
+class PatchedSavePretrained:
+    """The patched model's `save_pretrained`. A callable object rather than a closure, so that
+    `copy.deepcopy(model)` gives a copy whose save_pretrained saves the copy."""
+
+    def __init__(self, model: nn.Module, method: PositionalMethod, original_state: dict, original_save,
+                 config_before: dict):
+        self.model = model
+        self.method = method
+        self.original_state = original_state
+        self.original_save = original_save
+        self.config_before = config_before
+
+    def __call__(self, save_directory, is_main_process: bool = True, state_dict: dict | None = None,
+                 push_to_hub: bool = False, *, standalone: bool = False, base_model: str | None = None,
+                 base_model_revision: str | None = None, **kwargs):
         """transformers' save_pretrained, plus the positional patch (see hf_posenc.checkpoint).
 
         standalone=True also writes code that plain transformers runs with trust_remote_code=True.
         base_model / base_model_revision: the Hub model this one was made from, for posenc_config.json and
         the model card (default: what the model was loaded from, when that is a Hub id)."""
+        model, method = self.model, self.method
         metadata = posenc_metadata(model, method, base_model=base_model, base_model_revision=base_model_revision,
-                                   config_before=config_before)
+                                   config_before=self.config_before)
         if state_dict is None:
-            state_dict = checkpoint_state_dict(model, method, original_state)
+            state_dict = checkpoint_state_dict(model, method, self.original_state)
         missing = sorted(set(metadata["positional_state"]) - set(state_dict))
         if missing:
             raise PosEncError(f"The state_dict given to save_pretrained lacks the positional weights {missing}.")
         push_options = {k: kwargs.pop(k) for k in ("repo_id", "commit_message", "private", "revision", "create_pr")
                         if k in kwargs}
-        original_save(save_directory, is_main_process=is_main_process, state_dict=state_dict, **kwargs)
+        self.original_save(save_directory, is_main_process=is_main_process, state_dict=state_dict, **kwargs)
         if not is_main_process:
             return
         write_metadata(save_directory, metadata)
@@ -87,8 +103,6 @@ def attach_save_hook(model: nn.Module, method: PositionalMethod, previous: Posit
             hub = _optional_module("hub", "push_to_hub=True")
             repo_id = push_options.pop("repo_id", None) or Path(save_directory).name
             hub.push_to_hub(save_directory, repo_id, token=kwargs.get("token"), **push_options)
-
-    log.set_attr(model, "save_pretrained", save_pretrained)
 
 
 def _optional_module(name: str, feature: str):
@@ -149,7 +163,7 @@ def posenc_metadata(model: nn.Module, method: PositionalMethod, base_model: str 
         "hf_posenc_version": __version__,
         "method": method.config.method,
         "options": _options(method.config),
-        "applied_after": [{"method": c.method, "options": _options(c)} for c in _LINEAGE.get(method, [])],
+        "applied_after": [{"method": c.method, "options": _options(c)} for c in getattr(method, LINEAGE_ATTR, [])],
         "base_model": base_model or recorded_base,
         "base_model_revision": base_model_revision if base_model else (base_model_revision or recorded_revision),
         "model": {"architecture": type(model).__name__, "family": family.name,

@@ -108,11 +108,13 @@ def test_round_trip_gives_identical_logits(saved, family, method):
         assert torch.equal(model(ids).logits, logits)
 
 
-@pytest.mark.parametrize("method", hf_posenc.available_methods())
+# What plain transformers computes itself on a LLaMA model (every other method needs hf_posenc or exported code).
+NATIVE_ON_LLAMA = ["dynamic", "linear", "llama3", "longrope", "ntk", "rope", "yarn"]
+
+
+@pytest.mark.parametrize("method", NATIVE_ON_LLAMA)
 def test_native_checkpoints_load_in_plain_transformers(saved, method):
     directory, ids, logits, _ = case(saved, "llama", method)
-    if not json.loads((directory / "posenc_config.json").read_text())["native"]:
-        pytest.skip(f"llama + {method} has no native transformers equivalent")
     model = AutoModelForCausalLM.from_pretrained(directory)  # no hf_posenc, no remote code
     assert type(model).__name__ == "LlamaForCausalLM"
     with torch.no_grad():
@@ -122,8 +124,8 @@ def test_native_checkpoints_load_in_plain_transformers(saved, method):
 def test_which_checkpoints_are_native(saved):
     native = {(f, m) for (f, m), (d, *_) in saved.items() if f != "exported"
               if json.loads((d / "posenc_config.json").read_text())["native"]}
-    assert ("llama", "rope") in native
-    assert not {(f, m) for f, m in native if f != "llama" or m in ("alibi", "nope", "sinusoidal", "learned")}
+    assert {m for f, m in native if f == "llama"} == set(NATIVE_ON_LLAMA)
+    assert not {(f, m) for f, m in native if f != "llama"}
 
 
 CHILD = textwrap.dedent('''
@@ -310,3 +312,19 @@ def test_standalone_loader_refuses_tampering_too(alibi_checkpoint):
     edit_metadata(alibi_checkpoint, lambda m: m["model"].update(num_heads=8))
     with pytest.raises(ValueError, match="num_heads: 8 in posenc_config.json"):
         AutoModelForCausalLM.from_pretrained(alibi_checkpoint, trust_remote_code=True)
+
+
+def test_a_deep_copy_saves_itself_not_the_original(tmp_path):
+    import copy
+
+    model = hf_posenc.patch_model(tiny_model("gpt2"), "rope")
+    hf_posenc.patch_model(model, "learned", init="normal", init_std=0.5)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.base_model.posenc.weight.add_(1.0)
+    twin.save_pretrained(tmp_path)
+    loaded = hf_posenc.from_pretrained(tmp_path).eval()
+    ids = random_ids(1, 10)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, twin.eval()(ids).logits)
+        assert not torch.equal(loaded(ids).logits, model.eval()(ids).logits)

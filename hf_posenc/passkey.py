@@ -1,0 +1,277 @@
+"""Passkey retrieval: can the model repeat a 5-digit number hidden at some depth of a long prompt?
+
+    hf-posenc passkey --model smollm2 --method none --method yarn:factor=4 --lengths 1024,4096 \\
+        --depths 0,0.25,0.5,0.75,1 --trials 5
+
+The prompt is the one of landmark attention (Mohtashami & Jaggi 2023) and jquesnelle/yarn ``eval/passkey.py``:
+a task description, filler, ``The pass key is 12345. Remember it. 12345 is the pass key.`` at the given depth of
+the filler, more filler, and ``What is the pass key? The pass key is``. The filler is the repeated "The grass
+is green..." lines (default) or real text (``--filler-file``). Prompts are built in tokens, exactly ``length``
+long. Decoding is greedy; a trial counts as correct when the first number in the answer is the passkey.
+
+Outputs in ``--output-dir``: ``passkey.csv`` (model, length, depth, accuracy, trials), ``passkey.json`` (every
+trial, the settings) and ``passkey.png`` (a heat-map of accuracy per length and depth, one panel per model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import random
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .data import DataError
+from .errors import PosEncError
+from .runtime import (DTYPES, UNPATCHED, MethodSpec, UsageError, atomic_output_dir, check_memory, check_patchable,
+                      estimate_forward_bytes, fail, load_model, versions, write_json)
+from .text import read_text
+
+TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
+        "I will quiz you about the important information there.")
+GARBAGE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+QUESTION = "What is the pass key? The pass key is"
+
+
+def info_line(passkey: int) -> str:
+    return f"The pass key is {passkey}. Remember it. {passkey} is the pass key."
+
+
+@dataclass
+class Trial:
+    model: str
+    method: str
+    length: int
+    depth: float
+    trial: int
+    passkey: int
+    answer: str
+    correct: bool
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+
+def build_prompt(tokenizer, length: int, depth: float, passkey: int, filler_ids: list[int] | None = None,
+                 rng: random.Random | None = None) -> list[int]:
+    """Token ids of a prompt of exactly ``length`` tokens with the passkey line at ``depth`` (0 = right after
+    the task description, 1 = right before the question) of the filler."""
+    head = _ids(tokenizer, TASK + "\n")
+    info = _ids(tokenizer, "\n" + info_line(passkey) + "\n")
+    tail = _ids(tokenizer, "\n" + QUESTION)
+    n_filler = length - len(head) - len(info) - len(tail)
+    if n_filler < 0:
+        raise UsageError(f"a passkey prompt needs at least {length - n_filler} tokens; length {length} is too short")
+    if filler_ids is None:
+        unit = _ids(tokenizer, " " + GARBAGE)
+        filler = (unit * (n_filler // max(len(unit), 1) + 1))[:n_filler]
+    else:
+        if len(filler_ids) < n_filler:
+            raise DataError(f"the filler text has {len(filler_ids)} tokens; length {length} needs {n_filler}")
+        start = (rng or random.Random(0)).randint(0, len(filler_ids) - n_filler)
+        filler = filler_ids[start : start + n_filler]
+    cut = round(depth * n_filler)
+    return head + filler[:cut] + info + filler[cut:] + tail
+
+
+def answer_is(answer: str, passkey: int) -> bool:
+    match = re.search(r"\d+", answer)
+    return match is not None and int(match.group()) == passkey
+
+
+def run_trials(model, tokenizer, label_model: str, label_method: str, lengths: list[int], depths: list[float],
+               trials: int, seed: int, filler_ids: list[int] | None, max_new_tokens: int = 10, accelerator=None,
+               progress: bool = True) -> list[Trial]:
+    """Every (length, depth, trial), split across processes when ``accelerator`` has several, gathered in order."""
+    from tqdm.auto import tqdm
+
+    plan = []
+    for length in lengths:
+        for depth in depths:
+            for t in range(trials):
+                rng = random.Random(f"{seed}-{length}-{depth}-{t}")
+                plan.append((length, depth, t, rng.randint(10000, 99999), rng))
+    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    local = []
+    mine = list(range(rank, len(plan), world))
+    with torch.inference_mode():
+        for i in tqdm(mine, desc=f"passkey {label_method}", leave=False, disable=not progress or rank != 0):
+            length, depth, t, key, rng = plan[i]
+            ids = torch.tensor([build_prompt(tokenizer, length, depth, key, filler_ids, rng)], device=device)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=pad)
+            answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            local.append((i, Trial(label_model, label_method, length, depth, t, key, answer, answer_is(answer, key))))
+    if world > 1:
+        from accelerate.utils import gather_object
+
+        local = gather_object(local)
+    return [trial for _, trial in sorted(local, key=lambda x: x[0])]
+
+
+def accuracy_table(trials: list[Trial]) -> dict[tuple[str, int, float], tuple[float, int]]:
+    counts: dict[tuple[str, int, float], list[int]] = {}
+    for t in trials:
+        key = (t.model if t.method == UNPATCHED else f"{t.model} + {t.method}", t.length, t.depth)
+        c = counts.setdefault(key, [0, 0])
+        c[0] += int(t.correct)
+        c[1] += 1
+    return {k: (v[0] / v[1], v[1]) for k, v in counts.items()}
+
+
+def write_outputs(directory: Path, trials: list[Trial], settings: dict, lengths: list[int],
+                  depths: list[float]) -> dict:
+    table = accuracy_table(trials)
+    with open(directory / "passkey.csv", "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["model", "length", "depth", "accuracy", "trials"])
+        for (label, length, depth), (acc, n) in table.items():
+            writer.writerow([label, length, depth, f"{acc:.4f}", n])
+    write_json(directory / "passkey.json", {"settings": settings,
+                                            "accuracy": [{"model": k[0], "length": k[1], "depth": k[2],
+                                                          "accuracy": v[0], "trials": v[1]} for k, v in table.items()],
+                                            "trials": [asdict(t) for t in trials]})
+    heatmap(directory / "passkey.png", table, lengths, depths)
+    return table
+
+
+def heatmap(path: Path, table, lengths: list[int], depths: list[float]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(k[0] for k in table))
+    fig, axes = plt.subplots(1, len(labels), figsize=(1.2 + 0.9 * len(lengths) * len(labels) + 1.5 * len(labels),
+                                                      0.5 * len(depths) + 1.8), squeeze=False)
+    for ax, label in zip(axes[0], labels):
+        grid = [[table.get((label, n, d), (float("nan"), 0))[0] for n in lengths] for d in depths]
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
+        ax.set_xlabel("prompt length (tokens)", fontsize=8)
+        ax.set_ylabel("passkey depth", fontsize=8)
+        ax.set_title(label, fontsize=8)
+        for y, row in enumerate(grid):
+            for x, v in enumerate(row):
+                ax.text(x, y, "-" if v != v else f"{v:.0%}", ha="center", va="center", fontsize=7)
+    fig.colorbar(im, ax=axes[0].tolist(), fraction=0.03, label="accuracy")
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = parser or argparse.ArgumentParser(prog="hf-posenc passkey", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", action="append", default=None, help="as eval-ppl; repeatable (default: smollm2)")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--method", action="append", default=None, help="'none' or NAME[:KEY=VALUE,...]; repeatable")
+    p.add_argument("--lengths", default="512,1024,2048", help="prompt lengths in tokens (default %(default)s)")
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="passkey depths in [0, 1] (default %(default)s)")
+    p.add_argument("--trials", type=int, default=5, help="trials per length and depth (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--filler-file", default=None, help="real text as filler instead of the repeated grass/sky lines")
+    p.add_argument("--max-new-tokens", type=int, default=10)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--output-dir", type=Path, default=Path("runs/passkey"))
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-memory-check", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--{what} {text!r} must be numbers separated by commas") from None
+
+
+def run_passkey(args: argparse.Namespace, accelerator=None) -> tuple[list[Trial], dict, list[int], list[float]]:
+    lengths = sorted({int(x) for x in _floats(args.lengths, "lengths")})
+    depths = sorted(set(_floats(args.depths, "depths")))
+    if not lengths or not depths or args.trials < 1:
+        raise UsageError("need at least one length, one depth and one trial")
+    if any(not 0.0 <= d <= 1.0 for d in depths):
+        raise UsageError(f"--depths must lie in [0, 1], got {depths}")
+    specs = [MethodSpec.parse(m) for m in (args.method or [UNPATCHED])]
+    for spec in specs:
+        spec.check()
+    filler_text = read_text(args.filler_file) if args.filler_file else None
+    main_process = accelerator is None or accelerator.is_main_process
+    device = accelerator.device if accelerator is not None else torch.device("cpu")
+    trials: list[Trial] = []
+    for model_spec in args.model:
+        model, tokenizer = load_model(model_spec, dtype=DTYPES[args.dtype], tokenizer=args.tokenizer,
+                                      verbose=main_process and not args.no_progress)
+        model.to(device)
+        filler_ids = None
+        if filler_text is not None:
+            filler_ids = _ids(tokenizer, filler_text[: max(lengths) * 12])
+            build_prompt(tokenizer, max(lengths), 0.5, 12345, filler_ids)  # too-short filler fails here
+        if not args.no_memory_check:
+            check_memory(estimate_forward_bytes(model, max(lengths)), f"a {max(lengths)}-token prompt")
+        for spec in specs:
+            check_patchable(model, spec)
+        name = Path(model_spec).name if Path(model_spec).exists() else model_spec
+        for spec in specs:
+            spec.apply(model)
+            t0 = time.perf_counter()
+            got = run_trials(model, tokenizer, name, spec.label, lengths, depths, args.trials, args.seed, filler_ids,
+                             args.max_new_tokens, accelerator, not args.no_progress)
+            trials.extend(got)
+            if main_process:
+                acc = sum(t.correct for t in got) / len(got)
+                print(f"  {name} + {spec.label}: accuracy {acc:.0%} over {len(got)} trials "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            if spec.name != UNPATCHED:
+                from .patching import unpatch_model
+
+                unpatch_model(model)
+    settings = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                "lengths": lengths, "depths": depths, "prompt": {"task": TASK, "garbage": GARBAGE,
+                                                                  "question": QUESTION, "info": info_line(12345)},
+                "num_processes": accelerator.num_processes if accelerator is not None else 1, "versions": versions()}
+    return trials, settings, lengths, depths
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .evaluate import _launched
+
+    args = build_parser().parse_args(argv)
+    args.model = args.model or ["smollm2"]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    accelerator = None
+    if _launched():
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    main_process = accelerator is None or accelerator.is_main_process
+    try:
+        with atomic_output_dir(args.output_dir, enabled=main_process) as out:
+            trials, settings, lengths, depths = run_passkey(args, accelerator)
+            if main_process:
+                table = write_outputs(out, trials, settings, lengths, depths)
+    except (UsageError, DataError, PosEncError, FileNotFoundError, ModuleNotFoundError) as exc:
+        return fail(str(exc))
+    if main_process:
+        print()
+        print("| model | length | " + " | ".join(f"depth {d:g}" for d in depths) + " |")
+        print("| --- | ---: | " + " | ".join("---:" for _ in depths) + " |")
+        for label in dict.fromkeys(k[0] for k in table):
+            for n in lengths:
+                print(f"| {label} | {n} | " + " | ".join(f"{table[(label, n, d)][0]:.0%}" for d in depths) + " |")
+        print(f"wrote {args.output_dir}/passkey.csv, passkey.json, passkey.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Perplexity vs length (hf_posenc.evaluate): hand computation, 2 processes == 1, outputs, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from train_eval_helpers import BOOK, WIKI, launch, save_tiny_model
+
+from hf_posenc import evaluate
+from hf_posenc.data import load_documents, tokenize_documents
+from hf_posenc.runtime import load_model
+
+pytestmark = pytest.mark.skipif(not BOOK.is_file(), reason="../shared/data is not there")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+def hand_ppl(model, docs, length, stride, max_windows):
+    """exp(mean NLL) over the tokens the protocol scores: each window's tokens past the previous window's end."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids in docs:
+            if ids.numel() < length:
+                continue
+            prev_end, n = 0, 0
+            for start in range(0, ids.numel() - length + 1, stride):
+                if max_windows is not None and n >= max_windows:
+                    break
+                window = ids[start : start + length]
+                logp = torch.log_softmax(model(window[None]).logits[0].double(), -1)
+                for j in range(max(1, prev_end - start), length):  # past the overlap only
+                    total -= logp[j - 1, window[j]].item()
+                    count += 1
+                prev_end, n = start + length, n + 1
+    return math.exp(total / count), count
+
+
+@pytest.mark.parametrize("length, stride, max_windows", [(48, 16, 4), (40, 40, 3)])
+def test_matches_hand_computation(tiny_dir, length, stride, max_windows):
+    model, tok = load_model(str(tiny_dir), verbose=False)
+    docs = tokenize_documents(tok, load_documents([str(BOOK), str(WIKI)]), 400)
+    ppl, nll, n_scored, n_windows = evaluate.perplexity_at_length(model, docs, length, stride, max_windows,
+                                                                  progress=False)
+    expected, count = hand_ppl(model, docs, length, stride, max_windows)
+    assert n_scored == count and n_windows == 2 * max_windows
+    assert ppl == pytest.approx(expected, rel=1e-5)
+    # a batch of windows gives the same numbers as one window at a time
+    ppl_batched = evaluate.perplexity_at_length(model, docs, length, stride, max_windows, batch_size=3,
+                                                progress=False)[0]
+    assert ppl_batched == pytest.approx(ppl, rel=1e-5)
+
+
+def _args(tiny_dir, out, *extra):
+    return ["--model", str(tiny_dir), "--method", "none", "--method", "alibi", "--lengths", "32,64",
+            "--text-file", str(BOOK), "--text-file", str(WIKI), "--max-windows", "3", "--sliding-window", "16",
+            "--output-dir", str(out), "--no-progress", *extra]
+
+
+def test_two_processes_equal_one(tiny_dir, tmp_path):
+    assert evaluate.main(_args(tiny_dir, tmp_path / "one")) == 0
+    done = launch("scripts/eval_ppl.py", _args(tiny_dir, tmp_path / "two", "--threads", "1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    one = json.loads((tmp_path / "one" / "perplexity.json").read_text())
+    two = json.loads((tmp_path / "two" / "perplexity.json").read_text())
+    assert two["settings"]["num_processes"] == 2 and one["settings"]["num_processes"] == 1
+    assert len(one["results"]) == 4
+    for a, b in zip(one["results"], two["results"]):
+        assert (a["method"], a["length"], a["n_windows"], a["n_scored_tokens"]) == \
+               (b["method"], b["length"], b["n_windows"], b["n_scored_tokens"])
+        assert b["nll_sum"] == pytest.approx(a["nll_sum"], rel=1e-6)
+    # the CSV: a row per model/method, a column per length
+    lines = (tmp_path / "one" / "perplexity.csv").read_text().splitlines()
+    assert lines[0] == "model,32,64" and lines[1].startswith("tiny-llama,") and lines[2].startswith("tiny-llama + alibi,")
+    assert (tmp_path / "one" / "perplexity.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--lengths", "32,5000000"], "needs a document of at least 5000000 tokens"),
+    (["--method", "yarn:factr=4"], "Unknown option(s) 'factr'"),
+    (["--text-file", "/nonexistent/book.txt"], "no such file"),
+    (["--lengths", "32", "--text-fraction", "0.5:0.2"], "START < END"),
+])
+def test_bad_input_fails_cleanly(tiny_dir, tmp_path, capsys, extra, message):
+    out = tmp_path / "out"
+    assert evaluate.main(_args(tiny_dir, out, *extra)) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_memory_estimate_refuses(tiny_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("hf_posenc.runtime.available_memory_bytes", lambda: 2**20)  # 1 MiB "available"
+    assert evaluate.main(_args(tiny_dir, tmp_path / "out")) == 2
+    err = capsys.readouterr().err
+    assert "GiB of memory by estimate" in err and "0.0 GiB is available" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_unpatchable_model(tmp_path, capsys):
+    from train_eval_helpers import byte_tokenizer
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    directory = tmp_path / "neox"
+    GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=257, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64)).save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    assert evaluate.main(["--model", str(directory), "--method", "alibi", "--lengths", "32", "--text-file",
+                          str(BOOK), "--max-windows", "1", "--output-dir", str(tmp_path / "out"),
+                          "--no-progress"]) == 2
+    assert "gpt_neox" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

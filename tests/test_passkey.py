@@ -1,0 +1,64 @@
+"""Passkey retrieval (hf_posenc.passkey): the prompt, scoring, outputs."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from train_eval_helpers import BOOK, byte_tokenizer, save_tiny_model
+
+from hf_posenc import passkey
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_prompt_has_exact_length_and_depth(tok, depth):
+    ids = passkey.build_prompt(tok, 1000, depth, 54321)
+    assert len(ids) == 1000
+    text = tok.decode(ids)
+    assert text.startswith(passkey.TASK) and text.endswith(passkey.QUESTION)
+    assert text.count("54321") == 2
+    position = text.index(passkey.info_line(54321))
+    body = len(text) - len(passkey.TASK) - len(passkey.QUESTION) - len(passkey.info_line(54321))
+    assert abs((position - len(passkey.TASK)) / body - depth) < 0.02
+
+
+def test_prompt_with_real_filler(tok):
+    filler = tok(BOOK.read_text(encoding="utf-8")[:20000])["input_ids"]
+    ids = passkey.build_prompt(tok, 2000, 0.25, 12345, filler, random.Random(0))
+    text = tok.decode(ids)
+    assert len(ids) == 2000 and passkey.GARBAGE not in text and passkey.info_line(12345) in text
+    with pytest.raises(ValueError, match="filler text has"):
+        passkey.build_prompt(tok, 40000, 0.25, 12345, filler)
+    with pytest.raises(ValueError, match="too short"):
+        passkey.build_prompt(tok, 50, 0.5, 12345)
+
+
+def test_answer_scoring_and_table():
+    assert passkey.answer_is(" 12345. Remember", 12345)
+    assert not passkey.answer_is(" 1234", 12345) and not passkey.answer_is(" the key", 12345)
+    trials = [passkey.Trial("m", "none", 100, 0.5, t, 11111, "", ok) for t, ok in enumerate([True, False, True, True])]
+    assert passkey.accuracy_table(trials) == {("m", 100, 0.5): (0.75, 4)}
+
+
+def test_end_to_end_outputs(tmp_path):
+    model_dir = save_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "pk"
+    argv = ["--model", str(model_dir), "--method", "none", "--method", "alibi", "--lengths", "300,400",
+            "--depths", "0,1", "--trials", "2", "--max-new-tokens", "3", "--output-dir", str(out), "--no-progress"]
+    assert passkey.main(argv) == 0
+    rows = (out / "passkey.csv").read_text().splitlines()
+    assert rows[0] == "model,length,depth,accuracy,trials" and len(rows) == 1 + 2 * 2 * 2
+    data = json.loads((out / "passkey.json").read_text())
+    assert len(data["trials"]) == 16 and all(len(str(t["passkey"])) == 5 for t in data["trials"])
+    # the same (length, depth, trial) gets the same passkey for every method: methods are compared on equal prompts
+    keys = {(t["length"], t["depth"], t["trial"], t["passkey"]) for t in data["trials"]}
+    assert len(keys) == 8
+    assert (out / "passkey.png").stat().st_size > 1000
+    assert passkey.main([*argv[:-3], "--depths", "1.5", "--output-dir", str(tmp_path / "bad")]) == 2
+    assert not (tmp_path / "bad").exists()

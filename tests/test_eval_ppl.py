@@ -114,3 +114,19 @@ def test_unpatchable_model(tmp_path, capsys):
                           "--no-progress"]) == 2
     assert "gpt_neox" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_main_job_and_cli_refuse_bad_input(tmp_path, capsys):
+    from hf_posenc import cli, pipeline
+
+    assert pipeline.main(["--data-dir", str(tmp_path), "--output-dir", str(tmp_path / "out")]) == 2
+    assert "pg1342-pride-and-prejudice.txt not found" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    assert cli.main(["eval-pp"]) == 2 and "unknown command 'eval-pp'" in capsys.readouterr().err
+    assert cli.main(["methods"]) == 0 and "yarn" in capsys.readouterr().out
+    # the printed estimate grows with the work asked for
+    args = pipeline.build_parser().parse_args([])
+    args.train_steps, args.lengths, args.max_windows = 8, [256, 512], 1
+    small = pipeline.estimate_seconds(args)
+    args.lengths = [256, 512, 1024, 2048]
+    assert pipeline.estimate_seconds(args) > small > 15

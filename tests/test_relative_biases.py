@@ -384,7 +384,7 @@ def test_attention_path_setting():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method,options", [("t5", {}), ("kerple", {}), ("alibi", {})])
+@pytest.mark.parametrize("method,options", [("t5", {})])  # one method: each compiles for over a minute on CPU
 def test_flex_attention_path_equals_blocked(method, options):
     """Compiles flex_attention on CPU (tens of seconds), so slow; only where the distance table applies."""
     model = hf_posenc.patch_model(tiny_model("llama"), method, **options)

@@ -180,6 +180,13 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
             if output is not None:
                 last_paths["flex"] += 1
                 return output, None
+    if (state.method.kind != "bias" and not eager and attention_mask is None and query.shape[2] == key.shape[2]
+            and int(query_slots[0]) == int(key_slots[0]) and getattr(state.method, "allowed_keys", None) is None):
+        # No bias and a plain causal square (a full forward without padding): SDPA's own causal kernel.
+        last_paths["causal"] += 1
+        output = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=True,
+                                                enable_gqa=query.shape[1] != key.shape[1])
+        return output.transpose(1, 2).contiguous(), None
     last_paths["blocked"] += 1
     return _blocked(module, state, layer_idx, query, key, value, attention_mask, scaling, dropout, eager,
                     query_slots, key_slots, query_positions, key_positions)

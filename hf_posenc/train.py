@@ -328,10 +328,11 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": round(time.perf_counter() - start_time, 2),
         "versions": versions(),
     }
+    state_dict = None
+    if accelerator.distributed_type.name in ("FSDP", "DEEPSPEED") and args.train_only != "lora":
+        state_dict = accelerator.get_state_dict(model)  # a collective: every process takes part
     with atomic_output_dir(args.output_dir, enabled=main_process) as out:
         if main_process:
-            state_dict = accelerator.get_state_dict(model) if str(accelerator.distributed_type) in (
-                "DistributedType.FSDP", "DistributedType.DEEPSPEED") and args.train_only != "lora" else None
             unwrapped.save_pretrained(out, state_dict=state_dict)
             tokenizer.save_pretrained(out)
             if posenc is not None and not (out / "posenc_config.json").is_file():

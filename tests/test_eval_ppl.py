@@ -130,3 +130,26 @@ def test_main_job_and_cli_refuse_bad_input(tmp_path, capsys):
     small = pipeline.estimate_seconds(args)
     args.lengths = [256, 512, 1024, 2048]
     assert pipeline.estimate_seconds(args) > small > 15
+
+
+def test_text_loading_helpers(tmp_path):
+    from hf_posenc.data import DataError, pack_blocks, parse_fraction
+
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "a.txt").write_text(BOOK.read_text(encoding="utf-8")[:5000], encoding="utf-8")
+    docs = load_documents(dataset=str(tmp_path / "ds"), split="train", max_documents=7)  # a local `datasets` folder
+    assert len(docs) == 7 and all(d.text.strip() for d in docs)
+    with pytest.raises(DataError, match="columns: text"):
+        load_documents(dataset=str(tmp_path / "ds"), split="train", text_column="body")
+    # fractions cut every document at the same boundary: train + held-out == the whole, no overlap
+    whole = load_documents([str(BOOK)])[0].text
+    head = load_documents([str(BOOK)], fraction="0:0.8")[0].text
+    tail = load_documents([str(BOOK)], fraction="0.8:1")[0].text
+    assert head + tail == whole and 0.75 < len(head) / len(whole) < 0.85
+    assert parse_fraction("0.8:") == (0.8, 1.0)
+    from hf_posenc.data import expand_text_files
+
+    assert [p.name for p in expand_text_files([str(BOOK.parent / "pg84-*.txt"), str(BOOK)])] == \
+        ["pg84-frankenstein.README.txt", BOOK.name]  # sorted, without duplicates
+    blocks = pack_blocks([torch.arange(5), torch.arange(7)], 4, separator=99)
+    assert blocks.tolist() == [[0, 1, 2, 3], [4, 99, 0, 1], [2, 3, 4, 5]]

@@ -143,13 +143,33 @@ def select_trainable(model, train_only: str, args: argparse.Namespace):
             from peft import LoraConfig, get_peft_model
         except ImportError:
             raise UsageError("--train-only lora needs PEFT: pip install peft") from None
-        target = LORA_TARGETS.get(model.config.model_type, LLAMA_LORA_TARGETS)
+        target = lora_targets(model)
         config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                             target_modules=target, bias="none", task_type="CAUSAL_LM")
         model = get_peft_model(model, config)
         for p in positional:  # PEFT froze everything that is not LoRA; the positional parameters train too
             p.requires_grad_(True)
     return model, positional_ids
+
+
+def lora_targets(model) -> list[str]:
+    """Full names of the attention projections LoRA wraps. A projection that carries a hook of the positional
+    patch (RoPE on GPT-2 / BLOOM rotates the fused qkv output in a forward hook) is left out: PEFT would add its
+    update after the hook, unrotated."""
+    import re
+
+    pattern = re.compile(LORA_TARGETS.get(model.config.model_type, LLAMA_LORA_TARGETS) + "$")
+    names, hooked = [], []
+    for name, module in model.named_modules():
+        if pattern.match(name):
+            (hooked if module._forward_hooks or module._forward_pre_hooks else names).append(name)
+    if hooked:
+        print(f"LoRA leaves out {len(hooked)} projection(s) that the positional patch hooks "
+              f"(e.g. {hooked[0]}); they stay frozen", file=sys.stderr)
+    if not names:
+        raise UsageError("--train-only lora: no attention projection of this model can take LoRA "
+                         f"(pattern {pattern.pattern}; hooked by the patch: {len(hooked)})")
+    return names
 
 
 def weights_digest(model) -> str:

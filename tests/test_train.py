@@ -110,3 +110,20 @@ def test_no_trainable_positional_parameters(tiny_dir, tmp_path, capsys):
     assert train.main(argv) == 2
     assert "has no trainable parameters" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_lora_leaves_out_projections_the_patch_hooks():
+    from tiny_models import tiny_model
+
+    gpt2 = hf_posenc.patch_model(tiny_model("gpt2"), "rope")  # RoPE on GPT-2 rotates in a hook on c_attn
+    names = train.lora_targets(gpt2)
+    assert names and all(n.endswith("attn.c_proj") for n in names)
+    llama = hf_posenc.patch_model(tiny_model("llama"), "alibi")
+    assert sorted({n.rsplit(".", 1)[1] for n in train.lora_targets(llama)}) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+
+
+def test_training_memory_estimate_refuses(tiny_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("hf_posenc.runtime.available_memory_bytes", lambda: 2**20)
+    assert train.main(_args(tiny_dir, tmp_path / "out", "--max-steps", "1")) == 2
+    assert "training on 1 x 64 tokens needs about" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -16,7 +16,6 @@ from typing import Any, Iterator
 
 import torch
 
-from .errors import PosEncError
 
 SMOLLM2 = "smollm2"
 UNPATCHED = "none"

@@ -279,7 +279,7 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
     bar = tqdm(total=args.max_steps, initial=step, desc="finetune", unit="step",
                disable=args.no_progress or not main_process)
     model.train()
-    window_loss, window_count, t_last = 0.0, 0, time.perf_counter()
+    window_loss, window_count = 0.0, 0
     done = step >= args.max_steps
     while not done:
         loader.set_epoch(epoch)
@@ -311,7 +311,6 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
                 bar.set_postfix(loss=f"{entry['loss']:.3f}")
                 if trackers:
                     accelerator.log({k: v for k, v in entry.items() if k != "step"}, step=step)
-                t_last = time.perf_counter()
             if args.save_every and step % args.save_every == 0 and step < args.max_steps:
                 save_checkpoint(accelerator, checkpoint_dir, step, epoch, batch_index + 1, log, args.save_total_limit)
             if step >= args.max_steps:
@@ -319,7 +318,6 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
                 break
         epoch, skip = epoch + 1, 0
     bar.close()
-    del t_last
     accelerator.wait_for_everyone()
 
     unwrapped = accelerator.unwrap_model(model)

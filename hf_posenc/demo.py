@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .perplexity import perplexity, tokenize_text
-from .smollm2 import load_smollm2
+from .smollm2 import is_cached, load_smollm2
 from .text import default_data_dir, read_text
 
 DEFAULT_TEXT = "pg1342-pride-and-prejudice.txt"
@@ -34,11 +34,13 @@ UNPATCHED = "none"
 QUICK_PATCHED_PREFERENCE = ("alibi", "nope")
 CHECK_TOKENS = 64
 
-# Seconds per window of W tokens for SmolLM2-135M with the stock sdpa attention on two
-# CPU cores, fitted as a*W + b*W^2 to measurements at W = 256 and 1024.
-_SEC_PER_TOKEN = 2.8e-3
-_SEC_PER_TOKEN_SQ = 1.8e-6
-_SEC_PER_GEN_TOKEN = 0.06
+# Seconds per window of W tokens for SmolLM2-135M with the stock sdpa attention on two idle
+# CPU cores, fitted as a*W + b*W^2 to 2.5 s at W = 1024 and 50 s at W = 8192. Patched methods
+# that bring their own attention path measured about as fast (1.0-1.2x).
+_SEC_PER_TOKEN = 1.9e-3
+_SEC_PER_TOKEN_SQ = 5.1e-7
+_SEC_PER_GEN_TOKEN = 0.07
+_PATCHED_SLOWDOWN = 1.05
 
 
 @dataclass
@@ -78,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--cache-dir", type=Path, default=None, help="converted-checkpoint cache folder")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed set before each patch, for methods with randomly initialised parameters")
     parser.add_argument("--quick", action="store_true", help="1 window of 512 tokens and 2 methods")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
@@ -93,11 +97,13 @@ def resolve_methods(requested: list[str] | None, quick: bool, available: list[st
     return [UNPATCHED] + available
 
 
-def estimate_seconds(n_methods: int, window: int, n_windows: int, gen_tokens: int, cached: bool) -> float:
+def estimate_seconds(methods: list[str], window: int, n_windows: int, gen_tokens: int, cached: bool) -> float:
+    """Rough run time on this machine class; a loaded machine is several times slower."""
     per_window = _SEC_PER_TOKEN * window + _SEC_PER_TOKEN_SQ * window**2
-    per_method = n_windows * per_window + gen_tokens * _SEC_PER_GEN_TOKEN + 1.0
+    per_method = n_windows * per_window + gen_tokens * _SEC_PER_GEN_TOKEN + 0.5
+    compute = per_window + sum(per_method * (1.0 if m == UNPATCHED else _PATCHED_SLOWDOWN) for m in methods)
     threads_factor = 2 / max(1, min(torch.get_num_threads(), 16))
-    return (1.0 if cached else 30.0) + n_methods * per_method * threads_factor
+    return (1.0 if cached else 25.0) + compute * threads_factor
 
 
 def default_prompt(text: str) -> str:
@@ -135,6 +141,7 @@ def run_method(name: str, model, tokenizer, ids, prompt, args, check_ids, ref) -
     patched = False
     try:
         if name != UNPATCHED:
+            torch.manual_seed(args.seed)
             hf_posenc.patch_model(model, name)
             patched = True
         t0 = time.perf_counter()
@@ -233,14 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     stride = args.stride or args.window
     n_tokens = args.window + (args.max_windows - 1) * stride
 
-    from .smollm2 import _cache_is_valid, default_cache_dir, find_smollm2_gguf
-
-    cached = _cache_is_valid(Path(args.cache_dir) if args.cache_dir else default_cache_dir(), find_smollm2_gguf())
-    estimate = estimate_seconds(len(methods), args.window, args.max_windows, args.gen_tokens, cached)
+    cached = is_cached(args.cache_dir)
+    estimate = estimate_seconds(methods, args.window, args.max_windows, args.gen_tokens, cached)
     print(f"hf_posenc demo: {len(methods)} methods ({', '.join(methods)}) x {args.max_windows} window(s) of "
           f"{args.window} tokens on {text_path.name}, {torch.get_num_threads()} threads")
-    print(f"estimated run time: about {estimate / 60:.1f} min "
-          "(methods with their own attention path can be slower)", flush=True)
+    print(f"estimated run time: at most about {estimate / 60:.1f} min on an otherwise idle machine "
+          "(a method that needs options fails at once)", flush=True)
 
     run_start = time.perf_counter()
     t0 = time.perf_counter()
@@ -259,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     prompt = default_prompt(region)
     check_ids = ids[:CHECK_TOKENS]
     ref = reference_logits(model, check_ids)
+    # The first forward at a new length is several times slower (allocator, thread pool);
+    # without this untimed pass the first method's seconds would not compare with the rest.
+    reference_logits(model, ids[: args.window])
 
     results: list[MethodResult] = []
     bar = tqdm(methods, desc="methods", unit="method", disable=args.no_progress)
@@ -304,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         "stride": stride,
         "max_windows": args.max_windows,
         "gen_tokens": args.gen_tokens,
+        "seed": args.seed,
         "prompt": prompt,
         "threads": torch.get_num_threads(),
         "versions": {"hf_posenc": getattr(hf_posenc, "__version__", None), "torch": torch.__version__,

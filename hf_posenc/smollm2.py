@@ -70,6 +70,12 @@ def _cache_is_valid(cache: Path, gguf: Path) -> bool:
     return marker.get("gguf_file") == gguf.name and marker.get("gguf_size") == gguf.stat().st_size
 
 
+def is_cached(cache_dir: str | os.PathLike | None = None) -> bool:
+    """Whether ``load_smollm2(cache_dir=...)`` will skip the slow GGUF conversion."""
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    return _cache_is_valid(cache, find_smollm2_gguf())
+
+
 def _convert(gguf: Path, cache: Path, verbose: bool) -> None:
     """De-quantise the GGUF file and write a safetensors checkpoint to ``cache`` atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

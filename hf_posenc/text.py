@@ -19,7 +19,9 @@ def default_data_dir() -> Path:
     if env:
         path = Path(env).expanduser()
         if not path.is_dir():
-            raise FileNotFoundError(f"{DATA_ENV}={env} is not a directory")
+            raise FileNotFoundError(
+                f"{DATA_ENV}={env} is not a directory (unset it to use ../shared/data beside the repository)"
+            )
         return path
     candidates = _candidate_data_dirs()
     for path in candidates:

@@ -9,19 +9,22 @@ function through a per-instance forward (families/bloom.py).
 
 Three ways to compute attention with a bias, never materialising a [B, H, L, L] tensor:
 
-- "blocked" (portable, the default on CPU): queries in blocks of at most `BLOCK_BYTES` of bias; each block
-  sees only the keys that causality allows it (so the work is about half the square, like causal SDPA), and
-  for a bias that depends on i - j alone (`bias_table`) the block's bias is a copy of a Toeplitz view of a
-  table of length L rather than a computation. SDPA or eager softmax per block: whichever backend the model had.
+- "blocked" (portable, the default on CPU): queries in blocks; each block sees only the keys that causality
+  allows it (so the work is about half the square, like causal SDPA). For a bias that depends on i - j alone
+  (`bias_table`) with no padding mask, the block's mask is a strided Toeplitz view of a table of length L (no
+  copy at all: within a few percent of causal SDPA's time on CPU); with a padding mask it is a copy of that view
+  combined with the mask, in blocks of at most `BLOCK_BYTES`; other biases are computed per block. SDPA or eager
+  softmax per block: whichever backend the model had.
 - "flex": `torch.nn.attention.flex_attention` (compiled) with a `score_mod` that indexes the distance table.
-  Only for table methods with a boolean or no mask, no dropout, no sliding window, the sdpa backend.
+  Only for table methods with a boolean or no mask, no dropout, no sliding window, the sdpa backend, more than one
+  query (decoding stays blocked), and on CPU only without gradients (flex has no CPU backward in torch 2.13).
 - "flash": flash-attn's `alibi_slopes`, for ALiBi with fixed slopes on CUDA in fp16/bf16 with flash-attn
   installed, no padding mask, and a cache holding exactly the keys seen (not a StaticCache).
 
 `set_attention_path("auto" | "blocked" | "flex" | "flash")` (or the `attention_path(...)` context manager)
-chooses. "auto" takes flash where it applies, flex on CUDA where it applies, blocked otherwise: compiled flex on
-CPU costs 20-45 s of compilation per shape and failed to compile for left-padded decoding, so it is never
-chosen automatically there. An explicit "flex" or "flash" falls back to blocked, silently, for calls it cannot
+chooses. "auto" takes flash where it applies, flex on CUDA where it applies, blocked otherwise: on CPU compiled
+flex costs seconds of compilation per shape, failed to compile for left-padded decoding, and once compiled ran
+1.8x causal SDPA at L=4096 against the blocked view's 1.1x, so it is never chosen automatically there. An explicit "flex" or "flash" falls back to blocked, silently, for calls it cannot
 serve (the conditions above); `last_paths` counts which path served each call, for checking.
 """
 
@@ -40,11 +43,12 @@ from .state import STATE_ATTR, PositionState
 
 ATTENTION_NAME = "hf_posenc"
 BLOCK_BYTES = 16 * 2**20
+VIEW_BLOCK_ROWS = 256  # query rows per block when the bias is a view: fewer wastes the masked keys less, more calls
 ATTENTION_PATHS = ("auto", "blocked", "flex", "flash")
 
 _registered = False
 _path = "auto"
-_compiled_flex = None
+_compiled_flex: dict = {}
 last_paths: Counter = Counter()
 
 
@@ -100,11 +104,9 @@ def block_mask(state: PositionState, layer_idx: int, rows: slice, query_slots, k
 def _combine(state, allowed, bias, given, query_positions, key_positions, dtype, fresh=False):
     """Causal slots `allowed` [r, k], the method's extra key mask, the given mask [.., r, k] and the bias -> one
     mask (see block_mask). `fresh`: the bias is this block's own tensor and may be overwritten."""
-    extra = getattr(state.method, "allowed_keys", None)
+    extra = state.method.allowed_keys(query_positions, key_positions)
     if extra is not None:
-        extra = extra(query_positions, key_positions)
-        if extra is not None:
-            allowed = allowed & extra
+        allowed = allowed & extra
     if given is not None:
         if given.dtype == torch.bool:
             allowed = allowed & given
@@ -133,16 +135,23 @@ def distance_table(method, layer_idx: int, num_distances: int, max_position: int
     return None
 
 
-def toeplitz_block(table: torch.Tensor, first: int, rows: int, keys: int) -> torch.Tensor:
-    """The bias of a query block with its keys in REVERSED order: out[h, r, c] = table[h, first + r - (keys-1-c)]
-    for r < rows, c < keys (indices below 0 read table[h, 0]; those entries are masked). Reversing the keys makes
-    every row a forward window of the table, so this is one contiguous copy of an unfolded view: no index
-    arithmetic, one allocation of [H, rows, keys]."""
-    low, high = first - keys + 1, first + rows - 1
-    segment = table[:, max(low, 0):high + 1]
-    if low < 0:
-        segment = torch.cat([segment[:, :1].expand(-1, -low), segment], dim=1)
-    return segment.unfold(-1, keys, 1).contiguous()
+def padded_table(table: torch.Tensor, pad: int, dtype: torch.dtype) -> torch.Tensor:
+    """[H, pad + n]: the distance table in `dtype` behind `pad` entries of dtype's minimum, which stand for the
+    negative distances (keys after the query), so that a Toeplitz view of it is the causally masked bias."""
+    low = torch.finfo(dtype).min
+    table = table.clamp_min(low).to(dtype)
+    return torch.cat([table.new_full((table.shape[0], pad), low), table], dim=1)
+
+
+def toeplitz_view(padded: torch.Tensor, pad: int, first: int, rows: int, keys: int) -> torch.Tensor:
+    """The masked bias of a query block with its keys in REVERSED order, as a strided view of `padded` (see
+    padded_table): out[h, r, c] = table[h, first + r - (keys-1-c)], and dtype's minimum where that index is below
+    0 (needs pad >= rows - 1 - first). Reversing the keys makes every row a forward window of the table, so the
+    view is one `unfold`: no [H, rows, keys] tensor is made. SDPA reads a strided mask as it is, and the rows
+    overlap in memory, so the bias it reads stays in cache: on CPU this costs a few percent over causal SDPA,
+    where a contiguous copy of the same block costs about half again."""
+    start = pad + first - keys + 1
+    return padded[:, start:start + rows + keys - 1].unfold(-1, keys, 1)
 
 
 def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -181,7 +190,7 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                 last_paths["flex"] += 1
                 return output, None
     if (state.method.kind != "bias" and not eager and attention_mask is None and query.shape[2] == key.shape[2]
-            and int(query_slots[0]) == int(key_slots[0]) and getattr(state.method, "allowed_keys", None) is None):
+            and int(query_slots[0]) == int(key_slots[0]) and not state.method.masks_keys):
         # No bias and a plain causal square (a full forward without padding): SDPA's own causal kernel.
         last_paths["causal"] += 1
         output = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=True,
@@ -205,13 +214,18 @@ def _blocked(module, state, layer_idx, query, key, value, attention_mask, scalin
     if not eager:  # eager returns attention weights, in key order: it takes the generic path
         table = distance_table(state.method, layer_idx, query_offset + q, int(query_positions.max()), query.device)
     if table is not None:
-        # Keys in reversed order (see toeplitz_block); softmax does not care about the order of keys.
+        # Keys in reversed order (see toeplitz_view); softmax does not care about the order of keys.
         key, value, key_slots, key_positions = key.flip(2), value.flip(2), key_slots.flip(0), key_positions.flip(-1)
         attention_mask = attention_mask.flip(-1) if attention_mask is not None else None
-    cost = 1.0 if table is not None else float(getattr(state.method, "block_cost", 1.0))
+    # A bias table and nothing else to mask: each block's mask is a view of the table (see toeplitz_view).
+    as_view = table is not None and attention_mask is None and not state.method.masks_keys
+    if table is not None:
+        step = VIEW_BLOCK_ROWS if as_view else block_rows(batch, heads, kv)
+        padded = padded_table(table, step, query.dtype if as_view else torch.float32)
+    else:
+        step = block_rows(batch, heads, kv, float(getattr(state.method, "block_cost", 1.0)))
 
     outputs, weights = [], []
-    step = block_rows(batch, heads, kv, cost)
     for start in range(0, q, step):
         stop = min(q, start + step)
         rows = slice(start, stop)
@@ -219,18 +233,23 @@ def _blocked(module, state, layer_idx, query, key, value, attention_mask, scalin
         # (eager mode keeps them, for full-width attention weights).
         keys = kv if eager else max(1, min(kv, query_offset + stop))
         columns = slice(kv - keys, kv) if table is not None else slice(0, keys)
+        block_query = query[:, :, rows]
+        block_key, block_value = key[:, :, columns], value[:, :, columns]
+        if as_view:
+            mask = toeplitz_view(padded, step, query_offset + start, stop - start, keys)[None]
+            outputs.append(F.scaled_dot_product_attention(block_query, block_key, block_value, attn_mask=mask,
+                                                          dropout_p=dropout, scale=scaling, enable_gqa=groups > 1))
+            continue
         allowed = key_slots[None, columns] <= query_slots[rows, None]
         if state.method.kind != "bias":
             bias = None
         elif table is not None:
-            bias = toeplitz_block(table, query_offset + start, stop - start, keys)[None]
+            bias = toeplitz_view(padded, step, query_offset + start, stop - start, keys).contiguous()[None]
         else:
             bias = state.method.bias(layer_idx, query_positions[:, rows], key_positions[:, columns])
         given = attention_mask[..., rows, columns] if attention_mask is not None else None
         mask = _combine(state, allowed, bias, given, query_positions[:, rows], key_positions[:, columns],
                         query.dtype, fresh=table is not None)
-        block_query = query[:, :, rows]
-        block_key, block_value = key[:, :, columns], value[:, :, columns]
         if eager:
             scores = torch.matmul(block_query, block_key.transpose(2, 3)) * scaling
             scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool \
@@ -260,16 +279,17 @@ def _key_validity(attention_mask, batch: int, kv: int):
 def _flex(module, state, layer_idx, query, key, value, attention_mask, scaling, query_slots, key_slots,
           query_positions, key_positions, kwargs):
     """flex_attention with a distance-table score_mod, or None where it does not apply."""
-    global _compiled_flex
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError:
         return None
-    if getattr(state.method, "allowed_keys", None) is not None or kwargs.get("sliding_window") \
+    if state.method.masks_keys or kwargs.get("sliding_window") \
             or getattr(module, "sliding_window", None):
         return None
     batch, heads, q, _ = query.shape
     kv = key.shape[2]
+    if q == 1:  # decoding: one row of bias, a view of the table in the blocked path; flex would recompile per length
+        return None
     valid = _key_validity(attention_mask, batch, kv)
     if valid is None:
         return None
@@ -278,6 +298,9 @@ def _flex(module, state, layer_idx, query, key, value, attention_mask, scaling, 
     table = distance_table(state.method, layer_idx, offset + q, int(query_positions.max()), query.device)
     if table is None:
         return None
+    if query.device.type == "cpu" and torch.is_grad_enabled() and any(
+            t.requires_grad for t in (query, key, value, table)):
+        return None  # flex_attention has no backward on CPU (torch 2.13)
     valid = valid.to(query.device)
     offset_t = torch.tensor(offset, device=query.device)
     last = table.shape[1] - 1
@@ -289,10 +312,12 @@ def _flex(module, state, layer_idx, query, key, value, attention_mask, scaling, 
     def mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx + offset_t) & valid[b, kv_idx]
 
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention)
+    device = query.device.type
+    if device not in _compiled_flex:
+        # Inductor's CPU flex template failed to compile with dynamic shapes (torch 2.13): one compile per shape there.
+        _compiled_flex[device] = torch.compile(flex_attention, dynamic=False if device == "cpu" else None)
     blocks = create_block_mask(mask_mod, batch, None, q, kv, device=query.device)
-    output = _compiled_flex(query, key, value, score_mod=score_mod, block_mask=blocks, scale=scaling,
+    output = _compiled_flex[device](query, key, value, score_mod=score_mod, block_mask=blocks, scale=scaling,
                             enable_gqa=heads != key.shape[1])
     return output.transpose(1, 2).contiguous()
 

@@ -10,7 +10,9 @@ import hf_posenc
 from hf_posenc import PosEncError
 from tiny_models import CONFIGS, FAMILIES, random_ids, tiny_model
 
-METHODS = ["alibi", "learned", "nope", "rope", "sinusoidal"]
+BASIC_METHODS = ["alibi", "learned", "nope", "rope", "sinusoidal"]
+RELATIVE_METHODS = ["fire", "t5", "kerple", "sandwich", "xpos"]  # issue 4
+METHODS = BASIC_METHODS + RELATIVE_METHODS
 MODEL_TYPES = list(CONFIGS)  # llama, mistral, qwen2, qwen3, gpt2, bloom
 TOL = 1e-4
 
@@ -164,7 +166,9 @@ def test_repatching_replaces_the_previous_patch():
 
 # 4. gradients reach every trainable positional parameter -----------------------------------------------------
 @pytest.mark.parametrize("checkpointing", [False, True])
-@pytest.mark.parametrize("method,options", [("alibi", {"trainable": True}), ("learned", {})])
+@pytest.mark.parametrize("method,options", [("alibi", {"trainable": True}), ("learned", {}), ("fire", {}),
+                                            ("fire", {"init": "random"}), ("t5", {}), ("t5", {"per_layer": True}),
+                                            ("kerple", {}), ("kerple", {"variant": "power"})])
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_gradients_reach_positional_parameters(model_type, method, options, checkpointing):
     model = hf_posenc.patch_model(tiny_model(model_type), method, **options)
@@ -181,7 +185,7 @@ def test_gradients_reach_positional_parameters(model_type, method, options, chec
     assert all(any(p is q for q in model.parameters()) for p in params.values())
 
 
-@pytest.mark.parametrize("method", ["nope", "rope", "sinusoidal", "alibi"])
+@pytest.mark.parametrize("method", ["nope", "rope", "sinusoidal", "alibi", "sandwich", "xpos"])
 def test_parameter_free_methods_add_no_trainable_parameters(method):
     model = tiny_model("llama")
     count = sum(p.numel() for p in model.parameters())
@@ -213,8 +217,9 @@ def test_bf16_model_keeps_float32_bias():
     assert bias[0, 0, 0, 1].item() == pytest.approx(-method.head_slopes(torch.device("cpu"))[0].item())
 
 
-@pytest.mark.parametrize("method", ["alibi", "nope", "rope", "sinusoidal"])
+@pytest.mark.parametrize("method", ["alibi", "nope", "rope", "sinusoidal"] + RELATIVE_METHODS)
 def test_gpt2_runs_past_n_positions_with_methods_defined_at_any_length(method):
+    # FIRE's threshold defaults to n_positions (32): past it, the per-query normaliser path is exercised too.
     model = hf_posenc.patch_model(tiny_model("gpt2"), method)
     length = model.config.n_positions + 16
     ids = random_ids(1, length)

@@ -1,5 +1,5 @@
-"""FIRE, T5, KERPLE, Sandwich and xPos through the core's correctness suite, and the attention paths against the
-naive materialised computation."""
+"""FIRE, T5, KERPLE, Sandwich and xPos: what each computes, and the attention paths against the naive
+materialised computation. (The core correctness suite runs them too: test_core.py.)"""
 
 from __future__ import annotations
 
@@ -7,127 +7,18 @@ import math
 
 import pytest
 import torch
-from transformers import DynamicCache, StaticCache
+from transformers import DynamicCache
 
 import hf_posenc
 from hf_posenc import PosEncError, attention
 from hf_posenc.state import STATE_ATTR, PositionState
-from test_core import (TOL, assert_same_fingerprint, decode_token_by_token, left_pad, max_diff, model_fingerprint,
-                       positions_from_mask)
-from tiny_models import FAMILIES, random_ids, tiny_model
-
-NEW_METHODS = ["fire", "t5", "kerple", "sandwich", "xpos"]
-TRAINABLE = [("fire", {}), ("fire", {"init": "random"}), ("t5", {}), ("t5", {"per_layer": True}),
-             ("kerple", {}), ("kerple", {"variant": "power"})]
+from test_core import TOL, assert_same_fingerprint, decode_token_by_token, left_pad, max_diff, model_fingerprint
+from tiny_models import random_ids, tiny_model
 
 
-# the core suite ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("model_type,method", [(f, m) for f in FAMILIES for m in NEW_METHODS]
-                         + [("qwen3", "fire"), ("mistral", "xpos"), ("llama", ("kerple", {"variant": "power"}))])
-def test_full_forward_equals_cached_decoding(model_type, method):
-    method, options = method if isinstance(method, tuple) else (method, {})
-    model = hf_posenc.patch_model(tiny_model(model_type), method, **options)
-    ids = random_ids(2, 12)
-    with torch.no_grad():
-        full = model(ids).logits
-        dynamic = decode_token_by_token(model, ids, DynamicCache(config=model.config))
-        static = decode_token_by_token(model, ids, StaticCache(config=model.config, max_cache_len=20))
-        cache = DynamicCache(config=model.config)
-        prefix = model(ids[:, :7], past_key_values=cache, use_cache=True).logits
-        rest = decode_token_by_token(model, ids[:, 7:], cache)
-    assert max_diff(full, dynamic) <= TOL
-    assert max_diff(full, static) <= TOL
-    assert max_diff(full, torch.cat([prefix, rest], dim=1)) <= TOL
 
-
-@pytest.mark.parametrize("method", NEW_METHODS)
-@pytest.mark.parametrize("model_type", FAMILIES)
-def test_left_padded_batch_equals_sequences_alone(model_type, method):
-    model = hf_posenc.patch_model(tiny_model(model_type), method)
-    sequences = [random_ids(1, 9, seed=3)[0], random_ids(1, 5, seed=4)[0]]
-    ids, mask = left_pad(sequences)
-    with torch.no_grad():
-        batch = model(ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
-        for row, seq in enumerate(sequences):
-            assert max_diff(batch[row, -len(seq):], model(seq[None]).logits[0]) <= TOL
-        kwargs = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True,
-                      pad_token_id=0)
-        generated = model.generate(ids, attention_mask=mask, **kwargs)
-        for row, seq in enumerate(sequences):
-            alone = model.generate(seq[None], attention_mask=torch.ones_like(seq[None]), **kwargs)
-            assert torch.equal(generated.sequences[row, ids.shape[1]:], alone.sequences[0, len(seq):])
-            for step_batch, step_alone in zip(generated.scores, alone.scores):
-                assert max_diff(step_batch[row], step_alone[0]) <= TOL
-
-
-@pytest.mark.parametrize("method", NEW_METHODS)
-@pytest.mark.parametrize("model_type", FAMILIES)
-def test_unpatch_restores_bit_identical_logits(model_type, method):
-    model = tiny_model(model_type)
-    ids = random_ids(2, 10)
-    with torch.no_grad():
-        original = model(ids).logits
-    before = model_fingerprint(model)
-    hf_posenc.patch_model(model, method)
-    with torch.no_grad():
-        assert max_diff(model(ids).logits, original) > 1e-6  # the patch did change something
-    hf_posenc.patch_model(model, "alibi" if method != "alibi" else "rope")
-    hf_posenc.patch_model(model, method)
-    hf_posenc.unpatch_model(model)
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, original)
-    assert_same_fingerprint(before, model_fingerprint(model))
-
-
-@pytest.mark.parametrize("checkpointing", [False, True])
-@pytest.mark.parametrize("method,options", TRAINABLE)
-@pytest.mark.parametrize("model_type", FAMILIES)
-def test_gradients_reach_positional_parameters(model_type, method, options, checkpointing):
-    model = hf_posenc.patch_model(tiny_model(model_type), method, **options)
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    ids = random_ids(2, 10)
-    model(ids, labels=ids).loss.backward()
-    params = dict(hf_posenc.get_positional_module(model).named_parameters())
-    assert params
-    for name, param in params.items():
-        assert param.grad is not None and param.grad.abs().sum() > 0, name
-    assert all(any(p is q for q in model.parameters()) for p in params.values())
-
-
-@pytest.mark.parametrize("method", ["sandwich", "xpos"])
-def test_parameter_free_methods_add_no_parameters(method):
-    model = tiny_model("llama")
-    count = sum(p.numel() for p in model.parameters())
-    hf_posenc.patch_model(model, method)
-    assert sum(p.numel() for p in model.parameters()) == count
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("method", NEW_METHODS)
-@pytest.mark.parametrize("model_type", FAMILIES)
-def test_low_precision_forward_is_finite(model_type, method, dtype):
-    model = tiny_model(model_type).to(dtype)
-    hf_posenc.patch_model(model, method)
-    ids = random_ids(2, 16)
-    ids_padded, mask = left_pad([ids[0], ids[1, :9]])
-    with torch.no_grad():
-        assert torch.isfinite(model(ids).logits).all()
-        assert torch.isfinite(model(ids_padded, attention_mask=mask).logits[mask.bool()]).all()
-
-
-@pytest.mark.parametrize("method", NEW_METHODS)
-def test_gpt2_runs_past_n_positions(method):
-    # FIRE's threshold defaults to n_positions (32): past it, the per-query normaliser path is exercised too.
-    model = hf_posenc.patch_model(tiny_model("gpt2"), method)
-    length = model.config.n_positions + 16
-    ids = random_ids(1, length)
-    with torch.no_grad():
-        full = model(ids).logits
-        cached = decode_token_by_token(model, ids, DynamicCache(config=model.config))
-    assert full.shape[1] == length and torch.isfinite(full).all()
-    assert max_diff(full, cached) <= TOL
+# The core suite (cache, padding, unpatch, gradients, low precision, GPT-2 past n_positions) runs these methods on
+# every model type in test_core.py; here: what is particular to them.
 
 
 # what each method computes ---------------------------------------------------------------------------------------
@@ -339,6 +230,7 @@ CASES = {  # (batch, query length, keys, cache offset, left padding of row 0)
                                             ("xpos", {"extrapolation": "bca", "window": 8})])
 def test_blocked_attention_equals_materialised(method, options, case, backend, monkeypatch):
     monkeypatch.setattr(attention, "BLOCK_BYTES", 4 * 2 * 4 * 40 * 3)  # about 3 query rows per block
+    monkeypatch.setattr(attention, "VIEW_BLOCK_ROWS", 3)
     batch, q, kv, offset, pad = CASES[case]
     module = module_of(method, **options)
     state = PositionState(module, backend=backend)
@@ -359,13 +251,39 @@ def test_blocked_attention_equals_materialised(method, options, case, backend, m
     assert attention.last_paths == {"blocked": 1}
 
 
-def test_toeplitz_block_equals_a_gather():
+def test_toeplitz_view_equals_a_gather_and_copies_nothing():
     table = torch.randn(3, 50)
-    for first, rows, keys in [(0, 5, 1), (10, 4, 14), (20, 7, 9), (44, 6, 50)]:
-        block = attention.toeplitz_block(table, first, rows, keys)
-        distance = (first + torch.arange(rows)[:, None] - torch.arange(keys - 1, -1, -1)[None]).clamp_min(0)
-        assert block.shape == (3, rows, keys) and block.is_contiguous()
-        assert torch.equal(block, table[:, distance])
+    low = torch.finfo(torch.float32).min
+    for first, rows, keys in [(0, 5, 1), (10, 4, 14), (20, 7, 9), (44, 6, 50), (0, 6, 6)]:
+        padded = attention.padded_table(table, 6, torch.float32)
+        block = attention.toeplitz_view(padded, 6, first, rows, keys)
+        distance = first + torch.arange(rows)[:, None] - torch.arange(keys - 1, -1, -1)[None]
+        expected = torch.where(distance >= 0, table[:, distance.clamp_min(0)], low)
+        assert block.shape == (3, rows, keys) and block.untyped_storage().data_ptr() == padded.untyped_storage().data_ptr()
+        assert torch.equal(block, expected)
+
+
+@pytest.mark.parametrize("method", ["alibi", "t5", "kerple", "sandwich", "fire"])
+def test_unpadded_table_bias_reaches_sdpa_as_a_view_of_the_table(method, monkeypatch):
+    """Without padding, the masks SDPA gets are strided views of one small table, never [H, rows, keys] copies."""
+    monkeypatch.setattr(attention, "VIEW_BLOCK_ROWS", 8)
+    model = hf_posenc.patch_model(tiny_model("llama"), method)
+    masks = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, attn_mask=None, **kwargs):
+        masks.append(attn_mask)
+        return sdpa(*args, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    length = 40
+    with torch.no_grad():
+        model(random_ids(1, length))
+    assert len(masks) == 2 * 5  # 2 layers x 5 blocks of 8 rows
+    for mask in masks:
+        heads, rows, keys = mask.shape[1:]
+        assert mask.stride()[-2:] == (1, 1)  # each row is the previous one shifted by one entry
+        assert mask.untyped_storage().nbytes() <= 4 * heads * (2 * length + 8)
 
 
 def test_attention_path_setting():
@@ -384,20 +302,34 @@ def test_attention_path_setting():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method,options", [("t5", {})])  # one method: each compiles for over a minute on CPU
-def test_flex_attention_path_equals_blocked(method, options):
-    """Compiles flex_attention on CPU (tens of seconds), so slow; only where the distance table applies."""
-    model = hf_posenc.patch_model(tiny_model("llama"), method, **options)
+def test_flex_attention_path_equals_blocked_forward_backward_and_decoding():
+    """Compiles flex_attention on CPU (once per shape there), so slow; only where the distance table applies. On CPU
+    flex serves the no-grad prefills; decoding and training (flex has no backward on CPU) fall back to blocked."""
+    model = hf_posenc.patch_model(tiny_model("llama"), "t5")
     ids = random_ids(2, 40)
     ids_padded, mask = left_pad([ids[0], ids[1, :25]])
-    model.train(False)
-    with torch.no_grad():
-        blocked = model(ids).logits
-        blocked_padded = model(ids_padded, attention_mask=mask).logits
+
+    def run():
+        model.train(False)
+        with torch.no_grad():
+            logits = model(ids).logits
+            padded = model(ids_padded, attention_mask=mask).logits
+            cache = DynamicCache(config=model.config)
+            model(ids[:, :30], past_key_values=cache, use_cache=True)
+            decoded = decode_token_by_token(model, ids[:, 30:], cache)
+        model.train(True)
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+        weight = hf_posenc.get_positional_module(model).weight
+        return logits, padded, decoded, weight.grad.clone()
+
+    blocked = run()
     attention.last_paths.clear()
-    with torch.no_grad(), attention.attention_path("flex"):
-        flex = model(ids).logits
-        flex_padded = model(ids_padded, attention_mask=mask).logits
-    assert attention.last_paths == {"flex": 4}
-    assert max_diff(flex, blocked) <= 1e-5
-    assert max_diff(flex_padded[mask.bool()], blocked_padded[mask.bool()]) <= 1e-5
+    with attention.attention_path("flex"):
+        flex = run()
+    assert attention.last_paths["flex"] == 2 * 3  # 2 layers x (forward, padded, prefill)
+    assert attention.last_paths["blocked"] == 2 * (10 + 1)  # 2 layers x (10 decoding steps, training forward)
+    assert max_diff(flex[0], blocked[0]) <= 1e-5
+    assert max_diff(flex[1][mask.bool()], blocked[1][mask.bool()]) <= 1e-5
+    assert max_diff(flex[2], blocked[2]) <= 1e-5
+    assert max_diff(flex[3], blocked[3]) <= 1e-5 * blocked[3].abs().max().item()

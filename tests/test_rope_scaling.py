@@ -217,6 +217,8 @@ def test_gradients_and_checkpointing_with_a_length_dependent_type():
     ("longrope", {"factor": 4.0, "short_factor": [1.0] * 3, "long_factor": [1.0] * 3},
      r"short_factor has 3 values; this model needs rotary_dim / 2 = 8"),
     ("linear", {"factor": 2.0, "original_max_position_embeddings": -5}, r"original_max_position_embeddings=-5"),
+    ("dynamic", {"factor": 2.0, "exact_cache": "yes"}, r"DynamicConfig.exact_cache='yes' must be True or False"),
+    ("dynamic-yarn", {"exact_cache": 1}, r"DynamicYarnConfig.exact_cache=1 must be True or False"),
 ])
 def test_bad_scaling_options_are_named(method, options, message):
     model = tiny_model("llama")

@@ -32,6 +32,15 @@ class PositionalMethod(nn.Module):
     def extra_repr(self) -> str:
         return repr(self.config)
 
+    @property
+    def masks_keys(self) -> bool:
+        """True when `allowed_keys` hides keys beyond causality (xPos's blockwise causal attention)."""
+        return False
+
+    def allowed_keys(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor | None:
+        """An extra key mask [B or 1, 1, q, kv] (True = may attend) on top of causality, or None."""
+        return None
+
 
 class AbsolutePositionMethod(PositionalMethod):
     kind: ClassVar[str] = "absolute"

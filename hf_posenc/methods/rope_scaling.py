@@ -65,6 +65,8 @@ class RopeScalingConfig(PosEncConfig):
         require(self.partial_rotary_factor is None
                 or (_positive(self.partial_rotary_factor) and self.partial_rotary_factor <= 1),
                 f"{name}.partial_rotary_factor={self.partial_rotary_factor!r} must be in (0, 1].")
+        if hasattr(self, "exact_cache"):  # the length-dependent types
+            require(isinstance(self.exact_cache, bool), f"{name}.exact_cache={self.exact_cache!r} must be True or False.")
 
     def type_parameters(self) -> dict[str, Any]:
         """The type-specific keys of transformers' rope_parameters (None values left out)."""
@@ -86,11 +88,6 @@ class DynamicConfig(RopeScalingConfig):
     # True: when the scale changes, run the text so far again, so each decoding step equals a fresh full forward
     # (see hf_posenc/replay.py for the cost). False: only rotate the un-rotated key cache inside attention.
     exact_cache: bool = True
-
-    def validate(self) -> None:
-        super().validate()
-        require(isinstance(self.exact_cache, bool), f"{type(self).__name__}.exact_cache={self.exact_cache!r} "
-                                                    "must be True or False.")
 
 
 @dataclass
@@ -126,11 +123,6 @@ class DynamicYarnConfig(YarnConfig):
     exact_cache: bool = True  # as DynamicConfig.exact_cache
 
     factor_required: ClassVar[bool] = False  # None: no upper bound on the dynamic factor
-
-    def validate(self) -> None:
-        super().validate()
-        require(isinstance(self.exact_cache, bool), f"DynamicYarnConfig.exact_cache={self.exact_cache!r} "
-                                                    "must be True or False.")
 
 
 @dataclass
@@ -170,8 +162,6 @@ class LongRopeConfig(RopeScalingConfig):
             setattr(self, key, [float(v) for v in value])
         require(self.attention_factor is None or _positive(self.attention_factor),
                 f"LongRopeConfig.attention_factor={self.attention_factor!r} must be a number > 0 (or None).")
-        require(isinstance(self.exact_cache, bool),
-                f"LongRopeConfig.exact_cache={self.exact_cache!r} must be True or False.")
 
     def type_parameters(self):
         keys = ("factor", "short_factor", "long_factor", "attention_factor")

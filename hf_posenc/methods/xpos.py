@@ -76,9 +76,13 @@ class Xpos(RotaryMethod):
         key = rotate(key, (cos_k[:, None] * scale_k).to(key.dtype), (sin_k[:, None] * scale_k).to(key.dtype))
         return query, key
 
+    @property
+    def masks_keys(self) -> bool:
+        return self.config.extrapolation == "bca"
+
     def allowed_keys(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor | None:
-        """Extra key mask [B or 1, 1, q, kv] (True = may attend), or None: blockwise causal attention."""
-        if self.config.extrapolation != "bca":
+        """Blockwise causal attention: a query sees the keys of its own block and the previous one."""
+        if not self.masks_keys:
             return None
         query_block = torch.div(query_positions, self.window, rounding_mode="floor")
         key_block = torch.div(key_positions, self.window, rounding_mode="floor")

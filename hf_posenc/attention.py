@@ -322,9 +322,14 @@ def _flex(module, state, layer_idx, query, key, value, attention_mask, scaling, 
     return output.transpose(1, 2).contiguous()
 
 
+def _flash_device(query: torch.Tensor) -> bool:
+    """flash-attn runs on CUDA in fp16/bf16 only."""
+    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+
+
 def _flash_alibi(state, query, key, value, attention_mask, scaling, query_slots, key_slots):
     """flash-attn with alibi_slopes, or None where it does not apply (see the module docstring)."""
-    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
+    if not _flash_device(query):
         return None
     slopes = getattr(state.method, "head_slopes", None)
     if slopes is None or getattr(state.method.config, "trainable", False):

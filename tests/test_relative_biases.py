@@ -286,6 +286,53 @@ def test_unpadded_table_bias_reaches_sdpa_as_a_view_of_the_table(method, monkeyp
         assert mask.untyped_storage().nbytes() <= 4 * heads * (2 * length + 8)
 
 
+def fake_flash_attn_func(q, k, v, softmax_scale, causal, alibi_slopes):
+    """flash-attn's documented semantics, in float64: layout [B, L, H, D]; causal aligned to the bottom right; ALiBi
+    adds -slope * |i + kv - q - j| (so it takes positive slopes)."""
+    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
+    rows, keys = q.shape[2], k.shape[2]
+    i = torch.arange(rows)[:, None] + keys - rows
+    j = torch.arange(keys)[None]
+    scores = q @ k.transpose(2, 3) * softmax_scale - alibi_slopes.double()[:, None, None] * (i - j).abs()
+    if causal:
+        scores = scores.masked_fill(j > i, -math.inf)
+    return (scores.softmax(-1) @ v).transpose(1, 2).float()
+
+
+def test_flash_path_passes_flash_attn_what_it_expects(monkeypatch):
+    """No GPU here: flash-attn is replaced by its documented semantics, and the CUDA/half check by True, so what is
+    tested is our side of the contract (layout, scale, positive slopes, causal alignment, when it applies)."""
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_func=fake_flash_attn_func))
+    monkeypatch.setattr(attention, "_flash_device", lambda query: True)
+    model = hf_posenc.patch_model(tiny_model("llama"), "alibi")
+    ids = random_ids(2, 20)
+    with torch.no_grad(), attention.attention_path("blocked"):
+        expected = model(ids).logits
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :12], past_key_values=cache, use_cache=True)
+        expected_decoded = decode_token_by_token(model, ids[:, 12:], cache)
+    attention.last_paths.clear()
+    with torch.no_grad(), attention.attention_path("flash"):
+        flash = model(ids).logits
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :12], past_key_values=cache, use_cache=True)
+        decoded = decode_token_by_token(model, ids[:, 12:], cache)
+        ids_padded, mask = left_pad([ids[0], ids[1, :13]])
+        model(ids_padded, attention_mask=mask)  # padding: not for flash
+    assert attention.last_paths == {"flash": 2 * (1 + 1 + 8), "blocked": 2}
+    assert max_diff(flash, expected) <= 1e-5
+    assert max_diff(decoded, expected_decoded) <= 1e-5
+    hf_posenc.patch_model(model, "alibi", trainable=True)  # learned slopes need gradients flash-attn does not give
+    attention.last_paths.clear()
+    with torch.no_grad(), attention.attention_path("flash"):
+        model(ids)
+    assert attention.last_paths == {"blocked": 2}
+
+
 def test_attention_path_setting():
     assert attention.get_attention_path() == "auto"
     with pytest.raises(PosEncError, match=r"Attention path 'fast' is unknown; use one of auto, blocked, flex, flash"):

@@ -125,8 +125,8 @@ def test_main_job_and_cli_refuse_bad_input(tmp_path, capsys):
     assert cli.main(["eval-pp"]) == 2 and "unknown command 'eval-pp'" in capsys.readouterr().err
     assert cli.main(["methods"]) == 0 and "yarn" in capsys.readouterr().out
     # the printed estimate grows with the work asked for
-    args = pipeline.build_parser().parse_args([])
-    args.train_steps, args.lengths, args.max_windows = 8, [256, 512], 1
+    args = pipeline.apply_defaults(pipeline.build_parser().parse_args(["--quick"]))
+    args.lengths = [256, 512]
     small = pipeline.estimate_seconds(args)
     args.lengths = [256, 512, 1024, 2048]
     assert pipeline.estimate_seconds(args) > small > 15

@@ -15,6 +15,7 @@ The output folder is written only at the end, atomically: the patched model (``s
 ``hf_posenc.from_pretrained(dir)``), its tokenizer, ``training_args.json`` (every setting and what the run saw),
 ``loss_log.csv`` / ``loss_log.json``. Resumable checkpoints (``--save-every``) go to ``--checkpoint-dir`` (default
 ``<output-dir>-checkpoints``), which survives a failed run; ``--resume-from`` takes one of them or ``latest``.
+Tracker logs (``--report-to tensorboard`` etc.) are written live to ``--logging-dir`` (default ``<output-dir>-logs``).
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--output-dir", type=Path, default=Path("runs/finetune"))
     p.add_argument("--report-to", default="none",
                    help="accelerate trackers (tensorboard, wandb, ...; 'all' = every installed one; default none)")
+    p.add_argument("--logging-dir", type=Path, default=None,
+                   help="where trackers write, live during training (default: <output-dir>-logs)")
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype the weights are loaded in")
@@ -192,18 +195,28 @@ def _latest_checkpoint(directory: Path) -> Path | None:
 def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
     """Everything ``finetune`` does; returns the run summary (also written as ``training_args.json``)."""
     from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration, gather_object, set_seed
+    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, gather_object, set_seed
     from tqdm.auto import tqdm
     from transformers import get_scheduler
 
     spec = check_args(args)
     start_time = time.perf_counter()
-    trackers = _trackers(args.report_to)
-    accelerator = Accelerator(
-        mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        cpu=not torch.cuda.is_available(), log_with=trackers or None,
-        project_dir=str(args.output_dir) if trackers else None,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    # Not inside --output-dir: that folder is written atomically at the end, and the logs are wanted while training.
+    logging_dir = args.logging_dir or args.output_dir.with_name(args.output_dir.name + "-logs")
+    trackers = _trackers(args.report_to, logging_dir)
+    try:
+        accelerator = Accelerator(
+            mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.gradient_accumulation_steps,
+            cpu=not torch.cuda.is_available(), log_with=trackers or None,
+            project_config=ProjectConfiguration(project_dir=str(logging_dir), logging_dir=str(logging_dir))
+            if trackers else None,
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    except RuntimeError as error:
+        if "no available devices" not in str(error):
+            raise
+        # accelerate's FSDP and DeepSpeed plugins need an accelerator: they refuse CPU-only machines.
+        raise UsageError(f"this accelerate configuration needs GPUs ({error}); on a CPU-only machine launch with "
+                         "scripts/accelerate_configs/ddp.yaml (several CPU processes) or cpu_single.yaml") from None
     main_process = accelerator.is_main_process
     world = accelerator.num_processes
     set_seed(args.seed)
@@ -396,14 +409,25 @@ def write_loss_log(directory: Path, log: list[dict]) -> None:
         writer.writerows(log)
 
 
-def _trackers(report_to: str) -> list[str]:
+def _trackers(report_to: str, logging_dir: Path) -> list[str]:
+    """The accelerate trackers asked for; a named one whose package is missing is an error, not a silent no-op."""
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, filter_trackers
+
     if report_to in ("none", "", None):
         return []
     if report_to == "all":
-        from accelerate.tracking import filter_trackers
-
-        return filter_trackers("all")
-    return [t for t in report_to.split(",") if t]
+        return filter_trackers("all", str(logging_dir))
+    wanted = [t.strip() for t in report_to.split(",") if t.strip()]
+    unknown = [t for t in wanted if t not in LOGGER_TYPE_TO_CLASS]
+    if unknown:
+        raise UsageError(f"--report-to {', '.join(unknown)}: unknown tracker; accelerate knows "
+                         f"{', '.join(sorted(LOGGER_TYPE_TO_CLASS))}")
+    available = [str(t) for t in filter_trackers(wanted, str(logging_dir))]
+    missing = [t for t in wanted if t not in available]
+    if missing:
+        raise UsageError(f"--report-to {', '.join(missing)}: its package is not installed (pip install "
+                         f"{' '.join(missing)}), or leave it out")
+    return wanted
 
 
 def _flat_config(args) -> dict:

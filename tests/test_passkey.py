@@ -6,7 +6,7 @@ import json
 import random
 
 import pytest
-from train_eval_helpers import BOOK, byte_tokenizer, save_tiny_model
+from train_eval_helpers import BOOK, byte_tokenizer, launch, save_tiny_model
 
 from hf_posenc import passkey
 
@@ -62,3 +62,19 @@ def test_end_to_end_outputs(tmp_path):
     assert (out / "passkey.png").stat().st_size > 1000
     assert passkey.main([*argv[:-3], "--depths", "1.5", "--output-dir", str(tmp_path / "bad")]) == 2
     assert not (tmp_path / "bad").exists()
+
+
+def test_two_processes_give_the_trials_of_one(tmp_path):
+    """`accelerate launch` splits the (length, depth, trial) prompts across processes and gathers them in order:
+    an odd number of prompts, so the processes get unequal shares."""
+    model_dir = save_tiny_model(tmp_path / "tiny")
+    argv = ["--model", str(model_dir), "--method", "alibi", "--lengths", "300", "--depths", "0,0.5,1",
+            "--trials", "1", "--max-new-tokens", "3", "--no-progress"]
+    assert passkey.main([*argv, "--output-dir", str(tmp_path / "one")]) == 0
+    done = launch("scripts/passkey.py", [*argv, "--output-dir", str(tmp_path / "two")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    one = json.loads((tmp_path / "one" / "passkey.json").read_text())
+    two = json.loads((tmp_path / "two" / "passkey.json").read_text())
+    assert two["settings"]["num_processes"] == 2 and one["settings"]["num_processes"] == 1
+    assert two["trials"] == one["trials"] and len(one["trials"]) == 3
+

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -127,3 +128,35 @@ def test_training_memory_estimate_refuses(tiny_dir, tmp_path, capsys, monkeypatc
     assert train.main(_args(tiny_dir, tmp_path / "out", "--max-steps", "1")) == 2
     assert "training on 1 x 64 tokens needs about" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a CPU-only machine says; with GPUs FSDP runs")
+def test_fsdp_config_on_a_cpu_only_machine_says_what_to_use(tiny_dir, tmp_path):
+    out = tmp_path / "out"
+    done = launch("scripts/finetune.py", _args(tiny_dir, out, "--max-steps", "2", "--mixed-precision", "no"),
+                  config="fsdp.yaml")
+    assert done.returncode != 0
+    assert "this accelerate configuration needs GPUs" in done.stderr and "ddp.yaml" in done.stderr
+    assert not out.exists()
+
+
+def test_tensorboard_tracker_logs_the_loss_beside_the_output(tiny_dir, tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "out"
+    assert train.main(_args(tiny_dir, out, "--max-steps", "3", "--report-to", "tensorboard")) == 0
+    events = list((tmp_path / "out-logs").rglob("events.out.tfevents.*"))
+    assert events and (out / "model.safetensors").is_file()
+    accumulator = EventAccumulator(str(events[0].parent)).Reload()
+    assert [e.step for e in accumulator.Scalars("loss")] == [1, 2, 3]
+    log = json.loads((out / "loss_log.json").read_text())
+    assert [e.value for e in accumulator.Scalars("loss")] == pytest.approx([e["loss"] for e in log])
+    capsys.readouterr()
+    assert train.main(_args(tiny_dir, tmp_path / "bad", "--max-steps", "3", "--report-to", "tensorbord")) == 2
+    assert "--report-to tensorbord: unknown tracker; accelerate knows" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "bad-logs").exists()
+    # wandb is not a dependency: a named tracker whose package is missing is refused
+    if importlib.util.find_spec("wandb") is None:
+        assert train.main(_args(tiny_dir, tmp_path / "bad", "--max-steps", "3", "--report-to", "wandb")) == 2
+        assert "--report-to wandb: its package is not installed (pip install wandb)" in capsys.readouterr().err
+

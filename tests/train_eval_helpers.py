@@ -44,7 +44,8 @@ def save_tiny_model(directory: Path, model_type: str = "llama", seed: int = 0) -
     return directory
 
 
-def launch(script: str, args: list[str], num_processes: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
+def launch(script: str, args: list[str], num_processes: int = 2, timeout: int = 300,
+           config: str = "ddp.yaml") -> subprocess.CompletedProcess:
     """`accelerate launch` with the shipped DDP config: on a CPU-only machine it starts CPU processes (gloo).
     (`accelerate launch --cpu --num_processes 2` starts a single process in accelerate 1.x without MPI.)"""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -52,6 +53,6 @@ def launch(script: str, args: list[str], num_processes: int = 2, timeout: int = 
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "scripts/accelerate_configs/ddp.yaml"), "--num_processes", str(num_processes),
+           str(REPO / "scripts/accelerate_configs" / config), "--num_processes", str(num_processes),
            "--main_process_port", str(port), str(REPO / script), *args]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

@@ -161,6 +161,28 @@ def test_fire_past_the_threshold_normalises_by_the_query_position():
     assert max_diff(fire.bias(0, query, torch.arange(8)[None])[0, :, 0], direct) <= 1e-6
 
 
+def test_fire_piecewise_linear_form_equals_the_mlp_with_its_gradients():
+    """Past the threshold the bias comes from the MLP's piecewise-linear form: same values and gradients, for a
+    random init with rising, falling and flat (w1 = 0) units."""
+    fire = module_of("fire", threshold=8.0, init="random")
+    with torch.no_grad():
+        fire.w1[0, 0] = 0.0
+        fire.b1[0, 0] = 0.3  # a flat, always-active unit
+        fire.w1[0, 1] = -abs(fire.w1[0, 1]) - 0.5  # a falling one
+    query, key = torch.arange(9, 40)[None], torch.arange(40)[None]
+    bias = fire.bias(0, query, key)
+    distance = (query[:, :, None] - key[:, None, :]).clamp_min(0).float()
+    u = fire.psi(0, distance) / fire.psi(0, torch.maximum(fire.threshold(0), query.float()))[:, :, None]
+    expected = fire.mlp(0, u).permute(0, 3, 1, 2)
+    causal = (key[:, None, :] <= query[:, :, None])[:, None].expand_as(bias)
+    assert max_diff(bias[causal], expected[causal]) <= 1e-6
+    params = [fire.w1, fire.b1, fire.w2, fire.b2, fire.log_c]
+    got = torch.autograd.grad(bias[causal].square().sum(), params)
+    want = torch.autograd.grad(expected[causal].square().sum(), params)
+    for g, w in zip(got, want):
+        assert max_diff(g, w) <= 1e-5 * max(1.0, w.abs().max().item())
+
+
 @pytest.mark.parametrize("method,options,message", [
     ("fire", {"mlp_width": 0}, r"FireConfig.mlp_width=0"),
     ("fire", {"init": "zero"}, r"FireConfig.init='zero'"),

@@ -62,9 +62,10 @@ def _args(tiny_dir, out, *extra):
             "--output-dir", str(out), "--no-progress", *extra]
 
 
-def test_two_processes_equal_one(tiny_dir, tmp_path):
+@pytest.mark.parametrize("cpu_mpirun", [False, True], ids=["ddp.yaml", "--cpu with mpirun"])
+def test_two_processes_equal_one(tiny_dir, tmp_path, cpu_mpirun):
     assert evaluate.main(_args(tiny_dir, tmp_path / "one")) == 0
-    done = launch("scripts/eval_ppl.py", _args(tiny_dir, tmp_path / "two", "--threads", "1"))
+    done = launch("scripts/eval_ppl.py", _args(tiny_dir, tmp_path / "two", "--threads", "1"), cpu_mpirun=cpu_mpirun)
     assert done.returncode == 0, done.stderr[-3000:]
     one = json.loads((tmp_path / "one" / "perplexity.json").read_text())
     two = json.loads((tmp_path / "two" / "perplexity.json").read_text())

@@ -27,10 +27,11 @@ def _args(tiny_dir, out, *extra):
             "--max-length", "64", "--lr", "3e-3", "--output-dir", str(out), "--no-progress", *extra]
 
 
-def test_two_processes_train_the_same_weights(tiny_dir, tmp_path):
+@pytest.mark.parametrize("cpu_mpirun", [False, True], ids=["ddp.yaml", "--cpu with mpirun"])
+def test_two_processes_train_the_same_weights(tiny_dir, tmp_path, cpu_mpirun):
     out = tmp_path / "ft"
     done = launch("scripts/finetune.py", _args(tiny_dir, out, "--max-steps", "8", "--train-only", "all",
-                                               "--threads", "1"))
+                                               "--threads", "1"), cpu_mpirun=cpu_mpirun)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "training_args.json").read_text())
     assert summary["num_processes"] == 2 and summary["distributed_type"].endswith("MULTI_CPU")

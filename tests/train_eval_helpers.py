@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -45,14 +46,24 @@ def save_tiny_model(directory: Path, model_type: str = "llama", seed: int = 0) -
 
 
 def launch(script: str, args: list[str], num_processes: int = 2, timeout: int = 300,
-           config: str = "ddp.yaml") -> subprocess.CompletedProcess:
-    """`accelerate launch` with the shipped DDP config: on a CPU-only machine it starts CPU processes (gloo).
-    (`accelerate launch --cpu --num_processes 2` starts a single process in accelerate 1.x without MPI.)"""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+           config: str = "ddp.yaml", cpu_mpirun: bool = False) -> subprocess.CompletedProcess:
+    """`accelerate launch` of two processes, on a CPU-only machine too. By default with a shipped config (ddp.yaml:
+    torchrun starts CPU processes, gloo). `cpu_mpirun`: the `--cpu` form, `accelerate launch --cpu --num_processes N
+    --mpirun_hostfile FILE` (accelerate starts several CPU processes only through mpirun; MPICH comes from its
+    PyPI wheel, so its mpiexec lies beside this Python)."""
     with socket.socket() as sock:  # a free port: other test runs may hold accelerate's default 29500
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "scripts/accelerate_configs" / config), "--num_processes", str(num_processes),
-           "--main_process_port", str(port), str(REPO / script), *args]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "MASTER_PORT": str(port)}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    if cpu_mpirun:
+        hostfile = Path(tempfile.mkdtemp()) / "hostfile"
+        hostfile.write_text(f"localhost:{num_processes}\n")  # MPICH's format
+        cmd += ["--cpu", "--num_processes", str(num_processes), "--mpirun_hostfile", str(hostfile)]
+    else:
+        cmd += ["--config_file", str(REPO / "scripts/accelerate_configs" / config), "--num_processes",
+                str(num_processes), "--main_process_port", str(port)]
+    return subprocess.run([*cmd, str(REPO / script), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)

@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .perplexity import perplexity, tokenize_text
-from .smollm2 import is_cached, load_smollm2
+from .smollm2 import forward_seconds, is_cached, load_smollm2
 from .text import default_data_dir, read_text
 
 DEFAULT_TEXT = "pg1342-pride-and-prejudice.txt"
@@ -34,11 +34,8 @@ UNPATCHED = "none"
 QUICK_PATCHED_PREFERENCE = ("alibi", "nope")
 CHECK_TOKENS = 64
 
-# Seconds per window of W tokens for SmolLM2-135M with the stock sdpa attention on two idle
-# CPU cores, fitted as a*W + b*W^2 to 2.5 s at W = 1024 and 50 s at W = 8192. Patched methods
+# Seconds per generated token on two idle CPU cores; windows cost smollm2.forward_seconds. Patched methods
 # that bring their own attention path measured about as fast (1.0-1.2x).
-_SEC_PER_TOKEN = 1.9e-3
-_SEC_PER_TOKEN_SQ = 5.1e-7
 _SEC_PER_GEN_TOKEN = 0.07
 _PATCHED_SLOWDOWN = 1.05
 
@@ -99,7 +96,7 @@ def resolve_methods(requested: list[str] | None, quick: bool, available: list[st
 
 def estimate_seconds(methods: list[str], window: int, n_windows: int, gen_tokens: int, cached: bool) -> float:
     """Rough run time on this machine class; a loaded machine is several times slower."""
-    per_window = _SEC_PER_TOKEN * window + _SEC_PER_TOKEN_SQ * window**2
+    per_window = forward_seconds(window)
     per_method = n_windows * per_window + gen_tokens * _SEC_PER_GEN_TOKEN + 0.5
     compute = per_window + sum(per_method * (1.0 if m == UNPATCHED else _PATCHED_SLOWDOWN) for m in methods)
     threads_factor = 2 / max(1, min(torch.get_num_threads(), 16))

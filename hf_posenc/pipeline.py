@@ -28,6 +28,7 @@ import torch
 from .data import DataError
 from .errors import PosEncError
 from .runtime import UsageError, atomic_output_dir, fail, write_json
+from .smollm2 import forward_seconds, load_smollm2
 
 BOOK = "pg1342-pride-and-prejudice.txt"
 BOOK_START = "It is a truth universally acknowledged"  # skip the Gutenberg front matter
@@ -35,16 +36,9 @@ WIKITEXT = "wikitext-2-raw-test.txt"
 TRAIN_FRACTION = "0:0.8"
 HELDOUT_FRACTION = "0.8:1"
 
-# Seconds on 2 idle CPU cores for SmolLM2-135M (fp32, sdpa), fitted to a measured idle run: a forward of W tokens
-# ~ a*W + b*W^2, a training step of W tokens ~ 3 forwards + the AdamW update of 135M parameters.
-_SEC_PER_TOKEN = 1.8e-3
-_SEC_PER_TOKEN_SQ = 3.0e-7
+# A training step of W tokens ~ 3 forwards (smollm2.forward_seconds) + the AdamW update of 135M parameters.
 _SEC_ADAMW = 1.1
 _CALIBRATION_TOKENS = 256
-
-
-def forward_seconds(window: int) -> float:
-    return _SEC_PER_TOKEN * window + _SEC_PER_TOKEN_SQ * window**2
 
 
 def estimate_seconds(args: argparse.Namespace, speed: float = 1.0) -> float:
@@ -79,8 +73,6 @@ def _ns(parser_module, argv: list[str]) -> argparse.Namespace:
 
 def _calibrate() -> float:
     """Time one forward of the loaded model to scale the estimate to this machine's current speed."""
-    from .smollm2 import load_smollm2
-
     model, _ = load_smollm2(verbose=False)
     ids = torch.randint(0, 1000, (1, _CALIBRATION_TOKENS))
     took = []

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from train_eval_helpers import BOOK, WIKI, launch, save_tiny_model
+from train_eval_helpers import BOOK, WIKI, assert_failed_cleanly, launch, save_tiny_model
 
 from hf_posenc import evaluate
 from hf_posenc.data import load_documents, tokenize_documents
@@ -89,9 +89,7 @@ def test_two_processes_equal_one(tiny_dir, tmp_path, cpu_mpirun):
 ])
 def test_bad_input_fails_cleanly(tiny_dir, tmp_path, capsys, extra, message):
     out = tmp_path / "out"
-    assert evaluate.main(_args(tiny_dir, out, *extra)) == 2
-    assert message in capsys.readouterr().err
-    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+    assert_failed_cleanly(evaluate.main(_args(tiny_dir, out, *extra)), capsys, message, out)
 
 
 def test_memory_estimate_refuses(tiny_dir, tmp_path, capsys, monkeypatch):

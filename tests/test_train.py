@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_eval_helpers import BOOK, launch, save_tiny_model
+from train_eval_helpers import BOOK, assert_failed_cleanly, launch, save_tiny_model
 
 import hf_posenc
 from hf_posenc import train
@@ -100,18 +100,14 @@ def test_lora_is_merged_and_positional_parameters_train(tiny_dir, tmp_path):
 ])
 def test_bad_input_fails_cleanly(tiny_dir, tmp_path, capsys, extra, message):
     out = tmp_path / "out"
-    assert train.main(_args(tiny_dir, out, "--max-steps", "1", *extra)) == 2
-    assert message in capsys.readouterr().err
-    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+    assert_failed_cleanly(train.main(_args(tiny_dir, out, "--max-steps", "1", *extra)), capsys, message, out)
 
 
 def test_no_trainable_positional_parameters(tiny_dir, tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["--model", str(tiny_dir), "--method", "alibi", "--train-only", "positional", "--text-file", str(BOOK),
             "--max-length", "64", "--max-steps", "1", "--output-dir", str(out), "--no-progress"]
-    assert train.main(argv) == 2
-    assert "has no trainable parameters" in capsys.readouterr().err
-    assert not out.exists()
+    assert_failed_cleanly(train.main(argv), capsys, "has no trainable parameters", out)
 
 
 def test_lora_leaves_out_projections_the_patch_hooks():
@@ -126,9 +122,9 @@ def test_lora_leaves_out_projections_the_patch_hooks():
 
 def test_training_memory_estimate_refuses(tiny_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("hf_posenc.runtime.available_memory_bytes", lambda: 2**20)
-    assert train.main(_args(tiny_dir, tmp_path / "out", "--max-steps", "1")) == 2
-    assert "training on 1 x 64 tokens needs about" in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()
+    out = tmp_path / "out"
+    assert_failed_cleanly(train.main(_args(tiny_dir, out, "--max-steps", "1")), capsys,
+                          "training on 1 x 64 tokens needs about", out)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="what a CPU-only machine says; with GPUs FSDP runs")
@@ -153,11 +149,12 @@ def test_tensorboard_tracker_logs_the_loss_beside_the_output(tiny_dir, tmp_path,
     log = json.loads((out / "loss_log.json").read_text())
     assert [e.value for e in accumulator.Scalars("loss")] == pytest.approx([e["loss"] for e in log])
     capsys.readouterr()
-    assert train.main(_args(tiny_dir, tmp_path / "bad", "--max-steps", "3", "--report-to", "tensorbord")) == 2
-    assert "--report-to tensorbord: unknown tracker; accelerate knows" in capsys.readouterr().err
-    assert not (tmp_path / "bad").exists() and not (tmp_path / "bad-logs").exists()
+    bad = tmp_path / "bad"
+    assert_failed_cleanly(train.main(_args(tiny_dir, bad, "--max-steps", "3", "--report-to", "tensorbord")), capsys,
+                          "--report-to tensorbord: unknown tracker; accelerate knows", bad)
+    assert not (tmp_path / "bad-logs").exists()
     # wandb is not a dependency: a named tracker whose package is missing is refused
     if importlib.util.find_spec("wandb") is None:
-        assert train.main(_args(tiny_dir, tmp_path / "bad", "--max-steps", "3", "--report-to", "wandb")) == 2
-        assert "--report-to wandb: its package is not installed (pip install wandb)" in capsys.readouterr().err
+        assert_failed_cleanly(train.main(_args(tiny_dir, bad, "--max-steps", "3", "--report-to", "wandb")), capsys,
+                              "--report-to wandb: its package is not installed (pip install wandb)", bad)
 

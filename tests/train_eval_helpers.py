@@ -45,6 +45,14 @@ def save_tiny_model(directory: Path, model_type: str = "llama", seed: int = 0) -
     return directory
 
 
+def assert_failed_cleanly(exit_code: int, capsys, message: str, out: Path) -> None:
+    """A bad request: exit code 2, `message` on stderr, and neither the output folder nor a leftover temporary
+    folder beside it (see runtime.atomic_output_dir)."""
+    assert exit_code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists() and not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}")]
+
+
 def launch(script: str, args: list[str], num_processes: int = 2, timeout: int = 300,
            config: str = "ddp.yaml", cpu_mpirun: bool = False) -> subprocess.CompletedProcess:
     """`accelerate launch` of two processes, on a CPU-only machine too. By default with a shipped config (ddp.yaml:

@@ -290,6 +290,9 @@ def _flex(module, state, layer_idx, query, key, value, attention_mask, scaling, 
     kv = key.shape[2]
     if q == 1:  # decoding: one row of bias, a view of the table in the blocked path; flex would recompile per length
         return None
+    if query.device.type == "cpu" and torch.is_grad_enabled() and any(
+            t.requires_grad for t in (query, key, value, *state.method.parameters())):
+        return None  # flex_attention has no backward on CPU (torch 2.13)
     valid = _key_validity(attention_mask, batch, kv)
     if valid is None:
         return None
@@ -298,9 +301,6 @@ def _flex(module, state, layer_idx, query, key, value, attention_mask, scaling, 
     table = distance_table(state.method, layer_idx, offset + q, int(query_positions.max()), query.device)
     if table is None:
         return None
-    if query.device.type == "cpu" and torch.is_grad_enabled() and any(
-            t.requires_grad for t in (query, key, value, table)):
-        return None  # flex_attention has no backward on CPU (torch 2.13)
     valid = valid.to(query.device)
     offset_t = torch.tensor(offset, device=query.device)
     last = table.shape[1] - 1

@@ -7,16 +7,17 @@
     model.save_pretrained(d); hf_posenc.from_pretrained(d)   # round trip, patch included
 """
 
+from . import attention  # noqa: F401  (hf_posenc.attention: the attention path's settings and counters)
 from . import families, methods  # noqa: F401  (registers the built-in families and methods)
-from .checkpoint import from_pretrained
+from .checkpoints.hub import push_to_hub
+from .checkpoints.loading import from_pretrained
+from .checkpoints.model_card import make_model_card
 from .config import PosEncConfig
 from .errors import PosEncError
 from .families.base import ModelFamily
-from .hub import push_to_hub
 from .methods import AlibiConfig, LearnedConfig, NopeConfig, RopeConfig, SinusoidalConfig
 from .methods.relative_biases import FireConfig, KerpleConfig, SandwichConfig, T5Config, XposConfig
 from .methods.base import AbsolutePositionMethod, AttentionBiasMethod, PositionalMethod, RotaryMethod
-from .model_card import make_model_card
 from .model_info import ModelInfo
 from .patching import get_positional_module, get_posenc_config, patch_model, unpatch_model
 from .registry import available_methods, get_method, register_family, register_method, supported_model_types

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 import hf_posenc
 from hf_posenc import PosEncError, attention
-from hf_posenc.state import STATE_ATTR, PositionState
+from hf_posenc.engine.state import STATE_ATTR, PositionState
 from test_core import TOL, assert_same_fingerprint, decode_token_by_token, max_diff, model_fingerprint
 from tiny_models import random_ids, tiny_model
 

@@ -12,13 +12,13 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..attention import ATTENTION_NAME, register_attention
+from ..engine.attention import ATTENTION_NAME, register_attention
 from ..methods.base import PositionalMethod, RotaryMethod, rotate
-from ..replay import PrefixReplay
+from ..engine.replay import PrefixReplay
 from ..model_info import ModelInfo
-from ..state import (STATE_ATTR, PositionCapture, PositionState, RecordKeyPositions, forward_parameter_names,
+from ..engine.state import (STATE_ATTR, PositionCapture, PositionState, RecordKeyPositions, forward_parameter_names,
                      positions_after_offset)
-from ..undo import UndoLog
+from ..engine.undo import UndoLog
 
 
 class ModelFamily:

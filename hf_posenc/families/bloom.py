@@ -15,10 +15,10 @@ import torch
 from torch import nn
 from transformers.models.bloom.modeling_bloom import dropout_add
 
-from ..attention import posenc_attention
+from ..engine.attention import posenc_attention
 from ..model_info import ModelInfo
 from ..registry import register_family
-from ..state import STATE_ATTR
+from ..engine.state import STATE_ATTR
 from .base import ModelFamily, RotateProjectionOutput
 
 

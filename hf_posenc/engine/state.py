@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .methods.base import PositionalMethod
+from ..methods.base import PositionalMethod
 
 STATE_ATTR = "hf_posenc_state"
 KEY_POSITIONS_ATTR = "hf_posenc_key_positions"  # on a KV cache: [B or 1, n] positions of the n cached tokens

@@ -31,22 +31,33 @@ def exists(module: str) -> bool:
     return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
 
 
-def imported_modules(module: str, tree: ast.AST) -> set[str]:
-    """Every hf_posenc module `tree` imports, at any depth (imports inside functions count: they run too)."""
-    package = module if is_package(module) else module.rpartition(".")[0]
-    found = set()
+def import_statements(tree: ast.AST):
+    """Every import statement that can run, at any depth (imports inside functions run too); those under
+    `if TYPE_CHECKING:` never run and are left out."""
     for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            node.body = []
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+
+def imported_modules(module: str, tree: ast.AST) -> set[str]:
+    """Every hf_posenc module that importing `module` may import: the modules its import statements name and, for
+    a module outside a package, that package's __init__ (Python runs it first)."""
+    package = module if is_package(module) else module.rpartition(".")[0]
+    named = set()
+    for node in import_statements(tree):
         if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names if alias.name.split(".")[0] == "hf_posenc"}
-        elif isinstance(node, ast.ImportFrom):
-            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) if node.level \
-                else node.module
-            if base is None or base.split(".")[0] != "hf_posenc":
-                continue
-            # `from package import name` imports the submodule package.name when there is one
-            submodules = {f"{base}.{alias.name}" for alias in node.names if exists(f"{base}.{alias.name}")}
-            found |= submodules or {base}
-    return found
+            named |= {alias.name for alias in node.names if alias.name.split(".")[0] == "hf_posenc"}
+            continue
+        base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) if node.level \
+            else node.module
+        if base is None or base.split(".")[0] != "hf_posenc":
+            continue
+        # `from package import name` imports the submodule package.name when there is one
+        submodules = {f"{base}.{alias.name}" for alias in node.names if exists(f"{base}.{alias.name}")}
+        named |= submodules or {base}
+    parents = {target.rsplit(".", depth)[0] for target in named for depth in range(1, target.count("."))}
+    return named | {parent for parent in parents if not (module + ".").startswith(parent + ".")}
 
 
 def dynamic_imports(tree: ast.AST) -> list[str]:
@@ -103,9 +114,14 @@ def test_the_graph_is_read_from_every_module():
     assert {"hf_posenc", "hf_posenc.patching", "hf_posenc.engine.install", "hf_posenc.checkpoints.saving",
             "hf_posenc.methods.alibi", "hf_posenc.families.bloom"} <= set(graph)
     assert "hf_posenc.engine.attention" in graph["hf_posenc.families.base"]
-    assert graph["hf_posenc.attention"] == {"hf_posenc.engine.attention"}  # `from .engine import attention`
-    # nested imports count (model_card reads the engine inside a function)
+    # `from .engine import attention` imports the submodule (and its package's __init__, which runs first)
+    assert graph["hf_posenc.attention"] == {"hf_posenc.engine", "hf_posenc.engine.attention"}
+    # importing methods.base from outside runs methods/__init__.py, which imports every method
+    assert {"hf_posenc.methods", "hf_posenc.methods.base"} <= graph["hf_posenc.engine.install"]
+    assert "hf_posenc.methods" not in graph["hf_posenc.methods.alibi"]  # inside the package: already running
+    # nested imports count (model_card reads the engine inside a function); `if TYPE_CHECKING:` ones never run
     assert "hf_posenc.engine.install" in graph["hf_posenc.checkpoints.model_card"]
+    assert graph["hf_posenc.registry"] == {"hf_posenc.config", "hf_posenc.errors"}
 
 
 def test_no_import_cycle():

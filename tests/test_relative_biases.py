@@ -289,7 +289,7 @@ def naive_attention(state, layer_idx, query, key, value, attention_mask, scaling
     """Everything materialised: the full [B, H, q, kv] bias and mask, softmax in float64."""
     q, kv = query.shape[2], key.shape[2]
     query_slots, key_slots, query_positions, key_positions = state.relative_positions(q, kv, query.device)
-    if state.method.kind == "rotary":
+    if isinstance(state.method, hf_posenc.RotaryMethod):
         query, key = state.method.rotate_query_key(query, key, query_positions, key_positions, 0)
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)

@@ -2,8 +2,9 @@
 
 The code is not written by hand: it is the library's own modules that the checkpoint's patch needs (the
 method, the family, the engine, and re-applying a saved patch: the closure of the explicit imports of
-checkpoints/restore.py and the method and family modules), copied flat into the checkpoint as `posenc_<module>.py` with their package-relative imports rewritten, each under a header naming
-the hf_posenc version, plus a small `modeling_posenc.py` whose model class loads the original architecture
+checkpoints/restore.py and of the method and family modules), copied flat into the checkpoint as
+`posenc_<module>.py` with their package-relative imports rewritten, each under a header naming the hf_posenc
+version, plus a small `modeling_posenc.py` whose model class loads the original architecture
 and applies the patch exactly as `hf_posenc.from_pretrained` does. `config.json` gets an `auto_map` entry
 pointing at it; transformers only uses it when the caller passes trust_remote_code=True.
 
@@ -26,10 +27,10 @@ from typing import Any
 
 import transformers
 
-from .metadata import POSENC_CONFIG_NAME, read_metadata
 from ..errors import PosEncError
 from ..registry import get_family, get_method
 from ..version import __version__
+from .metadata import POSENC_CONFIG_NAME, read_metadata
 
 PACKAGE = "hf_posenc"
 MODELING_FILE = "modeling_posenc.py"

@@ -17,8 +17,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .metadata import POSENC_CONFIG_NAME, read_metadata
+from ..engine.install import applied_patch
 from ..errors import PosEncError
+from .metadata import POSENC_CONFIG_NAME, read_metadata
 
 
 def check_repo_id(repo_id: Any) -> str:
@@ -65,7 +66,7 @@ def build_upload_folder(model_or_dir: Any, folder, *, repo_id: str | None = None
         if standalone and not (folder / "modeling_posenc.py").is_file():
             write_standalone_code(None, folder, read_metadata(folder / POSENC_CONFIG_NAME))
     else:
-        if not hasattr(model_or_dir, "hf_posenc_patch"):
+        if applied_patch(model_or_dir) is None:
             raise PosEncError("push_to_hub needs a model patched by hf_posenc, or a saved checkpoint directory.")
         model_or_dir.save_pretrained(folder, standalone=standalone)
     if plot is not None:

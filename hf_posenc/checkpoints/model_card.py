@@ -20,9 +20,9 @@ from typing import Any
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from .metadata import POSENC_CONFIG_NAME, read_metadata
 from ..errors import PosEncError
 from ..registry import get_method
+from .metadata import POSENC_CONFIG_NAME, read_metadata
 
 TEMPLATE_NAME = "model_card.md.j2"
 TAGS = ("hf_posenc", "positional-encoding")

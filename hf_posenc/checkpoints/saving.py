@@ -166,12 +166,12 @@ def _options(config: PosEncConfig) -> dict[str, Any]:
 def is_native(model: nn.Module, method: PositionalMethod, state: dict) -> bool:
     """True when plain transformers, reading the saved config.json, computes exactly this patch: the model's
     own mechanism kept, or a rotary method whose native settings the patch wrote into the config."""
-    if state or method.kind != "rotary":
+    if state:
         return False
     family = get_family(model.config)
     if family.keeps_native(method, family.model_info(model)):
         return True
-    update = getattr(method, "native_config_update", lambda: None)()
+    update = method.native_config_update()
     if not update or family.native_method != "rope":
         return False
     for name, value in update.items():

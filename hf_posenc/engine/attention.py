@@ -55,6 +55,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kernel_check import (PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, KernelCheckWarning,  # noqa: F401
                            kernel_status, reset_kernel_status, serve as serve_checked, table_attention_reference)
+from ..methods.base import AttentionBiasMethod, PositionalMethod, RotaryMethod
 from .state import STATE_ATTR, PositionState
 
 ATTENTION_NAME = "hf_posenc"
@@ -111,7 +112,7 @@ def block_mask(state: PositionState, layer_idx: int, rows: slice, query_slots, k
     reference, materialised computation that the fast paths are tested against."""
     allowed = key_slots[None, :] <= query_slots[rows, None]
     bias = None
-    if state.method.kind == "bias":
+    if isinstance(state.method, AttentionBiasMethod):
         bias = state.method.bias(layer_idx, query_positions[:, rows], key_positions)
     given = attention_mask[..., rows, :] if attention_mask is not None else None
     return _combine(state, allowed, bias, given, query_positions[:, rows], key_positions, dtype)
@@ -138,17 +139,12 @@ def _combine(state, allowed, bias, given, query_positions, key_positions, dtype,
     return bias if dtype == torch.float32 else bias.to(dtype)
 
 
-def distance_table(method, layer_idx: int, num_distances: int, max_position: int, device) -> torch.Tensor | None:
+def distance_table(method: PositionalMethod, layer_idx: int, num_distances: int, max_position: int,
+                   device) -> torch.Tensor | None:
     """float32 [H, num_distances] for methods whose bias depends on i - j alone (for these queries), else None."""
-    if method.kind != "bias":
+    if not isinstance(method, AttentionBiasMethod):
         return None
-    table = getattr(method, "bias_table", None)
-    if table is not None:
-        return table(layer_idx, num_distances, max_position, device)
-    slopes = getattr(method, "head_slopes", None)  # ALiBi
-    if slopes is not None:
-        return -slopes(device)[:, None] * torch.arange(num_distances, device=device, dtype=torch.float32)
-    return None
+    return method.bias_table(layer_idx, num_distances, max_position, device)
 
 
 def padded_table(table: torch.Tensor, pad: int, dtype: torch.dtype) -> torch.Tensor:
@@ -185,7 +181,9 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     kv = key.shape[2]
     scaling = head_dim**-0.5 if scaling is None else scaling
     query_slots, key_slots, query_positions, key_positions = state.relative_positions(q, kv, query.device)
-    if state.method.kind == "rotary" and not state.method.rotates_per_query_block:
+    rotary = isinstance(state.method, RotaryMethod)
+    has_bias = isinstance(state.method, AttentionBiasMethod)
+    if rotary and not state.method.rotates_per_query_block:
         # Keys are cached un-rotated; rotating the whole cache here costs O(kv * D) per layer and step, the same
         # order as attention itself, and is what keeps length-dependent scalings exact under a KV cache.
         query, key = state.method.rotate_query_key(query, key, query_positions, key_positions, state.call.seq_len)
@@ -193,14 +191,14 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     eager = state.backend == "eager"
     layer_idx = getattr(module, "layer_idx", 0) or 0
 
-    if not eager and dropout == 0.0 and state.method.kind == "bias" and state.call.shift is not None:
+    if not eager and dropout == 0.0 and has_bias and state.call.shift is not None:
         output = _kernel_output(module, state, layer_idx, query, key, value, attention_mask, scaling, query_slots,
                                 key_slots, query_positions, key_positions, kwargs)
         if output is not None:
             return output, None
-    if (state.method.kind != "bias" and not eager and attention_mask is None and query.shape[2] == key.shape[2]
+    if (not has_bias and not eager and attention_mask is None and query.shape[2] == key.shape[2]
             and int(query_slots[0]) == int(key_slots[0]) and not state.method.masks_keys
-            and not state.method.rotates_per_query_block):
+            and not (rotary and state.method.rotates_per_query_block)):
         # No bias and a plain causal square (a full forward without padding): SDPA's own causal kernel.
         last_paths["causal"] += 1
         output = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=True,
@@ -235,8 +233,8 @@ def _blocked(module, state, layer_idx, query, key, value, attention_mask, scalin
         step = VIEW_BLOCK_ROWS if as_view else block_rows(batch, heads, kv)
         padded = padded_table(table, step, query.dtype if as_view else torch.float32)
     else:
-        step = block_rows(batch, heads, kv, float(getattr(state.method, "block_cost", 1.0)))
-    rotate_blocks = state.method.kind == "rotary" and state.method.rotates_per_query_block
+        step = block_rows(batch, heads, kv, state.method.block_cost)
+    rotate_blocks = isinstance(state.method, RotaryMethod) and state.method.rotates_per_query_block
 
     outputs, weights = [], []
     for rows in query_blocks(query_positions, step, state.method.max_query_spread if rotate_blocks else None):
@@ -256,7 +254,7 @@ def _blocked(module, state, layer_idx, query, key, value, attention_mask, scalin
                                                           dropout_p=dropout, scale=scaling, enable_gqa=groups > 1))
             continue
         allowed = key_slots[None, columns] <= query_slots[rows, None]
-        if state.method.kind != "bias":
+        if not isinstance(state.method, AttentionBiasMethod):
             bias = None
         elif table is not None:
             bias = toeplitz_view(padded, step, query_offset + start, stop - start, keys).contiguous()[None]
@@ -457,8 +455,8 @@ def _flash_call(module, state, layer_idx, query, key, value, attention_mask, sca
     checks about log2(length) kinds, not every step."""
     if not _flash_device(query):
         return None
-    slopes = getattr(state.method, "head_slopes", None)
-    if slopes is None or getattr(state.method.config, "trainable", False):
+    slopes = state.method.alibi_slopes(query.device) if isinstance(state.method, AttentionBiasMethod) else None
+    if slopes is None:
         return None
     batch, heads, q, head_dim = query.shape
     kv = key.shape[2]
@@ -473,7 +471,7 @@ def _flash_call(module, state, layer_idx, query, key, value, attention_mask, sca
         from flash_attn import flash_attn_func
     except ImportError:
         return None
-    slopes = slopes(query.device).float()
+    slopes = slopes.float()
     needs_grad = _needs_grad(state, query, key, value)
     dtype = str(query.dtype)
 

@@ -90,7 +90,7 @@ def give_own_config(model: nn.Module, log: UndoLog) -> None:
 def method_info(family, model: nn.Module, previous_method: PositionalMethod | None) -> ModelInfo:
     """What a method is built from on the (unpatched) model, given the method of the patch it replaces."""
     info = family.model_info(model)
-    if info.rope_theta is None and isinstance(previous_method, RotaryMethod):
+    if info.rope_theta is None and isinstance(previous_method, RotaryMethod) and previous_method.theta is not None:
         # A RoPE scaling on a model that was patched to `rope` scales that RoPE (never the previous scaling).
         info = dataclasses.replace(info, patched_rope_theta=previous_method.theta)
     return info

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..engine.attention import ATTENTION_NAME, register_attention
-from ..methods.base import PositionalMethod, RotaryMethod, rotate
+from ..methods.base import AttentionBiasMethod, PositionalMethod, RotaryMethod, rotate
 from ..engine.replay import PrefixReplay
 from ..model_info import ModelInfo
 from ..engine.state import (STATE_ATTR, PositionCapture, PositionState, RecordKeyPositions, forward_parameter_names,
@@ -49,7 +49,7 @@ class ModelFamily:
 
     def keeps_native(self, method: PositionalMethod, info: ModelInfo) -> bool:
         """True when the method is exactly what the model already computes (nothing to remove or add)."""
-        return isinstance(method, RotaryMethod) and method.is_native(info)
+        return method.is_native(info)
 
     def install(self, model: nn.Module, method: PositionalMethod, info: ModelInfo, log: UndoLog) -> PositionState:
         base = self.base_model(model)
@@ -57,7 +57,7 @@ class ModelFamily:
         log.set_attr(base, "posenc", method)  # registers the method's parameters under the base model
         parameter_names = forward_parameter_names(base)
         replay = None
-        if getattr(method, "length_dependent", False) and getattr(method.config, "exact_cache", False):
+        if isinstance(method, RotaryMethod) and method.length_dependent and method.exact_cache:
             replay = PrefixReplay(method, "position_ids" in parameter_names, model.config)
             log.add_forward_hook(base, replay.cut_outputs, with_kwargs=True)
         log.add_forward_pre_hook(base, PositionCapture(state, parameter_names, self.default_positions, replay),
@@ -66,9 +66,10 @@ class ModelFamily:
         if self.keeps_native(method, info):
             return state
         self.remove_native(model, state, log)
-        if method.kind == "bias" or (isinstance(method, RotaryMethod) and method.rotates_in_attention):
+        rotates_in_attention = isinstance(method, RotaryMethod) and method.rotates_in_attention
+        if isinstance(method, AttentionBiasMethod) or rotates_in_attention:
             self.route_attention(model, state, log)
-        elif method.kind == "rotary":
+        elif isinstance(method, RotaryMethod):
             self.add_rotary(model, method, state, log)
         return state
 

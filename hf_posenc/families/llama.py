@@ -70,8 +70,7 @@ class LlamaFamily(ModelFamily):
 
     def install(self, model, method, info, log):
         state = super().install(model, method, info, log)
-        update = method.native_config_update() if isinstance(method, RotaryMethod) and not self.keeps_native(
-            method, info) else None
+        update = None if self.keeps_native(method, info) else method.native_config_update()
         for name, value in (update or {}).items():
             # So that save_pretrained writes a config.json plain transformers loads to the same logits.
             if name == "rope_parameters":

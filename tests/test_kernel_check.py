@@ -18,7 +18,7 @@ import hf_posenc
 from hf_posenc import attention
 from hf_posenc.engine import kernel_check
 from hf_posenc.engine.kernel_check import KernelCall, KernelCheckWarning, table_attention_reference
-from test_core import decode_token_by_token, left_pad, max_diff
+from helpers import decode_token_by_token, left_pad, max_diff
 from tiny_models import random_ids, tiny_model
 
 

@@ -15,7 +15,7 @@ from transformers.models.bloom import modeling_bloom
 import hf_posenc
 from hf_posenc.families import bloom as bloom_family
 from hf_posenc.engine.state import STATE_ATTR
-from test_core import TOL, max_diff
+from helpers import TOL, max_diff
 from tiny_models import FAMILIES, VOCAB, random_ids, tiny_model
 
 # Methods that act inside attention (positions of keys matter); FIRE with a small threshold runs past it.

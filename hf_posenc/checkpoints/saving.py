@@ -153,7 +153,7 @@ def posenc_metadata(model: nn.Module, method: PositionalMethod, base_model: str 
                   **{fact: getattr(info, fact) for fact in MODEL_FACTS}},
         "positional_state": {key: {"shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", "")}
                              for key, value in state.items()},
-        "native": is_native(model, method, state),
+        "native": family.is_native(model, method),
         "config_before_patch": {name: value for name, value in (config_before or {}).items()
                                 if getattr(model.config, name, None) != value},
     }
@@ -161,24 +161,3 @@ def posenc_metadata(model: nn.Module, method: PositionalMethod, base_model: str 
 
 def _options(config: PosEncConfig) -> dict[str, Any]:
     return {key: value for key, value in config.to_dict().items() if key != "method"}
-
-
-def is_native(model: nn.Module, method: PositionalMethod, state: dict) -> bool:
-    """True when plain transformers, reading the saved config.json, computes exactly this patch: the model's
-    own mechanism kept, or a rotary method whose native settings the patch wrote into the config."""
-    if state:
-        return False
-    family = get_family(model.config)
-    if family.keeps_native(method, family.model_info(model)):
-        return True
-    update = method.native_config_update()
-    if not update or family.native_method != "rope":
-        return False
-    for name, value in update.items():
-        current = getattr(model.config, name, None)
-        if isinstance(value, dict):
-            if not isinstance(current, dict) or any(current.get(k) != v for k, v in value.items()):
-                return False
-        elif current != value:
-            return False
-    return True

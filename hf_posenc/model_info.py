@@ -25,6 +25,7 @@ class ModelInfo:
     partial_rotary_factor: float = 1.0
     # The theta of a `rope` patch being replaced, on a model with no RoPE of its own: what a RoPE scaling scales.
     patched_rope_theta: float | None = None
+    vocab_size: int | None = None
 
     @property
     def rotary_dim(self) -> int:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .config import PosEncConfig
 from .errors import PosEncError
 
 if TYPE_CHECKING:
-    from .config import PosEncConfig
     from .families.base import ModelFamily
     from .methods.base import PositionalMethod
 
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class MethodSpec:
     name: str
-    config_class: type["PosEncConfig"]
+    config_class: type[PosEncConfig]
     module_class: type["PositionalMethod"]
 
 
@@ -24,11 +24,15 @@ _METHODS: dict[str, MethodSpec] = {}
 _FAMILIES: dict[str, "ModelFamily"] = {}
 
 
-def register_method(name: str, config_class: type["PosEncConfig"], module_class: type | None = None) -> Any:
+def register_method(name: str, config_class: type[PosEncConfig], module_class: type | None = None) -> Any:
     """Register a positional method. Use as `register_method(name, Config, Module)` or as a class decorator
     `@register_method(name, Config)` on the module class. Names are lower-case with hyphens."""
     if name != name.lower() or " " in name or "_" in name:
         raise PosEncError(f"Method name {name!r} must be lower-case with hyphens, e.g. 'dynamic-yarn'.")
+
+    if not (isinstance(config_class, type) and issubclass(config_class, PosEncConfig)):
+        raise PosEncError(f"register_method({name!r}, ...): the config class must be a dataclass subclassing "
+                          f"hf_posenc.PosEncConfig; got {config_class!r}.")
 
     def add(cls: type) -> type:
         if name in _METHODS and _METHODS[name].module_class is not cls:
@@ -50,7 +54,7 @@ def get_method(name: str) -> MethodSpec:
     return _METHODS[name]
 
 
-def config_for(config: "PosEncConfig") -> MethodSpec:
+def config_for(config: PosEncConfig) -> MethodSpec:
     for spec in _METHODS.values():
         if type(config) is spec.config_class:
             return spec

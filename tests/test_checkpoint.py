@@ -1,10 +1,13 @@
-"""Patched checkpoints: save_pretrained / from_pretrained round trip for every method on every family, native
-checkpoints in plain transformers, standalone checkpoints without hf_posenc, refusal of tampered configs."""
+"""Patched checkpoints: what is saved, native checkpoints in plain transformers, standalone code and the export
+command, refusal of tampered or mismatching posenc_config.json before anything is allocated. (The round trip of every
+method on every model type, and loading standalone checkpoints without hf_posenc, are in the contract suite:
+test_contract.py, on the checkpoints of conftest.contract_checkpoints.)"""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -17,166 +20,34 @@ from transformers import AutoModelForCausalLM
 
 import hf_posenc
 from hf_posenc import PosEncError
-from hf_posenc.export import export_checkpoint, main as export_main
-from tiny_models import FAMILIES, random_ids, tiny_model
+from hf_posenc.checkpoints.export import export_checkpoint, main as export_main
+from helpers import MODEL_TYPES, perturb_positional_state
+from tiny_models import random_ids, tiny_model
 
-CASES = [(family, method) for family in FAMILIES for method in hf_posenc.available_methods()]
-
-
-def patch_as_users_would(model, method):
-    """Default options (trainable where the method can be, a factor where one is required); a RoPE scaling on a
-    model without RoPE goes on top of a `rope` patch. None when the method does not apply to the family."""
-    spec = hf_posenc.get_method(method)
-    options = {"trainable": True} if "trainable" in spec.config_class.option_names() else {}
-    names = spec.config_class.option_names()
-    if "short_factor" in names:  # LongRoPE: one factor per rotary frequency (head_dim 16 -> 8)
-        options.update(short_factor=[1.0] * 8, long_factor=[1.5 + i / 8 for i in range(8)])
-    attempts = [options, {**options, "factor": 2.0}]
-    if "original_max_position_embeddings" in names:  # BLOOM's config states no trained window
-        attempts.append({**options, "factor": 2.0, "original_max_position_embeddings": 64})
-    for prepare in (None, "rope"):
-        for attempt in attempts:
-            try:
-                if prepare:
-                    hf_posenc.patch_model(model, prepare)
-                return hf_posenc.patch_model(model, method, **attempt)
-            except PosEncError:
-                continue
-    hf_posenc.unpatch_model(model)
-    return None
-
-
-def perturb_positional_state(model):
-    """Move every positional parameter and float buffer off its initial value, so only a checkpoint that really
-    carries them can reproduce the logits."""
-    generator = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for tensor in hf_posenc.get_positional_module(model).state_dict().values():
-            if tensor.is_floating_point():
-                tensor.add_(0.05 * torch.randn(tensor.shape, generator=generator).to(tensor.dtype))
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """family, method -> (directory, input ids, reference logits, config); every checkpoint saved standalone."""
-    root = tmp_path_factory.mktemp("checkpoints")
-    out = {}
-    ids = random_ids(2, 9)
-    for family, method in CASES:
-        model = patch_as_users_would(tiny_model(family), method)
-        if model is None:
-            continue
-        perturb_positional_state(model)
-        with torch.no_grad():
-            logits = model(ids).logits
-        directory = root / f"{family}-{method}"
-        model.save_pretrained(directory, standalone=True)
-        torch.save({"ids": ids, "logits": logits}, directory / "reference.pt")
-        out[family, method] = (directory, ids, logits, hf_posenc.get_posenc_config(model))
-    # A checkpoint saved without standalone=True, then exported by the command.
-    model = hf_posenc.patch_model(tiny_model("gpt2"), "alibi", trainable=True)
-    perturb_positional_state(model)
-    model.save_pretrained(root / "plain")
-    assert export_main([str(root / "plain"), str(root / "exported")]) == 0
-    with torch.no_grad():
-        torch.save({"ids": ids, "logits": model(ids).logits}, root / "exported" / "reference.pt")
-    out["exported", "alibi"] = (root / "exported", ids, model(ids).logits.detach(), hf_posenc.get_posenc_config(model))
-    return out
-
-
-def case(saved, family, method):
-    if (family, method) not in saved:
-        pytest.skip(f"{method} does not apply to {family} (patch_model raises PosEncError)")
-    return saved[family, method]
-
-
-def test_every_method_is_saved_on_the_llama_family(saved):
-    assert {m for f, m in saved if f == "llama"} == set(hf_posenc.available_methods())
-    assert ("exported", "alibi") in saved
-    assert {"alibi", "nope", "rope", "sinusoidal", "learned"} <= {m for f, m in saved if f == "gpt2"}
-
-
-@pytest.mark.parametrize("family,method", CASES)
-def test_round_trip_gives_identical_logits(saved, family, method):
-    directory, ids, logits, config = case(saved, family, method)
-    metadata = json.loads((directory / "posenc_config.json").read_text())
-    assert metadata["method"] == method and metadata["hf_posenc_version"] == hf_posenc.__version__
-    assert metadata["model"]["num_heads"] == 4 and metadata["model"]["model_type"] == family
-    model = hf_posenc.from_pretrained(directory)
-    assert hf_posenc.get_posenc_config(model) == config
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, logits)
-
-
-# What plain transformers computes itself on a LLaMA model (every other method needs hf_posenc or exported code).
+# What plain transformers computes itself on a LLaMA-family model (every other method needs hf_posenc or exported
+# code); on GPT-2 and BLOOM nothing is native.
 NATIVE_ON_LLAMA = ["dynamic", "linear", "llama3", "longrope", "ntk", "rope", "yarn"]
+LLAMA_FAMILY = ["llama", "mistral", "qwen2", "qwen3"]
 
 
 @pytest.mark.parametrize("method", NATIVE_ON_LLAMA)
-def test_native_checkpoints_load_in_plain_transformers(saved, method):
-    directory, ids, logits, _ = case(saved, "llama", method)
-    model = AutoModelForCausalLM.from_pretrained(directory)  # no hf_posenc, no remote code
+def test_native_checkpoints_load_in_plain_transformers(contract_checkpoints, method):
+    saved = contract_checkpoints[method, "llama"]
+    model = AutoModelForCausalLM.from_pretrained(saved.directory)  # no hf_posenc, no remote code
     assert type(model).__name__ == "LlamaForCausalLM"
     with torch.no_grad():
-        assert (model(ids).logits - logits).abs().max().item() <= 1e-5
+        assert (model(saved.ids).logits - saved.logits).abs().max().item() <= 1e-5
 
 
-def test_which_checkpoints_are_native(saved):
-    native = {(f, m) for (f, m), (d, *_) in saved.items() if f != "exported"
-              if json.loads((d / "posenc_config.json").read_text())["native"]}
-    assert {m for f, m in native if f == "llama"} == set(NATIVE_ON_LLAMA)
-    assert not {(f, m) for f, m in native if f != "llama"}
+def test_which_checkpoints_are_native(contract_checkpoints):
+    native = {key for key, saved in contract_checkpoints.items()
+              if json.loads((saved.directory / "posenc_config.json").read_text())["native"]}
+    assert native == {(method, model_type) for method in NATIVE_ON_LLAMA for model_type in LLAMA_FAMILY}
+    assert {model_type for _, model_type in contract_checkpoints} == set(MODEL_TYPES)
 
 
-CHILD = textwrap.dedent('''
-    import importlib.abc, json, sys
-
-    class HideHfPosenc(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "hf_posenc" or name.startswith("hf_posenc."):
-                raise ImportError("hf_posenc is hidden in this test")
-
-    sys.meta_path.insert(0, HideHfPosenc())
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    results = {}
-    for directory in sys.argv[1:]:
-        reference = torch.load(directory + "/reference.pt")
-        model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)
-        with torch.no_grad():
-            diff = (model(reference["ids"]).logits - reference["logits"]).abs().max().item()
-        results[directory] = [type(model).__module__, diff]
-    try:
-        import hf_posenc  # noqa: F401
-        results["hf_posenc importable"] = True
-    except ImportError:
-        results["hf_posenc importable"] = False
-    print(json.dumps(results))
-''')
-
-
-def run_without_hf_posenc(directories, tmp_path):
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
-    result = subprocess.run([sys.executable, "-c", CHILD, *map(str, directories)], capture_output=True, text=True,
-                            env=env, cwd=tmp_path, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-def test_standalone_checkpoints_load_without_hf_posenc(saved, tmp_path):
-    """Every saved (family, method) checkpoint, in one subprocess where `import hf_posenc` fails."""
-    directories = [directory for directory, *_ in saved.values()]
-    results = run_without_hf_posenc(directories, tmp_path)
-    assert results.pop("hf_posenc importable") is False
-    for directory in directories:
-        module, diff = results[str(directory)]
-        assert module.startswith("transformers_modules."), (directory, module)  # the checkpoint's own code ran
-        assert diff <= 1e-6, (directory.name, diff)
-
-
-def test_standalone_code_is_the_library_code_with_a_versioned_header(saved):
-    directory, *_ = case(saved, "bloom", "alibi")
+def test_standalone_code_is_the_library_code_with_a_versioned_header(contract_checkpoints):
+    directory = contract_checkpoints["alibi", "bloom"].directory
     config = json.loads((directory / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_posenc.PosEncBloomForCausalLM"
     copied = (directory / "posenc_methods_alibi.py").read_text()
@@ -189,37 +60,65 @@ def test_standalone_code_is_the_library_code_with_a_versioned_header(saved):
     assert body(copied) == body(original)
     assert not (directory / "posenc_methods_sinusoidal.py").exists()  # only what this checkpoint needs
     shipped = {p.stem for p in directory.glob("posenc_*.py")}
-    tools = {"posenc_train", "posenc_evaluate", "posenc_passkey", "posenc_pipeline", "posenc_runtime", "posenc_hub",
-             "posenc_export", "posenc_model_card", "posenc_demo", "posenc_data", "posenc_text"}
-    assert not shipped & tools, shipped & tools
+    library_only = {"posenc_train", "posenc_evaluate", "posenc_passkey", "posenc_pipeline", "posenc_runtime",
+                    "posenc_demo", "posenc_data", "posenc_text", "posenc_patching", "posenc_checkpoints_loading",
+                    "posenc_checkpoints_hub", "posenc_checkpoints_export", "posenc_checkpoints_model_card"}
+    assert not shipped & library_only, shipped & library_only
     # the engine's closure for one method: about 2,500 lines since the kernel guard joined the attention path
     assert sum(len(p.read_text().splitlines()) for p in directory.glob("*.py")) < 3000
 
 
-def test_export_command(saved, tmp_path):
-    """The exported checkpoint itself is loaded without hf_posenc in test_standalone_checkpoints_load_without_hf_posenc."""
-    exported = saved["exported", "alibi"][0]
-    assert (exported / "modeling_posenc.py").exists()
-    assert not (exported.parent / "plain" / "modeling_posenc.py").exists()  # the source is left as it was
+def test_export_command_writes_what_save_pretrained_standalone_writes(contract_checkpoints, tmp_path):
+    """The export of a plain checkpoint is the standalone code of the same checkpoint saved with standalone=True,
+    which test_contract loads without hf_posenc."""
+    saved = contract_checkpoints["alibi", "gpt2"]
+    plain, exported = tmp_path / "plain", tmp_path / "exported"
+    hf_posenc.from_pretrained(saved.directory).save_pretrained(plain)
+    assert not list(plain.glob("*.py"))
+    assert export_main([str(plain), str(exported)]) == 0
+    assert not list(plain.glob("*.py"))  # the source is left as it was
+
+    def code(directory):
+        auto_map = json.loads((directory / "config.json").read_text())["auto_map"]
+        return auto_map, {path.name: path.read_text() for path in directory.glob("*.py")}
+
+    assert code(exported) == code(saved.directory)
+    with torch.no_grad():
+        assert torch.equal(hf_posenc.from_pretrained(exported)(saved.ids).logits, saved.logits)
     assert export_main([str(tmp_path / "nowhere")]) == 2
-    assert export_main([str(exported.parent / "plain"), str(exported)]) == 2  # never writes into a full directory
+    assert export_main([str(plain), str(exported)]) == 2  # never writes into a full directory
 
 
-def test_no_checkpoint_code_runs_without_trust_remote_code(saved, tmp_path):
-    directory, ids, logits, _ = case(saved, "llama", "alibi")
+def test_no_checkpoint_code_runs_without_trust_remote_code(contract_checkpoints, tmp_path):
+    saved = contract_checkpoints["alibi", "llama"]
+    directory = Path(shutil.copytree(saved.directory, tmp_path / "checkpoint"))
     marker = tmp_path / "code-ran"
     modeling = directory / "modeling_posenc.py"
-    original = modeling.read_text()
-    modeling.write_text(original + f"\nopen({str(marker)!r}, 'w').close()\n")
-    try:
-        plain = AutoModelForCausalLM.from_pretrained(directory)
-        ours = hf_posenc.from_pretrained(directory, trust_remote_code=True)
-    finally:
-        modeling.write_text(original)
+    modeling.write_text(modeling.read_text() + f"\nopen({str(marker)!r}, 'w').close()\n")
+    plain = AutoModelForCausalLM.from_pretrained(directory)
+    ours = hf_posenc.from_pretrained(directory, trust_remote_code=True)
     assert not marker.exists()
     assert type(plain).__name__ == "LlamaForCausalLM" and hf_posenc.get_posenc_config(plain) is None
     with torch.no_grad():
-        assert torch.equal(ours(ids).logits, logits)
+        assert torch.equal(ours(saved.ids).logits, saved.logits)
+
+
+def test_a_model_patched_by_standalone_code_refuses_what_needs_the_library(contract_checkpoints, tmp_path):
+    """Standalone code re-applies a patch without the library's publish step: save_pretrained(standalone=True) or
+    push_to_hub=True is refused before anything is written; a plain save still saves the patch."""
+    from hf_posenc.checkpoints.metadata import read_metadata
+    from hf_posenc.checkpoints.restore import load_saved_patch
+
+    saved = contract_checkpoints["alibi", "llama"]
+    metadata = read_metadata(saved.directory / "posenc_config.json")
+    model = load_saved_patch(AutoModelForCausalLM.from_pretrained(saved.directory), saved.directory, metadata, {})
+    for option in ("standalone", "push_to_hub"):
+        with pytest.raises(PosEncError, match=rf"save_pretrained\({option}=True\) needs the hf_posenc library"):
+            model.save_pretrained(tmp_path / option, **{option: True})
+        assert not (tmp_path / option).exists()
+    model.save_pretrained(tmp_path / "plain")
+    with torch.no_grad():
+        assert torch.equal(hf_posenc.from_pretrained(tmp_path / "plain")(saved.ids).logits, saved.logits)
 
 
 # --- what is saved -----------------------------------------------------------------------------------------
@@ -322,8 +221,8 @@ def test_missing_learned_weights_are_refused(alibi_checkpoint):
 
 
 def test_standalone_loader_refuses_tampering_too(alibi_checkpoint):
-    from hf_posenc.export import write_standalone_code
-    from hf_posenc.checkpoint import read_metadata
+    from hf_posenc.checkpoints.export import write_standalone_code
+    from hf_posenc.checkpoints.metadata import read_metadata
 
     write_standalone_code(None, alibi_checkpoint, read_metadata(alibi_checkpoint / "posenc_config.json"))
     edit_metadata(alibi_checkpoint, lambda m: m["model"].update(num_heads=8))

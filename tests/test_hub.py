@@ -151,6 +151,19 @@ def test_a_patched_model_is_uploaded_directly(fake_hub):
     assert fake_hub.commits[0]["revision"] == "main" and fake_hub.branches == []
 
 
+def test_save_pretrained_with_push_to_hub_saves_then_uploads(fake_hub, tmp_path):
+    """save_pretrained(push_to_hub=True, standalone=True) on a patched model: the library's publish step
+    (checkpoints/hub.py: publish_saved) adds the standalone code, then uploads the saved folder."""
+    model = hf_posenc.patch_model(tiny_model("gpt2"), "alibi")
+    model.save_pretrained(tmp_path / "saved", push_to_hub=True, standalone=True, repo_id="acme/saved-alibi",
+                          token="hf_test_token", commit_message="From save_pretrained")
+    assert (tmp_path / "saved" / "modeling_posenc.py").is_file()
+    (commit,) = fake_hub.commits
+    assert commit["header"]["summary"] == "From save_pretrained"
+    assert {"posenc_config.json", "modeling_posenc.py", "model.safetensors", "README.md"} <= set(commit["files"])
+    assert [(c["name"], c["organization"]) for c in fake_hub.created] == [("saved-alibi", "acme")]
+
+
 def test_rejected_token_is_a_clear_error(fake_hub, checkpoint):
     with pytest.raises(PosEncError, match="refused the token"):
         hf_posenc.push_to_hub(checkpoint[1], "acme/tiny-alibi", token="hf_wrong")

@@ -15,9 +15,10 @@ import torch
 from transformers import DynamicCache
 
 import hf_posenc
-from hf_posenc import attention, kernel_check
-from hf_posenc.kernel_check import KernelCall, KernelCheckWarning, table_attention_reference
-from test_core import decode_token_by_token, left_pad, max_diff
+from hf_posenc import attention
+from hf_posenc.engine import kernel_check
+from hf_posenc.engine.kernel_check import KernelCall, KernelCheckWarning, table_attention_reference
+from helpers import decode_token_by_token, left_pad, max_diff
 from tiny_models import random_ids, tiny_model
 
 

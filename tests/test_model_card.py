@@ -9,7 +9,7 @@ from huggingface_hub import ModelCard, ModelCardData
 
 import hf_posenc
 from hf_posenc import PosEncError
-from hf_posenc.model_card import validate_card_metadata
+from hf_posenc.checkpoints.model_card import validate_card_metadata
 from tiny_models import tiny_model
 
 

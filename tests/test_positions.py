@@ -14,8 +14,8 @@ from transformers.models.bloom import modeling_bloom
 
 import hf_posenc
 from hf_posenc.families import bloom as bloom_family
-from hf_posenc.state import STATE_ATTR
-from test_core import TOL, max_diff
+from hf_posenc.engine.state import STATE_ATTR
+from helpers import TOL, max_diff
 from tiny_models import FAMILIES, VOCAB, random_ids, tiny_model
 
 # Methods that act inside attention (positions of keys matter); FIRE with a small threshold runs past it.
@@ -34,12 +34,12 @@ def reference_attention(positions: torch.Tensor):
         layer = getattr(module, "layer_idx", 0) or 0
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         query, key, value = query.double(), key.double(), value.double()
-        if method.kind == "rotary":
+        if isinstance(method, hf_posenc.RotaryMethod):
             query, key = method.rotate_query_key(query, key, positions, positions, int(positions.max()) + 1)
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
         scores = query @ key.transpose(2, 3) * scaling
-        if method.kind == "bias":
+        if isinstance(method, hf_posenc.AttentionBiasMethod):
             scores = scores + method.bias(layer, positions, positions).double()
         length = scores.shape[-1]
         allowed = torch.ones(length, length, dtype=torch.bool).tril()

@@ -1,5 +1,6 @@
-"""FIRE, T5, KERPLE, Sandwich and xPos: what each computes, and the attention paths against the naive
-materialised computation. (The core correctness suite runs them too: test_core.py.)"""
+"""FIRE, T5, KERPLE, Sandwich and xPos: what each computes, their options, gradients of their option variants.
+(The contract suite runs them with default options on every model type: test_contract.py; the attention paths they
+use: test_attention.py.)"""
 
 from __future__ import annotations
 
@@ -10,15 +11,9 @@ import torch
 from transformers import DynamicCache
 
 import hf_posenc
-from hf_posenc import PosEncError, attention
-from hf_posenc.state import STATE_ATTR, PositionState
-from test_core import TOL, assert_same_fingerprint, decode_token_by_token, max_diff, model_fingerprint
-from tiny_models import random_ids, tiny_model
-
-
-
-# The core suite (cache, padding, unpatch, gradients, low precision, GPT-2 past n_positions) runs these methods on
-# every model type in test_core.py; here: what is particular to them.
+from hf_posenc import PosEncError
+from helpers import TOL, assert_same_fingerprint, decode_token_by_token, max_diff, model_fingerprint
+from tiny_models import FAMILIES, random_ids, tiny_model
 
 
 # what each method computes ---------------------------------------------------------------------------------------
@@ -277,111 +272,19 @@ def test_configs_serialise():
     assert hf_posenc.get_posenc_config(model) is config
 
 
-# the attention paths against the naive materialised computation ---------------------------------------------------
-class FakeAttention(torch.nn.Module):
-    def __init__(self, state, layer_idx=1):
-        super().__init__()
-        setattr(self, STATE_ATTR, state)
-        self.layer_idx = layer_idx
-
-
-def naive_attention(state, layer_idx, query, key, value, attention_mask, scaling):
-    """Everything materialised: the full [B, H, q, kv] bias and mask, softmax in float64."""
-    q, kv = query.shape[2], key.shape[2]
-    query_slots, key_slots, query_positions, key_positions = state.relative_positions(q, kv, query.device)
-    if state.method.kind == "rotary":
-        query, key = state.method.rotate_query_key(query, key, query_positions, key_positions, 0)
-    groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    mask = attention.block_mask(state, layer_idx, slice(None), query_slots, key_slots, query_positions,
-                                key_positions, attention_mask, torch.float32)
-    scores = (query.double() @ key.double().transpose(2, 3)) * scaling
-    scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.double()
-    return (scores.softmax(-1) @ value.double()).transpose(1, 2).float()
-
-
-CASES = {  # (batch, query length, keys, cache offset, left padding of row 0)
-    "prefill": (1, 37, 37, 0, 0),
-    "chunk after cache": (2, 11, 40, 29, 0),
-    "static cache": (1, 5, 64, 20, 0),
-    "left padded": (2, 30, 30, 0, 7),
-    "decode one token": (2, 1, 33, 32, 3),
-}
-
-
-@pytest.mark.parametrize("backend", ["sdpa", "eager"])
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("method,options", [("alibi", {}), ("fire", {}), ("fire", {"threshold": 10.0}),
-                                            ("t5", {"per_layer": True}), ("kerple", {}), ("sandwich", {}),
-                                            ("xpos", {"extrapolation": "bca", "window": 8})])
-def test_blocked_attention_equals_materialised(method, options, case, backend, monkeypatch):
-    monkeypatch.setattr(attention, "BLOCK_BYTES", 4 * 2 * 4 * 40 * 3)  # about 3 query rows per block
-    monkeypatch.setattr(attention, "VIEW_BLOCK_ROWS", 3)
-    batch, q, kv, offset, pad = CASES[case]
-    module = module_of(method, **options)
-    state = PositionState(module, backend=backend)
-    positions = torch.arange(offset, offset + q)[None].repeat(batch, 1)
-    positions[0] -= pad
-    state.update(positions, offset)
-    torch.manual_seed(0)
-    query, key, value = torch.randn(batch, 4, q, 16), torch.randn(batch, 2, kv, 16), torch.randn(batch, 2, kv, 16)
-    slots = torch.arange(kv)
-    mask = (slots[None, :] <= torch.arange(offset, offset + q)[:, None])[None, None].repeat(batch, 1, 1, 1)
-    mask[0, :, :, :pad] = False
-    attention.last_paths.clear()
-    out, _ = attention.posenc_attention(FakeAttention(state), query, key, value, mask if pad else None, scaling=0.25)
-    expected = naive_attention(state, 1, query, key, value, mask if pad else None, 0.25)
-    real = torch.ones(batch, q, dtype=torch.bool)
-    real[0, :max(0, pad - offset)] = False  # fully masked padding queries are undefined in both
-    assert max_diff(out[real], expected[real]) <= 1e-5
-    assert attention.last_paths == {"blocked": 1}
-
-
-def test_toeplitz_view_equals_a_gather_and_copies_nothing():
-    table = torch.randn(3, 50)
-    low = torch.finfo(torch.float32).min
-    for first, rows, keys in [(0, 5, 1), (10, 4, 14), (20, 7, 9), (44, 6, 50), (0, 6, 6)]:
-        padded = attention.padded_table(table, 6, torch.float32)
-        block = attention.toeplitz_view(padded, 6, first, rows, keys)
-        distance = first + torch.arange(rows)[:, None] - torch.arange(keys - 1, -1, -1)[None]
-        expected = torch.where(distance >= 0, table[:, distance.clamp_min(0)], low)
-        assert block.shape == (3, rows, keys) and block.untyped_storage().data_ptr() == padded.untyped_storage().data_ptr()
-        assert torch.equal(block, expected)
-
-
-@pytest.mark.parametrize("method", ["alibi", "t5", "kerple", "sandwich", "fire"])
-def test_unpadded_table_bias_reaches_sdpa_as_a_view_of_the_table(method, monkeypatch):
-    """Without padding, the masks SDPA gets are strided views of one small table, never [H, rows, keys] copies."""
-    monkeypatch.setattr(attention, "VIEW_BLOCK_ROWS", 8)
-    model = hf_posenc.patch_model(tiny_model("llama"), method)
-    masks = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def spy(*args, attn_mask=None, **kwargs):
-        masks.append(attn_mask)
-        return sdpa(*args, attn_mask=attn_mask, **kwargs)
-
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
-    length = 40
-    with torch.no_grad():
-        model(random_ids(1, length))
-    assert len(masks) == 2 * 5  # 2 layers x 5 blocks of 8 rows
-    for mask in masks:
-        heads, rows, keys = mask.shape[1:]
-        assert mask.stride()[-2:] == (1, 1)  # each row is the previous one shifted by one entry
-        assert mask.untyped_storage().nbytes() <= 4 * heads * (2 * length + 8)
-
-
-def test_attention_path_setting():
-    assert attention.get_attention_path() == "auto"
-    with pytest.raises(PosEncError, match=r"Attention path 'fast' is unknown; use one of auto, blocked, flex, flash"):
-        attention.set_attention_path("fast")
-    with attention.attention_path("blocked"):
-        assert attention.get_attention_path() == "blocked"
-    assert attention.get_attention_path() == "auto"
-    # on CPU, "auto" never compiles flex; "flash" without CUDA falls back to the blocked path
-    model = hf_posenc.patch_model(tiny_model("llama"), "alibi")
-    attention.last_paths.clear()
-    with torch.no_grad(), attention.attention_path("flash"):
-        model(random_ids(1, 8))
-    assert attention.last_paths == {"blocked": 2}
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("method,options", [("fire", {"init": "random"}), ("t5", {"per_layer": True}),
+                                            ("kerple", {"variant": "power"})])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_gradients_reach_the_parameters_of_option_variants(model_type, method, options, checkpointing):
+    """The contract suite covers the default options; these variants have parameters of other shapes or kinds."""
+    model = hf_posenc.patch_model(tiny_model(model_type), method, **options)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = random_ids(2, 10)
+    model(ids, labels=ids).loss.backward()
+    params = dict(hf_posenc.get_positional_module(model).named_parameters())
+    assert params, "the method should have trainable parameters"
+    for name, param in params.items():
+        assert param.grad is not None and param.grad.abs().sum() > 0, name

@@ -1,5 +1,6 @@
-"""RoPE context extension: parity with transformers' native rope_parameters, native checkpoints,
-exactness of the length-dependent types under KV caches, and the core suite on every family."""
+"""RoPE context extension: parity with transformers' native rope_parameters, native checkpoints, exactness of the
+length-dependent types under KV caches, and caches, padding and generation past the window on every family (the
+contract suite checks every scaling within the window on every model type: test_contract.py)."""
 
 from __future__ import annotations
 
@@ -13,35 +14,19 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import hf_posenc
 from hf_posenc import PosEncError
-from test_core import (assert_same_fingerprint, decode_token_by_token, left_pad, max_diff, model_fingerprint,
-                       positions_from_mask)
+from helpers import (CONTRACT, HALF, WINDOW, assert_same_fingerprint, decode_token_by_token, left_pad, max_diff,
+                     model_fingerprint, patch_for_contract, positions_from_mask)
 from tiny_models import random_ids, tiny_model
 
-WINDOW = {"llama": 64, "gpt2": 32, "bloom": 32}  # the tiny models' trained windows
-HALF = 8  # rotary_dim / 2 of the tiny LLaMA (head_dim 16)
-OPTIONS = {
-    "linear": dict(factor=2.0),
-    "ntk": dict(factor=4.0),
-    "dynamic": dict(factor=4.0),
-    "yarn": dict(factor=4.0),
-    "dynamic-yarn": dict(factor=4.0),
-    "llama3": dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0),
-    "longrope": dict(factor=4.0, short_factor=[1.0 + 0.1 * i for i in range(HALF)],
-                     long_factor=[1.0 + 0.5 * i for i in range(HALF)]),
-}
-SCALINGS = list(OPTIONS)
+SCALINGS = [method for method, case in CONTRACT.items() if case.scales_rope]
+OPTIONS = {method: CONTRACT[method].options for method in SCALINGS}
 LENGTH_DEPENDENT = {"dynamic", "dynamic-yarn", "longrope"}
 NATIVE = {"linear", "dynamic", "yarn", "llama3", "longrope", "ntk"}  # ntk is written as a default RoPE base
 
 
 def scaled_model(model_type: str, method: str, **extra):
     """A tiny model with `method`; GPT-2 and BLOOM are patched to `rope` first, as users must."""
-    model = tiny_model(model_type)
-    options = dict(OPTIONS[method], **extra)
-    if model_type != "llama":
-        hf_posenc.patch_model(model, "rope")
-        options.setdefault("original_max_position_embeddings", WINDOW[model_type])
-    return hf_posenc.patch_model(model, method, **options)
+    return patch_for_contract(tiny_model(model_type), method, **extra)
 
 
 def native_twin(model):
@@ -168,7 +153,7 @@ def test_longrope_default_factor_takes_the_window_from_the_model_as_transformers
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2", "bloom"])
 @pytest.mark.parametrize("method", SCALINGS)
-def test_core_suite_on_every_family(model_type, method):
+def test_caches_padding_and_generation_past_the_window_on_every_family(model_type, method):
     model = scaled_model(model_type, method)
     window = WINDOW[model_type]
     # Past the window for the static types; within it for the length-dependent ones, whose full forward
@@ -193,30 +178,6 @@ def test_core_suite_on_every_family(model_type, method):
                                    return_dict_in_generate=True, pad_token_id=0)
             assert torch.equal(generated.sequences[row, padded.shape[1]:], alone.sequences[0, len(seq):])
             assert max(max_diff(a[row], b[0]) for a, b in zip(generated.scores, alone.scores)) <= 1e-4
-
-
-@pytest.mark.parametrize("model_type", ["llama", "gpt2", "bloom"])
-@pytest.mark.parametrize("method", ["yarn", "dynamic"])
-def test_unpatch_restores_the_original_and_low_precision_is_finite(model_type, method):
-    model = tiny_model(model_type)
-    ids = random_ids(1, 30)  # the unpatched GPT-2 cannot go past its 32 positions
-    with torch.no_grad():
-        original = model(ids).logits
-    before = model_fingerprint(model)
-    scaled_model_in_place = scaled_model(model_type, method)  # a separate model for bf16
-    scaled_model_in_place.to(torch.bfloat16)
-    with torch.no_grad():
-        assert torch.isfinite(scaled_model_in_place(ids).logits).all()
-    if model_type != "llama":
-        hf_posenc.patch_model(model, "rope")
-        hf_posenc.patch_model(model, method, original_max_position_embeddings=WINDOW[model_type],
-                              **OPTIONS[method])
-    else:
-        hf_posenc.patch_model(model, method, **OPTIONS[method])
-    hf_posenc.unpatch_model(model)
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, original)
-    assert_same_fingerprint(before, model_fingerprint(model))
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])

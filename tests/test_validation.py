@@ -13,7 +13,7 @@ import torch
 import hf_posenc
 from hf_posenc import PosEncError
 from hf_posenc.config import BIAS_MAX, FLOAT32_MAX, MAX_DISTANCE
-from test_core import assert_same_fingerprint, model_fingerprint
+from helpers import assert_same_fingerprint, model_fingerprint
 from tiny_models import random_ids, tiny_model
 
 # Options some methods require, with valid values (LongRoPE: one factor per frequency of the tiny models).

@@ -1,4 +1,7 @@
-"""A model family says where position enters its models and how the native mechanism is removed.
+"""A model family is everything hf_posenc knows about one kind of architecture (dispatched on
+`config.model_type`): where position enters its models and how the native mechanism is removed, its shape fields
+and trained window (`model_info`, `trained_window`), the attention projections LoRA adapts
+(`lora_target_modules`), and when plain transformers computes a patch itself (`is_native`).
 
 The shared parts live here: reading the positions of each forward (a pre-hook on the base model), adding
 absolute embeddings there, and routing attention through the shared bias path. A family subclass names its
@@ -12,25 +15,30 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..attention import ATTENTION_NAME, register_attention
-from ..methods.base import PositionalMethod, RotaryMethod, rotate
-from ..replay import PrefixReplay
+from ..engine.attention import ATTENTION_NAME, register_attention
+from ..engine.replay import PrefixReplay
+from ..engine.state import (STATE_ATTR, PositionCapture, PositionState, RecordKeyPositions, forward_parameter_names,
+                            positions_after_offset)
+from ..engine.undo import UndoLog
+from ..methods.base import AttentionBiasMethod, PositionalMethod, RotaryMethod, rotate
 from ..model_info import ModelInfo
-from ..state import (STATE_ATTR, PositionCapture, PositionState, RecordKeyPositions, forward_parameter_names,
-                     positions_after_offset)
-from ..undo import UndoLog
 
 
 class ModelFamily:
     name: ClassVar[str]
     model_types: ClassVar[tuple[str, ...]]
-    native_method: ClassVar[str]
+    native_method: ClassVar[str]  # the method that computes what the family's own mechanism does
+    # The projections inside each attention module (queries, keys, values, output): what LoRA adapts.
+    attention_projections: ClassVar[tuple[str, ...]]
 
     # --- what each family must say about its models -------------------------------------------------
     def model_info(self, model: nn.Module) -> ModelInfo:
+        """The model's shape, read from the family's config fields (n_embd or hidden_size, n_layer or
+        num_hidden_layers, ...), its window and RoPE settings: what methods are built from."""
         raise NotImplementedError
 
     def attention_modules(self, model: nn.Module) -> list[nn.Module]:
+        """The attention module of every layer, in order."""
         raise NotImplementedError
 
     def remove_native(self, model: nn.Module, state: PositionState, log: UndoLog) -> None:
@@ -49,7 +57,26 @@ class ModelFamily:
 
     def keeps_native(self, method: PositionalMethod, info: ModelInfo) -> bool:
         """True when the method is exactly what the model already computes (nothing to remove or add)."""
-        return isinstance(method, RotaryMethod) and method.is_native(info)
+        return method.is_native(info)
+
+    def trained_window(self, model: nn.Module) -> int | None:
+        """The context the model's weights were trained at, as its config states it: the window before any RoPE
+        scaling (original_max_position_embeddings), else max_position_embeddings / n_positions; None when the
+        config states none (BLOOM)."""
+        return self.model_info(model).original_window
+
+    def lora_target_modules(self, model: nn.Module) -> list[str]:
+        """Full names (as in model.named_modules()) of the attention projections of every layer, for LoRA's
+        target_modules."""
+        names = {id(module): name for name, module in model.named_modules()}
+        return [f"{names[id(attention)]}.{projection}" for attention in self.attention_modules(model)
+                for projection in self.attention_projections]
+
+    def is_native(self, model: nn.Module, method: PositionalMethod) -> bool:
+        """True when plain transformers, reading this model's config as the patch left it, computes exactly what
+        `method` computes on it (so a saved checkpoint needs no hf_posenc): the method keeps the model's own
+        mechanism and has no state of its own."""
+        return not method.state_dict() and self.keeps_native(method, self.model_info(model))
 
     def install(self, model: nn.Module, method: PositionalMethod, info: ModelInfo, log: UndoLog) -> PositionState:
         base = self.base_model(model)
@@ -57,7 +84,7 @@ class ModelFamily:
         log.set_attr(base, "posenc", method)  # registers the method's parameters under the base model
         parameter_names = forward_parameter_names(base)
         replay = None
-        if getattr(method, "length_dependent", False) and getattr(method.config, "exact_cache", False):
+        if isinstance(method, RotaryMethod) and method.length_dependent and method.exact_cache:
             replay = PrefixReplay(method, "position_ids" in parameter_names, model.config)
             log.add_forward_hook(base, replay.cut_outputs, with_kwargs=True)
         log.add_forward_pre_hook(base, PositionCapture(state, parameter_names, self.default_positions, replay),
@@ -66,9 +93,10 @@ class ModelFamily:
         if self.keeps_native(method, info):
             return state
         self.remove_native(model, state, log)
-        if method.kind == "bias" or (isinstance(method, RotaryMethod) and method.rotates_in_attention):
+        rotates_in_attention = isinstance(method, RotaryMethod) and method.rotates_in_attention
+        if isinstance(method, AttentionBiasMethod) or rotates_in_attention:
             self.route_attention(model, state, log)
-        elif method.kind == "rotary":
+        elif isinstance(method, RotaryMethod):
             self.add_rotary(model, method, state, log)
         return state
 

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 from transformers.models.bloom.modeling_bloom import dropout_add
 
-from ..attention import posenc_attention
+from ..engine.attention import posenc_attention
 from ..model_info import ModelInfo
 from ..registry import register_family
-from ..state import STATE_ATTR
+from ..engine.state import STATE_ATTR
 from .base import ModelFamily, RotateProjectionOutput
 
 
@@ -48,6 +48,7 @@ class BloomFamily(ModelFamily):
     name = "bloom"
     model_types = ("bloom",)
     native_method = "alibi"
+    attention_projections = ("query_key_value", "dense")  # fused query-key-value, output
 
     def model_info(self, model):
         config = model.config
@@ -58,6 +59,7 @@ class BloomFamily(ModelFamily):
             num_kv_heads=config.n_head,
             head_dim=config.hidden_size // config.n_head,
             hidden_size=config.hidden_size,
+            vocab_size=config.vocab_size,
             max_positions=getattr(config, "seq_length", None),
             rope_theta=None,
             native_method=self.native_method,

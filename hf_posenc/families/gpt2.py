@@ -28,6 +28,7 @@ class GPT2Family(ModelFamily):
     name = "gpt2"
     model_types = ("gpt2",)
     native_method = "learned"
+    attention_projections = ("c_attn", "c_proj")  # fused query-key-value, output
 
     def model_info(self, model):
         config = model.config
@@ -39,6 +40,7 @@ class GPT2Family(ModelFamily):
             num_kv_heads=config.n_head,
             head_dim=config.n_embd // config.n_head,
             hidden_size=config.n_embd,
+            vocab_size=config.vocab_size,
             max_positions=config.n_positions,
             rope_theta=None,
             native_method=self.native_method,

@@ -42,6 +42,7 @@ class LlamaFamily(ModelFamily):
     name = "llama"
     model_types = ("llama", "mistral", "qwen2", "qwen3")
     native_method = "rope"
+    attention_projections = ("q_proj", "k_proj", "v_proj", "o_proj")
 
     def model_info(self, model):
         config = model.config
@@ -54,6 +55,7 @@ class LlamaFamily(ModelFamily):
             num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
             head_dim=head_dim,
             hidden_size=config.hidden_size,
+            vocab_size=config.vocab_size,
             max_positions=getattr(config, "max_position_embeddings", None),
             rope_theta=float(rope.get("rope_theta", 10000.0)),
             native_method=self.native_method,
@@ -70,8 +72,7 @@ class LlamaFamily(ModelFamily):
 
     def install(self, model, method, info, log):
         state = super().install(model, method, info, log)
-        update = method.native_config_update() if isinstance(method, RotaryMethod) and not self.keeps_native(
-            method, info) else None
+        update = None if self.keeps_native(method, info) else method.native_config_update()
         for name, value in (update or {}).items():
             # So that save_pretrained writes a config.json plain transformers loads to the same logits.
             if name == "rope_parameters":
@@ -79,6 +80,23 @@ class LlamaFamily(ModelFamily):
                             if k == "partial_rotary_factor"}, **value}
             log.set_attr(model.config, name, value)
         return state
+
+    def is_native(self, model, method):
+        """Also true for a rotary method whose native settings (RoPE scalings, a RoPE theta) the patch wrote into
+        the config, which transformers then computes itself."""
+        if super().is_native(model, method):
+            return True
+        update = method.native_config_update()
+        if method.state_dict() or not update:
+            return False
+        for name, value in update.items():
+            current = getattr(model.config, name, None)
+            if isinstance(value, dict):
+                if not isinstance(current, dict) or any(current.get(k) != v for k, v in value.items()):
+                    return False
+            elif current != value:
+                return False
+        return True
 
     def add_rotary(self, model, method, state, log):
         # The layers already rotate with whatever rotary_emb returns: give them this method's cos/sin.

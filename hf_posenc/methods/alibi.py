@@ -73,11 +73,19 @@ class Alibi(AttentionBiasMethod):
             self._per_device: dict[torch.device, torch.Tensor] = {}
 
     def head_slopes(self, device: torch.device) -> torch.Tensor:
+        """float32 [H]: the slopes (the trainable parameter itself when trainable)."""
         if self.config.trainable:
             return self.slopes.float()
         if device not in self._per_device:
             self._per_device[device] = self._fixed_slopes.to(device)
         return self._per_device[device]
+
+    def alibi_slopes(self, device):
+        return None if self.config.trainable else self.head_slopes(device)
+
+    def bias_table(self, layer_idx, num_distances, max_position=None, device=None):
+        slopes = self.head_slopes(device if device is not None else torch.device("cpu"))
+        return -slopes[:, None] * torch.arange(num_distances, device=slopes.device, dtype=torch.float32)
 
     def bias(self, layer_idx, query_positions, key_positions):
         slopes = self.head_slopes(query_positions.device)

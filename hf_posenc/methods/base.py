@@ -1,10 +1,16 @@
-"""Base classes of the positional methods. A method is an nn.Module built from its config and the
-model's ModelInfo; its kind says where it acts:
+"""The method protocol. A positional method is an nn.Module built from its config and the model's ModelInfo, and a
+subclass of exactly one of the four classes below, which says where it acts (tested with isinstance, nothing else):
 
-- "none":     nothing (NoPE);
-- "absolute": `embed(positions)` is added to the input embeddings;
-- "bias":     `bias(layer_idx, query_positions, key_positions)` is added to attention scores;
-- "rotary":   `cos_sin(positions)` rotates queries and keys.
+- PositionalMethod itself: nowhere (NoPE);
+- AbsolutePositionMethod: `embed(positions)` is added to the input embeddings;
+- AttentionBiasMethod: `bias(layer_idx, query_positions, key_positions)` is added to attention scores;
+- RotaryMethod: `cos_sin(positions)` rotates queries and keys.
+
+Every capability the engine (families, per-forward state, attention path, checkpoints) reads from a method is
+declared here, once, with its default: a class attribute or a method that a subclass overrides in its class body.
+Defining a subclass checks its names (`check_method_names`): a name that misses a capability by a typo
+(`alibi_slope`), or a capability of another kind of method, is refused, since the engine would never read it and the
+method would silently take a slower or different path. A method's own helpers are free otherwise.
 
 Everything here is computed in float32 whatever the model's dtype (a bf16 bias or frequency table
 loses the precision that long contexts need).
@@ -12,22 +18,33 @@ loses the precision that long contexts need).
 
 from __future__ import annotations
 
+import difflib
 from typing import ClassVar
 
 import torch
 from torch import nn
 
 from ..config import PosEncConfig
+from ..errors import PosEncError
 from ..model_info import ModelInfo
 
 
 class PositionalMethod(nn.Module):
-    kind: ClassVar[str] = "none"
+    """Capabilities of every method (subclass it directly for a method that adds no position at all)."""
+
+    # How many float32 [B, H, rows, keys] tensors the method makes per query block in the shared attention path (its
+    # bias and its temporaries, or the mask alone): the blocked path sizes its query blocks by it.
+    block_cost: ClassVar[float] = 1.0
 
     def __init__(self, config: PosEncConfig, info: ModelInfo):
         super().__init__()
         self.config = config
         self.num_heads = info.num_heads
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__module__ != __name__:  # the classes of this module declare the protocol; the others use it
+            check_method_names(cls)
 
     def extra_repr(self) -> str:
         return repr(self.config)
@@ -46,47 +63,60 @@ class PositionalMethod(nn.Module):
         """An extra key mask [B or 1, 1, q, kv] (True = may attend) on top of causality, or None."""
         return None
 
-
-class AbsolutePositionMethod(PositionalMethod):
-    kind: ClassVar[str] = "absolute"
-
-    def embed(self, positions: torch.Tensor) -> torch.Tensor:
-        """positions [B or 1, q] (long) -> float32 [B or 1, q, hidden]."""
-        raise NotImplementedError
-
-
-class AttentionBiasMethod(PositionalMethod):
-    kind: ClassVar[str] = "bias"
-
-    def bias(self, layer_idx: int, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
-        """query_positions [B or 1, q], key_positions [B or 1, kv] -> float32 [B or 1, heads, q, kv]: each token's
-        own position id. Entries whose key slot is after the query's are masked; a key whose position is not
-        before the query's (position ids that restart) gets the bias at distance 0."""
-        raise NotImplementedError
-
-
-class RotaryMethod(PositionalMethod):
-    kind: ClassVar[str] = "rotary"
-    # Rotate queries and the whole (un-rotated) key cache inside the shared attention path rather than before
-    # the cache update: needed when the rotation of old keys changes with the length (dynamic scalings) or
-    # differs between queries and keys (xPos).
-    rotates_in_attention: ClassVar[bool] = False
-    # The frequencies depend on the current length (highest position + 1).
-    length_dependent: ClassVar[bool] = False
-    # Rotate each query block with the keys it sees, inside the shared attention path (rather than all queries and
-    # keys once): for methods whose factors are only bounded relative to a centre near the queries (xPos). The
-    # positions of a block's queries then lie within `max_query_spread` of each other.
-    rotates_per_query_block: ClassVar[bool] = False
-    max_query_spread: float = float("inf")
-
     def is_native(self, info: ModelInfo) -> bool:
-        """True when the model's own rotary embedding already computes exactly this method."""
+        """True when the model's own positional mechanism already computes exactly this method (the patch then
+        removes and adds nothing)."""
         return False
 
     def native_config_update(self) -> dict | None:
         """{config attribute: value} with which a LLaMA-family config.json reproduces this method in plain
         transformers (rope_parameters, max_position_embeddings), or None if transformers has no equivalent."""
         return None
+
+
+class AbsolutePositionMethod(PositionalMethod):
+    def embed(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions [B or 1, q] (long) -> float32 [B or 1, q, hidden]."""
+        raise NotImplementedError
+
+
+class AttentionBiasMethod(PositionalMethod):
+    def bias(self, layer_idx: int, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+        """query_positions [B or 1, q], key_positions [B or 1, kv] -> float32 [B or 1, heads, q, kv]: each token's
+        own position id. Entries whose key slot is after the query's are masked; a key whose position is not
+        before the query's (position ids that restart) gets the bias at distance 0."""
+        raise NotImplementedError
+
+    def bias_table(self, layer_idx: int, num_distances: int, max_position: int | None = None,
+                   device: torch.device | None = None) -> torch.Tensor | None:
+        """float32 [H, num_distances]: the bias at distances 0..num_distances-1 when, for queries at positions up to
+        `max_position`, it depends on the distance i - j alone; else None. With a table the attention path never
+        materialises the bias (a Toeplitz view per query block, a flex_attention score_mod)."""
+        return None
+
+    def alibi_slopes(self, device: torch.device) -> torch.Tensor | None:
+        """float32 [H] slopes s_h when the bias is exactly ALiBi's -s_h * (i - j) and the slopes take no gradient;
+        else None. A kernel with ALiBi built in (flash-attn's alibi_slopes) then serves the method."""
+        return None
+
+
+class RotaryMethod(PositionalMethod):
+    # Rotate queries and the whole (un-rotated) key cache inside the shared attention path rather than before
+    # the cache update: needed when the rotation of old keys changes with the length (dynamic scalings) or
+    # differs between queries and keys (xPos).
+    rotates_in_attention: ClassVar[bool] = False
+    # The frequencies depend on the current length (highest position + 1).
+    length_dependent: ClassVar[bool] = False
+    # For length-dependent methods: when the scale changes, run the text so far again so that cached decoding equals a
+    # full forward (engine/replay.py); False keeps only the in-attention rotation.
+    exact_cache: bool = False
+    # Rotate each query block with the keys it sees, inside the shared attention path (rather than all queries and
+    # keys once): for methods whose factors are only bounded relative to a centre near the queries (xPos). The
+    # positions of a block's queries then lie within `max_query_spread` of each other.
+    rotates_per_query_block: ClassVar[bool] = False
+    max_query_spread: float = float("inf")
+    # The RoPE base theta: what a RoPE scaling patched over this method scales (on a model without RoPE of its own).
+    theta: float | None = None
 
     def scale_key(self, seq_len: int):
         """Equal for two lengths exactly when they give the same frequencies."""
@@ -110,6 +140,46 @@ class RotaryMethod(PositionalMethod):
         cos_k, sin_k = self.cos_sin(key_positions, seq_len)
         return (rotate(query, cos_q[:, None].to(query.dtype), sin_q[:, None].to(query.dtype)),
                 rotate(key, cos_k[:, None].to(key.dtype), sin_k[:, None].to(key.dtype)))
+
+
+KINDS = (AbsolutePositionMethod, AttentionBiasMethod, RotaryMethod)
+
+
+def capabilities(kind: type[PositionalMethod]) -> set[str]:
+    """The names the engine reads from a method of this kind (its protocol class and PositionalMethod)."""
+    return {name for cls in {kind, PositionalMethod} for name in vars(cls)
+            if not name.startswith("_") and not hasattr(nn.Module, name)}
+
+
+def kind_of(cls: type) -> type[PositionalMethod]:
+    """The protocol class a method class derives from (PositionalMethod for a method that acts nowhere)."""
+    kinds = [kind for kind in KINDS if issubclass(cls, kind)]
+    if len(kinds) > 1:
+        raise PosEncError(f"{cls.__name__} derives from {' and '.join(k.__name__ for k in kinds)}; a method acts in "
+                          "one place: derive from one of them.")
+    return kinds[0] if kinds else PositionalMethod
+
+
+def check_method_names(cls: type) -> None:
+    """Refuse public names in the class bodies of `cls` (up to its protocol class) that the engine would not read
+    although they look like a capability: a capability of another kind, or a near miss of a capability's name."""
+    kind = kind_of(cls)
+    own, every = capabilities(kind), set().union(*(capabilities(k) for k in (PositionalMethod, *KINDS)))
+    for klass in cls.__mro__[:cls.__mro__.index(kind)]:
+        for name in vars(klass):
+            if name.startswith("_") or name in own or hasattr(nn.Module, name):
+                continue
+            if name in every:
+                owner = next(k.__name__ for k in KINDS if name in capabilities(k))
+                raise PosEncError(f"{klass.__name__}.{name} is a capability of {owner} methods, and {cls.__name__} "
+                                  f"derives from {kind.__name__}: it would never be read. Derive from {owner} or "
+                                  "rename it.")
+            near = difflib.get_close_matches(name, sorted(every), n=1, cutoff=0.8)
+            if near:
+                raise PosEncError(f"{klass.__name__}.{name} is not a capability hf_posenc reads; did you mean "
+                                  f"{near[0]!r}? Rename it (or, for a helper of the method's own, give it a name "
+                                  f"that is not a near miss of {near[0]!r}). The capabilities of {kind.__name__} "
+                                  f"methods: {', '.join(sorted(own))}.")
 
 
 def relative_distance(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:

@@ -64,6 +64,8 @@ def alibi_interpolant(slopes: torch.Tensor, width: int, c: float, threshold: flo
 
 @register_method("fire", FireConfig)
 class Fire(DistanceBiasMethod):
+    block_cost = 3.0  # past the threshold: transient tensors per bias entry (u, lookups)
+
     def __init__(self, config: FireConfig, info: ModelInfo):
         super().__init__(config, info)
         layers, width, heads = info.num_layers, config.mlp_width, info.num_heads
@@ -83,7 +85,6 @@ class Fire(DistanceBiasMethod):
         log_threshold = torch.full((layers,), math.log(threshold))
         self.log_c = nn.Parameter(log_c, requires_grad=config.learn_c)
         self.log_threshold = nn.Parameter(log_threshold, requires_grad=config.learn_threshold)
-        self.block_cost = 3.0  # past the threshold: transient tensors per bias entry (u, lookups), for block sizing
 
     def threshold(self, layer_idx: int) -> torch.Tensor:
         return self.log_threshold[layer_idx].float().exp()

@@ -16,4 +16,4 @@ class NopeConfig(PosEncConfig):
 
 @register_method("nope", NopeConfig)
 class NoPositions(PositionalMethod):
-    kind = "none"
+    """Adds nothing: the family only removes the model's own mechanism."""

@@ -56,8 +56,6 @@ class RopeScalingConfig(PosEncConfig):
         self.require_number("rope_theta", MIN_BASE, none_means="the model's own", why=BASE_WHY)
         self.require_number("partial_rotary_factor", FLOAT32_TINY, 1.0, none_means="the model's own",
                             why="the fraction of each head's dimensions that rotate")
-        if hasattr(self, "exact_cache"):  # the length-dependent types
-            self.require_bool("exact_cache")
 
     def type_parameters(self) -> dict[str, Any]:
         """The type-specific keys of transformers' rope_parameters (None values left out)."""
@@ -80,8 +78,12 @@ class NtkConfig(RopeScalingConfig):
 @dataclass
 class DynamicConfig(RopeScalingConfig):
     # True: when the scale changes, run the text so far again, so each decoding step equals a fresh full forward
-    # (see hf_posenc/replay.py for the cost). False: only rotate the un-rotated key cache inside attention.
+    # (see hf_posenc/engine/replay.py for the cost). False: only rotate the un-rotated key cache inside attention.
     exact_cache: bool = True
+
+    def validate(self) -> None:
+        super().validate()
+        self.require_bool("exact_cache")
 
 
 @dataclass
@@ -117,6 +119,10 @@ class DynamicYarnConfig(YarnConfig):
 
     factor_required: ClassVar[bool] = False
     factor_none_means: ClassVar[str | None] = "no upper bound on the dynamic factor"
+
+    def validate(self) -> None:
+        super().validate()
+        self.require_bool("exact_cache")
 
 
 @dataclass
@@ -156,6 +162,7 @@ class LongRopeConfig(RopeScalingConfig):
             self.require_numbers(key, FLOAT32_TINY, why="one rescale per rotary frequency")
         self.require_number("attention_factor", FLOAT32_TINY, HIDDEN_MAX,
                             none_means="sqrt(1 + ln(factor) / ln(original window))", why=ATTENTION_FACTOR_WHY)
+        self.require_bool("exact_cache")
 
     def type_parameters(self):
         keys = ("factor", "short_factor", "long_factor", "attention_factor")
@@ -245,6 +252,18 @@ class ScaledRope(RotaryMethod):
         return self._frequency_cache[key]
 
 
+class LengthDependentRope(ScaledRope):
+    """A type whose frequencies depend on the current length: queries and the un-rotated key cache are rotated inside
+    the shared attention path and, with `exact_cache`, the text is replayed when the scale changes."""
+
+    rotates_in_attention = True
+    length_dependent = True
+
+    @property
+    def exact_cache(self) -> bool:
+        return self.config.exact_cache
+
+
 @register_method("linear", LinearConfig)
 class LinearRope(ScaledRope):
     """Positional Interpolation (Chen et al. 2023): positions divided by `factor`."""
@@ -287,12 +306,10 @@ class NtkRope(ScaledRope):
 
 
 @register_method("dynamic", DynamicConfig)
-class DynamicNtkRope(ScaledRope):
+class DynamicNtkRope(LengthDependentRope):
     """Dynamic NTK: the NTK base grows with the current length once it passes the original window."""
 
     transformers_type = native_type = "dynamic"
-    rotates_in_attention = True
-    length_dependent = True
 
     def rope_parameters(self):
         params = super().rope_parameters()
@@ -318,13 +335,11 @@ class YarnRope(ScaledRope):
 
 
 @register_method("dynamic-yarn", DynamicYarnConfig)
-class DynamicYarnRope(ScaledRope):
+class DynamicYarnRope(LengthDependentRope):
     """YaRN whose factor is max(1, current length / original window), up to `factor` if given (the YaRN paper's
     dynamic scaling); no scaling at all within the original window. Not a transformers type."""
 
     transformers_type = "yarn"
-    rotates_in_attention = True
-    length_dependent = True
 
     def scale_key(self, seq_len):
         if seq_len <= self.original_window:
@@ -348,13 +363,11 @@ class Llama3Rope(ScaledRope):
 
 
 @register_method("longrope", LongRopeConfig)
-class LongRope(ScaledRope):
+class LongRope(LengthDependentRope):
     """LongRoPE (Ding et al. 2024): per-frequency rescale factors, the short set within the original window and
     the long set beyond it (chosen by the current length, so it rotates inside attention to stay exact)."""
 
     transformers_type = native_type = "longrope"
-    rotates_in_attention = True
-    length_dependent = True
 
     def __init__(self, config: LongRopeConfig, info: ModelInfo):
         super().__init__(config, info)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import PosEncError
+from ..errors import PosEncError
 
 REPLAY_ATTR = "hf_posenc_replay"  # on a KV cache: the ReplayRecord of the text it holds
 

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .methods.base import PositionalMethod
+from ..methods.base import AbsolutePositionMethod, PositionalMethod, RotaryMethod
 
 STATE_ATTR = "hf_posenc_state"
 KEY_POSITIONS_ATTR = "hf_posenc_key_positions"  # on a KV cache: [B or 1, n] positions of the n cached tokens
@@ -86,7 +86,7 @@ class PositionState:
             rows = max(past_positions.shape[0], query_positions.shape[0])
             key_positions = torch.cat((past_positions.expand(rows, -1), query_positions.expand(rows, -1)), dim=-1)
         call = CallPositions(query_positions, key_positions, slot_offset, uniform_shift(key_positions, attended))
-        if self.method.kind == "rotary":
+        if isinstance(self.method, RotaryMethod):
             call.seq_len = int(query_positions.max()) + 1 if self.method.length_dependent else 0
             call.cos_sin = self.method.cos_sin(query_positions, call.seq_len)
         self._calls.current = call
@@ -165,7 +165,7 @@ class PositionCapture:
         past = getattr(cache, KEY_POSITIONS_ATTR, None) if offset else None
         self.state.update(positions, offset, past, attended_tokens(arguments.get("attention_mask"), offset + q))
 
-        if self.state.method.kind != "absolute":
+        if not isinstance(self.state.method, AbsolutePositionMethod):
             return ((), arguments) if self.replay is not None else None
         if inputs_embeds is None:
             inputs_embeds = embed_tokens(input_ids)

@@ -20,9 +20,9 @@ from typing import Any
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from .checkpoint import POSENC_CONFIG_NAME, read_metadata
-from .errors import PosEncError
-from .registry import get_method
+from ..errors import PosEncError
+from ..registry import get_method
+from .metadata import POSENC_CONFIG_NAME, read_metadata
 
 TEMPLATE_NAME = "model_card.md.j2"
 TAGS = ("hf_posenc", "positional-encoding")
@@ -34,7 +34,7 @@ _LICENSE = re.compile(r"^[a-z0-9][a-z0-9.\-]*$")
 
 def template_path() -> Path:
     """model_cards/ of the source tree, else the copy installed under <prefix>/share/hf_posenc."""
-    for candidate in (Path(__file__).resolve().parent.parent / "model_cards" / TEMPLATE_NAME,
+    for candidate in (Path(__file__).resolve().parents[2] / "model_cards" / TEMPLATE_NAME,
                       Path(sys.prefix) / "share" / "hf_posenc" / "model_cards" / TEMPLATE_NAME):
         if candidate.is_file():
             return candidate
@@ -68,13 +68,13 @@ def _metadata_of(model_or_dir: Any) -> tuple[dict[str, Any], Path | None]:
     if isinstance(model_or_dir, (str, os.PathLike)):
         directory = Path(model_or_dir)
         return read_metadata(directory / POSENC_CONFIG_NAME), directory
-    from .checkpoint import posenc_metadata
-    from .patching import get_positional_module
+    from ..engine.install import applied_patch
+    from .saving import posenc_metadata
 
-    method = get_positional_module(model_or_dir)
-    if method is None:
+    applied = applied_patch(model_or_dir)
+    if applied is None:
         raise PosEncError("make_model_card needs a model patched by hf_posenc, or a checkpoint directory.")
-    return posenc_metadata(model_or_dir, method), None
+    return posenc_metadata(model_or_dir, applied.method), None
 
 
 def _value(value: Any) -> str:

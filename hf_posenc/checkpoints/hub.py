@@ -4,6 +4,9 @@
 checkpoint is only read, never changed): weights and configs, posenc_config.json, the model card
 (README.md), the evaluation plot, and the standalone code when asked. With `dry_run=DIR` it writes exactly
 that folder to DIR and uploads nothing.
+
+`publish_saved` is the library's part of a patched model's `save_pretrained(standalone=True, push_to_hub=True)`
+(see checkpoints/saving.py).
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import POSENC_CONFIG_NAME, read_metadata
-from .errors import PosEncError
+from ..engine.install import applied_patch
+from ..errors import PosEncError
+from .metadata import POSENC_CONFIG_NAME, read_metadata
 
 
 def check_repo_id(repo_id: Any) -> str:
@@ -28,6 +32,19 @@ def check_repo_id(repo_id: Any) -> str:
     if repo_id.count("/") != 1:
         raise PosEncError(f"Malformed repo id {repo_id!r}: use 'namespace/name' (your user name or an organisation).")
     return repo_id
+
+
+def publish_saved(directory, metadata: dict[str, Any], *, standalone: bool, upload: bool, token: str | None = None,
+                  **push_options) -> None:
+    """After a patched model's save_pretrained has written `directory`: add the standalone code, and upload it to the
+    Hub repo `repo_id` (default: the directory's name) with the other push options."""
+    from .export import write_standalone_code
+
+    if standalone:
+        write_standalone_code(None, directory, metadata)
+    if upload:
+        repo_id = push_options.pop("repo_id", None) or Path(directory).name
+        push_to_hub(directory, repo_id, token=token, **push_options)
 
 
 def build_upload_folder(model_or_dir: Any, folder, *, repo_id: str | None = None, standalone: bool = False,
@@ -49,7 +66,7 @@ def build_upload_folder(model_or_dir: Any, folder, *, repo_id: str | None = None
         if standalone and not (folder / "modeling_posenc.py").is_file():
             write_standalone_code(None, folder, read_metadata(folder / POSENC_CONFIG_NAME))
     else:
-        if not hasattr(model_or_dir, "hf_posenc_patch"):
+        if applied_patch(model_or_dir) is None:
             raise PosEncError("push_to_hub needs a model patched by hf_posenc, or a saved checkpoint directory.")
         model_or_dir.save_pretrained(folder, standalone=standalone)
     if plot is not None:

@@ -1,0 +1,79 @@
+"""`hf_posenc.from_pretrained`: load a checkpoint saved from a patched model, patch included.
+
+transformers loads the original architecture (a copy of the config with the values the patch rewrote put back),
+then checkpoints/restore.py checks and re-applies the saved patch. The loaded model's `save_pretrained` can write
+standalone code and push to the Hub, as after `patch_model` (checkpoints/hub.py: publish_saved).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from ..engine.install import applied_patch
+from .hub import publish_saved
+from .metadata import POSENC_CONFIG_NAME, read_metadata
+from .restore import HUB_KWARGS, config_before_patch, load_saved_patch, method_configs
+from .saving import BASE_MODEL_ATTR
+
+logger = logging.getLogger(__name__)
+
+
+class _DropLoadReport(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in str(record.msg)
+
+
+def from_pretrained(pretrained_model_name_or_path, **kwargs) -> nn.Module:
+    """Load a checkpoint saved from a patched model, patch included; the logits equal the saved model's.
+
+    `pretrained_model_name_or_path` is a local directory or a Hub repo id; keywords go to
+    `AutoModelForCausalLM.from_pretrained` (dtype, device_map, revision, token, ...). A checkpoint without
+    posenc_config.json is loaded as a plain, unpatched model. Code in the checkpoint is never run: the patch
+    comes from this library (a `trust_remote_code` keyword is ignored for that reason).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import cached_file
+
+    kwargs.pop("trust_remote_code", None)
+    want_info = kwargs.pop("output_loading_info", False)
+    hub_kwargs = {key: kwargs[key] for key in HUB_KWARGS if key in kwargs}
+    path = cached_file(pretrained_model_name_or_path, POSENC_CONFIG_NAME,
+                       _raise_exceptions_for_missing_entries=False, **hub_kwargs)
+    metadata = read_metadata(path) if path is not None else None
+    if metadata is not None:
+        method_configs(metadata)  # unknown methods and options fail before the weights are read
+    config = kwargs.pop("config", None) or AutoConfig.from_pretrained(pretrained_model_name_or_path,
+                                                                      trust_remote_code=False, **hub_kwargs)
+    if metadata is not None:
+        config = config_before_patch(config, metadata)
+    auto_map = getattr(config, "auto_map", None)
+    if isinstance(auto_map, dict) and str(auto_map.get("AutoModelForCausalLM", "")).startswith("modeling_posenc."):
+        # Our own standalone code: this library is the implementation, so that code is neither needed nor run.
+        config.auto_map = {k: v for k, v in auto_map.items() if k != "AutoModelForCausalLM"} or None
+        if config.auto_map is None:
+            del config.auto_map
+    report_logger = logging.getLogger("transformers.modeling_utils")
+    drop = _DropLoadReport()
+    if metadata is not None:
+        report_logger.addFilter(drop)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, config=config,
+                                                           trust_remote_code=False, output_loading_info=True,
+                                                           **kwargs)
+    finally:
+        report_logger.removeFilter(drop)
+    if metadata is None:
+        logger.info("%s has no %s: loaded as a plain model.", pretrained_model_name_or_path, POSENC_CONFIG_NAME)
+        return (model, info) if want_info else model
+    positional = set(metadata["positional_state"])
+    info["unexpected_keys"] = set(info.get("unexpected_keys", ())) - positional
+    if info["unexpected_keys"] or info.get("missing_keys"):
+        logger.warning("Loading %s: weights not used %s; weights newly initialised %s.",
+                       pretrained_model_name_or_path, sorted(info["unexpected_keys"]),
+                       sorted(info.get("missing_keys", ())))
+    load_saved_patch(model, pretrained_model_name_or_path, metadata, hub_kwargs, publish=publish_saved)
+    applied_patch(model).log.set_attr(model, BASE_MODEL_ATTR, {
+        "base_model": metadata.get("base_model"), "base_model_revision": metadata.get("base_model_revision")})
+    return (model, info) if want_info else model

@@ -1,0 +1,189 @@
+"""Re-applying a saved patch to a freshly loaded (unpatched) model: check `posenc_config.json` against the model,
+build the patch on the meta device to compare the state its options imply with the recorded shapes and the
+safetensors headers (so an edited option cannot make the loader allocate memory first), re-apply the patch, and load
+the positional state into it. Nothing from the checkpoint is executed.
+
+Both loaders use it: `hf_posenc.from_pretrained` (checkpoints/loading.py) and the generated standalone code, which
+carries a copy of this module (checkpoints/export.py): it imports only modules of the engine and, inside functions,
+transformers / safetensors / torch.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import PosEncConfig
+from ..engine.install import applied_patch, install_patch, method_info, remove_patch
+from ..errors import PosEncError
+from ..methods.base import PositionalMethod
+from ..registry import config_for, get_family, get_method
+from .metadata import POSENC_CONFIG_NAME
+from .saving import MODEL_FACTS, NATIVE_CONFIG_KEYS, Publish, attach_save_hook, positional_prefix
+
+# from_pretrained keywords that say where files come from (passed on to transformers' cached_file).
+HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
+
+
+def method_configs(metadata: dict[str, Any]) -> list[PosEncConfig]:
+    """The configs to patch with, in order (earlier patches first); unknown methods and options are refused."""
+    steps = [*(metadata.get("applied_after") or []), {"method": metadata["method"], "options": metadata["options"]}]
+    configs = []
+    for step in steps:
+        if not isinstance(step, dict) or not isinstance(step.get("options"), dict):
+            raise PosEncError(f"{POSENC_CONFIG_NAME}: malformed patch entry {step!r}.")
+        try:
+            configs.append(get_method(step.get("method")).config_class.from_options(**step["options"]))
+        except PosEncError as error:
+            raise PosEncError(f"{POSENC_CONFIG_NAME} cannot be applied: {error}") from None
+    return configs
+
+
+def config_before_patch(config, metadata: dict[str, Any]):
+    """A copy of the checkpoint's config with the values the patch rewrote put back, so the model is built as
+    the original one (whose config.json says, for example, YaRN) before the patch is applied again."""
+    before = metadata.get("config_before_patch") or {}
+    if not isinstance(before, dict) or set(before) - set(NATIVE_CONFIG_KEYS):
+        raise PosEncError(f"{POSENC_CONFIG_NAME}: config_before_patch may only hold {NATIVE_CONFIG_KEYS}.")
+    config = copy.deepcopy(config)
+    for name, value in before.items():
+        setattr(config, name, value)
+    return config
+
+
+def same_value(recorded: Any, actual: Any) -> bool:
+    """Equal and of the same type (in JSON `true` equals 1, but is not a head count)."""
+    return type(recorded) is type(actual) and recorded == actual
+
+
+def check_model_matches(metadata: dict[str, Any], model: nn.Module) -> None:
+    info = get_family(model.config).model_info(model)
+    recorded = metadata["model"]
+    wrong = [f"{fact}: {recorded.get(fact)!r} in {POSENC_CONFIG_NAME}, {getattr(info, fact)!r} in the model"
+             for fact in MODEL_FACTS if not same_value(recorded.get(fact), getattr(info, fact))]
+    if wrong:
+        raise PosEncError(f"{POSENC_CONFIG_NAME} does not match the checkpoint's model ({'; '.join(wrong)}); it "
+                          "was written for another model or edited. Refusing to load.")
+
+
+def planned_method(model: nn.Module, configs: list[PosEncConfig]) -> PositionalMethod:
+    """The method the saved patch builds, built on the meta device (shapes, no memory), each config on top of the
+    one before as patch_model would build it."""
+    family = get_family(model.config)
+    method = None
+    for config in configs:
+        info = method_info(family, model, method)
+        with torch.device("meta"):
+            method = config_for(config).module_class(config, info)
+    return method
+
+
+def check_before_building(model: nn.Module, metadata: dict[str, Any], configs: list[PosEncConfig],
+                          tensors: "CheckpointTensors") -> None:
+    """Refuse a checkpoint whose patch history or positional state does not match what its options build, before
+    anything is built: a few edited bytes in posenc_config.json (an MLP width, a bucket count) must not make the
+    loader allocate gigabytes first. The shapes the options imply are compared with the recorded ones and with
+    the safetensors headers."""
+    method = planned_method(model, configs)
+    if method.builds_on() != configs[:-1]:
+        needed = [c.method for c in method.builds_on()] or "nothing"
+        raise PosEncError(f"{POSENC_CONFIG_NAME}: applied_after lists {[c.method for c in configs[:-1]]}, but "
+                          f"{metadata['method']!r} with these options builds on {needed}; the file was edited or "
+                          "written by another tool. Refusing to load.")
+    # where the family installs the method: `<base model>.posenc`
+    prefix = _module_name(model, get_family(model.config).base_model(model)) + ".posenc."
+    expected = {prefix + key: tuple(value.shape) for key, value in method.state_dict().items()}
+    recorded = metadata["positional_state"]
+    if set(recorded) != set(expected):
+        raise PosEncError(
+            f"{POSENC_CONFIG_NAME} lists positional weights {sorted(recorded)}, but {metadata['method']!r} with "
+            f"these options has {sorted(expected)}. Refusing to load.")
+    in_files = tensors.shapes(sorted(expected)) if expected else {}
+    missing = sorted(set(expected) - set(in_files))
+    if missing:
+        raise PosEncError(f"The checkpoint lacks the positional weights {missing} that {metadata['method']!r} needs "
+                          "(were they trained and saved?). Refusing to load.")
+    for key, shape in expected.items():
+        entry = recorded[key]
+        written = tuple(entry.get("shape", ())) if isinstance(entry, dict) else None
+        if not (written == in_files[key] == shape):
+            raise PosEncError(f"Positional weight {key}: {metadata['method']!r} with these options needs shape "
+                              f"{shape}; {POSENC_CONFIG_NAME} records {written} and the weights file holds "
+                              f"{in_files[key]}. Refusing to load.")
+
+
+def _module_name(model: nn.Module, module: nn.Module) -> str:
+    return next(name for name, candidate in model.named_modules() if candidate is module)
+
+
+def apply_saved_patch(model: nn.Module, metadata: dict[str, Any], tensors: "CheckpointTensors",
+                      publish: Publish | None = None) -> nn.Module:
+    """Patch a freshly loaded (unpatched) model as `metadata` says and load the positional state into it. `publish`:
+    what the model's save_pretrained uses for standalone=True / push_to_hub=True (see checkpoints/saving.py)."""
+    configs = method_configs(metadata)
+    check_model_matches(metadata, model)
+    check_before_building(model, metadata, configs, tensors)
+    try:
+        for config in configs:
+            install_patch(model, config, functools.partial(attach_save_hook, publish=publish))
+        method = applied_patch(model).method
+        prefix = positional_prefix(model, method) + "."
+        keys = [prefix + key for key in method.state_dict()]
+        values = tensors.read(keys) if keys else {}
+        with torch.no_grad():
+            method.load_state_dict({key[len(prefix):]: values[key] for key in keys}, strict=True)
+    except BaseException:
+        remove_patch(model)
+        raise
+    return model
+
+
+class CheckpointTensors:
+    """Named tensors of a checkpoint's safetensors files (one file or shards), local or on the Hub. `shapes` reads
+    only the file headers."""
+
+    def __init__(self, name_or_path, hub_kwargs: dict):
+        self.name_or_path = name_or_path
+        self.hub_kwargs = hub_kwargs
+
+    def _fetch(self, filename: str):
+        from transformers.utils import cached_file
+
+        return cached_file(self.name_or_path, filename, _raise_exceptions_for_missing_entries=False,
+                           **self.hub_kwargs)
+
+    def _open_files(self, keys: list[str]):
+        """Yield (open safetensors file, the wanted keys it holds)."""
+        from safetensors import safe_open
+
+        index = self._fetch("model.safetensors.index.json")
+        if index is not None:
+            weight_map = json.loads(Path(index).read_text(encoding="utf-8")).get("weight_map", {})
+            files = sorted({weight_map[key] for key in keys if key in weight_map})
+        else:
+            files = ["model.safetensors"]
+        for filename in files:
+            path = self._fetch(filename)
+            if path is None:
+                raise PosEncError(f"{self.name_or_path} has no {filename}: hf_posenc checkpoints are saved as "
+                                  "safetensors.")
+            with safe_open(path, framework="pt") as handle:
+                yield handle, set(keys) & set(handle.keys())
+
+    def shapes(self, keys: list[str]) -> dict[str, tuple[int, ...]]:
+        return {key: tuple(handle.get_slice(key).get_shape()) for handle, held in self._open_files(keys)
+                for key in held}
+
+    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        return {key: handle.get_tensor(key) for handle, held in self._open_files(keys) for key in held}
+
+
+def load_saved_patch(model: nn.Module, name_or_path, metadata: dict[str, Any], hub_kwargs: dict,
+                     publish: Publish | None = None) -> nn.Module:
+    return apply_saved_patch(model, metadata, CheckpointTensors(name_or_path, hub_kwargs), publish)

@@ -1,0 +1,163 @@
+"""What `save_pretrained` writes for a patched model.
+
+A patched model's `save_pretrained` (an instance-level wrapper attached inside the patch, removed by
+`unpatch_model`) writes the usual transformers checkpoint of the *original* architecture (weights a patch took out
+of the module tree, such as GPT-2's `wpe`, are saved as they were) plus the positional module's own state under
+`<base model>.posenc.*`, and `posenc_config.json` beside `config.json`: the method, its options, the patches it was
+built on, the base model, and the model's shape for validation (checkpoints/restore.py checks it on loading).
+
+`standalone=True` (code that plain transformers runs) and `push_to_hub=True` are the library's: `patch_model` and
+`from_pretrained` give the wrapper a `publish` function for them (checkpoints/hub.py). A model patched by a
+checkpoint's standalone code has none, and refuses them before writing anything.
+
+This module is copied into standalone checkpoints (checkpoints/export.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..config import PosEncConfig
+from ..errors import PosEncError
+from ..methods.base import PositionalMethod
+from ..registry import get_family
+from ..version import __version__
+from .metadata import FORMAT_VERSION, write_metadata
+
+BASE_MODEL_ATTR = "hf_posenc_base_model"
+MODEL_FACTS = ("model_type", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size")
+# Config attributes a patch may rewrite so that config.json is native (RoPE scalings on LLaMA-style models).
+NATIVE_CONFIG_KEYS = ("rope_parameters", "max_position_embeddings")
+# save_pretrained keywords that only an upload uses (kept from transformers' own save).
+PUSH_OPTIONS = ("repo_id", "commit_message", "private", "revision", "create_pr")
+
+# After a checkpoint is written: publish(directory, metadata, standalone=..., upload=..., token=..., **push options).
+# See checkpoints/hub.py: publish_saved.
+Publish = Callable[..., Any]
+
+
+def attach_save_hook(model: nn.Module, method: PositionalMethod, log, publish: Publish | None = None) -> None:
+    """Called inside the patch transaction on the unpatched model, just before the patch is installed: remembers the
+    original state dict (references, no copies) and gives the model a `save_pretrained` that saves the patch.
+
+    The patches the method builds on (`method.builds_on()`: a RoPE scaling on GPT-2 scales a `rope` patch) are
+    recorded with it and replayed in order when the checkpoint is loaded."""
+    config_before = {name: copy.deepcopy(getattr(model.config, name, None)) for name in NATIVE_CONFIG_KEYS}
+    save = PatchedSavePretrained(model, method, model.state_dict(keep_vars=True), model.save_pretrained,
+                                 config_before, publish)
+    log.set_attr(model, "save_pretrained", save)
+
+
+class PatchedSavePretrained:
+    """The patched model's `save_pretrained`. A callable object rather than a closure, so that
+    `copy.deepcopy(model)` gives a copy whose save_pretrained saves the copy."""
+
+    def __init__(self, model: nn.Module, method: PositionalMethod, original_state: dict, original_save,
+                 config_before: dict, publish: Publish | None = None):
+        self.model = model
+        self.method = method
+        self.original_state = original_state
+        self.original_save = original_save
+        self.config_before = config_before
+        self.publish = publish
+
+    def __call__(self, save_directory, is_main_process: bool = True, state_dict: dict | None = None,
+                 push_to_hub: bool = False, *, standalone: bool = False, base_model: str | None = None,
+                 base_model_revision: str | None = None, **kwargs):
+        """transformers' save_pretrained, plus the positional patch (see hf_posenc/checkpoints/saving.py).
+
+        standalone=True also writes code that plain transformers runs with trust_remote_code=True.
+        base_model / base_model_revision: the Hub model this one was made from, for posenc_config.json and
+        the model card (default: what the model was loaded from, when that is a Hub id)."""
+        if (standalone or push_to_hub) and self.publish is None:
+            raise PosEncError(
+                f"save_pretrained({'standalone' if standalone else 'push_to_hub'}=True) needs the hf_posenc library, "
+                "and this model was patched by a checkpoint's standalone code: install hf_posenc and load the "
+                "checkpoint with hf_posenc.from_pretrained to save it that way.")
+        model, method = self.model, self.method
+        metadata = posenc_metadata(model, method, base_model=base_model, base_model_revision=base_model_revision,
+                                   config_before=self.config_before)
+        if state_dict is None:
+            state_dict = checkpoint_state_dict(model, method, self.original_state)
+        missing = sorted(set(metadata["positional_state"]) - set(state_dict))
+        if missing:
+            raise PosEncError(f"The state_dict given to save_pretrained lacks the positional weights {missing}.")
+        push_options = {key: kwargs.pop(key) for key in PUSH_OPTIONS if key in kwargs}
+        self.original_save(save_directory, is_main_process=is_main_process, state_dict=state_dict, **kwargs)
+        if not is_main_process:
+            return
+        write_metadata(save_directory, metadata)
+        if standalone or push_to_hub:
+            self.publish(save_directory, metadata, standalone=standalone, upload=push_to_hub,
+                         token=kwargs.get("token"), **push_options)
+
+
+def positional_prefix(model: nn.Module, method: PositionalMethod) -> str:
+    """Where the method module sits in the model ('model.posenc', 'transformer.posenc')."""
+    for name, module in model.named_modules():
+        if module is method:
+            return name
+    raise PosEncError("The positional module is not part of this model (was it patched by hf_posenc?).")
+
+
+def positional_state(model: nn.Module, method: PositionalMethod) -> dict[str, torch.Tensor]:
+    prefix = positional_prefix(model, method)
+    return {f"{prefix}.{key}": value for key, value in method.state_dict().items()}
+
+
+def checkpoint_state_dict(model: nn.Module, method: PositionalMethod,
+                          original_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The original architecture's state dict (current values; tensors the patch took out of the module tree as
+    they were) plus the positional state. State of modules the patch put in is left out: the patch rebuilds it."""
+    current = model.state_dict()
+    state = {key: current[key] if key in current else value.detach() for key, value in original_state.items()}
+    state.update(positional_state(model, method))
+    return state
+
+
+def base_model_reference(model: nn.Module) -> tuple[str | None, str | None]:
+    """(base model, revision): what from_pretrained recorded, else what the model was loaded from when that
+    is not a local path."""
+    recorded = getattr(model, BASE_MODEL_ATTR, None)
+    if recorded:
+        return recorded.get("base_model"), recorded.get("base_model_revision")
+    name = getattr(model.config, "_name_or_path", "") or None
+    if name and (os.path.isabs(name) or os.path.exists(name) or name.startswith(".")):
+        name = None
+    return name, None
+
+
+def posenc_metadata(model: nn.Module, method: PositionalMethod, base_model: str | None = None,
+                    base_model_revision: str | None = None, config_before: dict | None = None) -> dict[str, Any]:
+    """The content of posenc_config.json for a patched model. `config_before`: the values NATIVE_CONFIG_KEYS had
+    before the patch; those it changed are recorded, because loading must start from the original model."""
+    family = get_family(model.config)
+    info = family.model_info(model)
+    recorded_base, recorded_revision = base_model_reference(model)
+    state = positional_state(model, method)
+    return {
+        "format": "hf_posenc",
+        "format_version": FORMAT_VERSION,
+        "hf_posenc_version": __version__,
+        "method": method.config.method,
+        "options": _options(method.config),
+        "applied_after": [{"method": c.method, "options": _options(c)} for c in method.builds_on()],
+        "base_model": base_model or recorded_base,
+        "base_model_revision": base_model_revision if base_model else (base_model_revision or recorded_revision),
+        "model": {"architecture": type(model).__name__, "family": family.name,
+                  **{fact: getattr(info, fact) for fact in MODEL_FACTS}},
+        "positional_state": {key: {"shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", "")}
+                             for key, value in state.items()},
+        "native": family.is_native(model, method),
+        "config_before_patch": {name: value for name, value in (config_before or {}).items()
+                                if getattr(model.config, name, None) != value},
+    }
+
+
+def _options(config: PosEncConfig) -> dict[str, Any]:
+    return {key: value for key, value in config.to_dict().items() if key != "method"}

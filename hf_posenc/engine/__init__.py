@@ -1,0 +1,11 @@
+"""The patch engine: what happens to a model when it is patched, and at every forward.
+
+- install.py: the transactional core of a patch (build the method, install it through the family, undo log).
+- undo.py: the undo log (plain data: survives deepcopy and pickling).
+- state.py: the positions of each forward, read once per forward by a pre-hook on the base model.
+- attention.py: the one attention path of methods that act inside attention (blocked, flex, flash).
+- kernel_check.py: compiled and external kernels serve only kinds of call checked on this machine.
+- replay.py: exact KV caching for length-dependent RoPE scalings (replays the text when the scale changes).
+
+The engine imports nothing from hf_posenc.checkpoints or the tools (tests/test_layout.py checks it).
+"""

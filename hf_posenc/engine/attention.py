@@ -1,0 +1,494 @@
+"""The one attention path shared by every method that acts inside attention: additive biases, and rotary
+methods that must rotate the whole key cache each step (length-dependent scalings, xPos).
+
+Registered once, process-wide, under the name `hf_posenc` in transformers' AttentionInterface (with the
+sdpa mask function under the same name in AttentionMaskInterface, so padding masks still arrive). It reads
+all per-model state from the attention module it is called with, so any number of models, patched with
+different methods, can use it at once. BLOOM, whose attention does not use the interface, reaches the same
+function through a per-instance forward (families/bloom.py).
+
+Three ways to compute attention with a bias, never materialising a [B, H, L, L] tensor:
+
+- "blocked" (portable, the default on CPU): queries in blocks; each block sees only the keys that causality
+  allows it (so the work is about half the square, like causal SDPA). For a bias that depends on i - j alone
+  (`bias_table`) with no padding mask, the block's mask is a strided Toeplitz view of a table of length L (no
+  copy at all: within a few percent of causal SDPA's time on CPU); with a padding mask it is a copy of that view
+  combined with the mask, in blocks of at most `BLOCK_BYTES`; other biases are computed per block. SDPA or eager
+  softmax per block: whichever backend the model had.
+- "flex": `torch.nn.attention.flex_attention` (compiled) with a `score_mod` that indexes the distance table.
+  Only for table methods with a boolean or no mask, no dropout, no sliding window, the sdpa backend, more than one
+  query (decoding stays blocked), and on CPU only without gradients (flex has no CPU backward in torch 2.13).
+- "flash": flash-attn's `alibi_slopes`, for ALiBi with fixed slopes on CUDA in fp16/bf16 with flash-attn
+  installed, no padding mask, and a cache holding exactly the keys seen (not a StaticCache).
+
+`set_attention_path("auto" | "blocked" | "flex" | "flash")` (or the `attention_path(...)` context manager)
+chooses. "auto" takes flash where it applies, flex on CUDA where it applies, blocked otherwise: on CPU compiled
+flex costs seconds of compilation per shape, failed to compile for left-padded decoding, and once compiled ran
+1.8x causal SDPA at L=4096 against the blocked view's 1.1x, so it is never chosen automatically there. An explicit
+"flex" or "flash" falls back to blocked, silently, for calls it cannot serve (the conditions above); `last_paths`
+counts which path served each call, for checking.
+
+No compiled or external kernel serves numbers that were not checked on the machine it runs on (kernel_check): the
+first call of each kind that flex or flash is about to serve also runs the kernel on NaN-fenced copies of its inputs
+and compares both outputs with the blocked path's (on at most 128 query rows), and, where the call needs gradients,
+the kernel's gradients on a small probe; a kind is every new compiled shape for flex, the dtype, heads and size
+classes for flash (see `_flex_call`, `_flash_call`). On a mismatch, NaN, or an exception, one `KernelCheckWarning`
+names the kernel, torch, the device and the error, and the blocked path serves that kernel's calls on that device
+for the rest of the process (the checking call included). `kernel_status()` lists the verdicts (which kernel serves
+which kind, which were refused), `reset_kernel_status()` forgets them. Seen on an AMD EPYC CPU with torch 2.13 (4
+heads, 2 KV heads, head size 16): compiled flex at 40 queries and keys (batch 1 or 2) reads past the end of the keys
+and gives NaN, or values off by up to 2, depending on what that memory holds; at 16, 32, 37, 48, 64, 100 and 128
+(batch 1 or 2, with or without padding) it passed, fenced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .kernel_check import (PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, KernelCheckWarning,  # noqa: F401
+                           kernel_status, reset_kernel_status, serve as serve_checked, table_attention_reference)
+from ..methods.base import AttentionBiasMethod, PositionalMethod, RotaryMethod
+from .state import STATE_ATTR, PositionState
+
+ATTENTION_NAME = "hf_posenc"
+BLOCK_BYTES = 16 * 2**20
+VIEW_BLOCK_ROWS = 256  # query rows per block when the bias is a view: fewer wastes the masked keys less, more calls
+ATTENTION_PATHS = ("auto", "blocked", "flex", "flash")
+
+_registered = False
+_path = "auto"
+_compiled_flex: dict = {}
+last_paths: Counter = Counter()
+
+
+def register_attention() -> None:
+    global _registered
+    if not _registered:
+        AttentionInterface.register(ATTENTION_NAME, posenc_attention)
+        AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+        _registered = True
+
+
+def set_attention_path(path: str) -> None:
+    """Choose how biased attention is computed, process-wide: "auto" (default), "blocked", "flex" or "flash"."""
+    from ..errors import PosEncError
+
+    if path not in ATTENTION_PATHS:
+        raise PosEncError(f"Attention path {path!r} is unknown; use one of {', '.join(ATTENTION_PATHS)}.")
+    global _path
+    _path = path
+
+
+def get_attention_path() -> str:
+    return _path
+
+
+@contextlib.contextmanager
+def attention_path(path: str):
+    previous = _path
+    set_attention_path(path)
+    try:
+        yield
+    finally:
+        set_attention_path(previous)
+
+
+def block_rows(batch: int, heads: int, kv: int, cost: float = 1.0) -> int:
+    return max(1, int(BLOCK_BYTES // (4 * batch * heads * max(kv, 1) * cost)))
+
+
+def block_mask(state: PositionState, layer_idx: int, rows: slice, query_slots, key_slots, query_positions,
+               key_positions, attention_mask, dtype: torch.dtype) -> torch.Tensor:
+    """The attention mask for query rows `rows` (all keys given): the method's bias with disallowed keys at dtype's
+    minimum [B or 1, H, r, kv], or a boolean mask [B or 1, 1, r, kv] for methods without a bias. This is the
+    reference, materialised computation that the fast paths are tested against."""
+    allowed = key_slots[None, :] <= query_slots[rows, None]
+    bias = None
+    if isinstance(state.method, AttentionBiasMethod):
+        bias = state.method.bias(layer_idx, query_positions[:, rows], key_positions)
+    given = attention_mask[..., rows, :] if attention_mask is not None else None
+    return _combine(state, allowed, bias, given, query_positions[:, rows], key_positions, dtype)
+
+
+def _combine(state, allowed, bias, given, query_positions, key_positions, dtype, fresh=False):
+    """Causal slots `allowed` [r, k], the method's extra key mask, the given mask [.., r, k] and the bias -> one
+    mask (see block_mask). `fresh`: the bias is this block's own tensor and may be overwritten."""
+    extra = state.method.allowed_keys(query_positions, key_positions)
+    if extra is not None:
+        allowed = allowed & extra
+    if given is not None:
+        if given.dtype == torch.bool:
+            allowed = allowed & given
+        else:  # an additive float mask (BLOOM's, or a caller's)
+            bias = given.float() if bias is None else bias + given.float()
+    if bias is None:
+        return allowed[None, None] if allowed.dim() == 2 else allowed
+    low = torch.finfo(dtype).min
+    if not fresh or bias.dtype != torch.float32 or torch.broadcast_shapes(bias.shape, allowed.shape) != bias.shape:
+        return torch.where(allowed, bias.clamp_min(low), low).to(dtype)
+    # In place, so that no second [B, H, r, k] tensor is made.
+    bias = bias.clamp_min_(low).masked_fill_(~allowed, low)
+    return bias if dtype == torch.float32 else bias.to(dtype)
+
+
+def distance_table(method: PositionalMethod, layer_idx: int, num_distances: int, max_position: int,
+                   device) -> torch.Tensor | None:
+    """float32 [H, num_distances] for methods whose bias depends on i - j alone (for these queries), else None."""
+    if not isinstance(method, AttentionBiasMethod):
+        return None
+    return method.bias_table(layer_idx, num_distances, max_position, device)
+
+
+def padded_table(table: torch.Tensor, pad: int, dtype: torch.dtype) -> torch.Tensor:
+    """[H, pad + n]: the distance table in `dtype` behind `pad` entries of dtype's minimum, which stand for the
+    negative distances (keys after the query), so that a Toeplitz view of it is the causally masked bias."""
+    low = torch.finfo(dtype).min
+    table = table.clamp_min(low).to(dtype)
+    return torch.cat([table.new_full((table.shape[0], pad), low), table], dim=1)
+
+
+def toeplitz_view(padded: torch.Tensor, pad: int, first: int, rows: int, keys: int) -> torch.Tensor:
+    """The masked bias of a query block with its keys in REVERSED order, as a strided view of `padded` (see
+    padded_table): out[h, r, c] = table[h, first + r - (keys-1-c)], and dtype's minimum where that index is below
+    0 (needs pad >= rows - 1 - first). Reversing the keys makes every row a forward window of the table, so the
+    view is one `unfold`: no [H, rows, keys] tensor is made. SDPA reads a strided mask as it is, and the rows
+    overlap in memory, so the bias it reads stays in cache: on CPU this costs a few percent over causal SDPA,
+    where a contiguous copy of the same block costs about half again."""
+    start = pad + first - keys + 1
+    return padded[:, start:start + rows + keys - 1].unfold(-1, keys, 1)
+
+
+def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     **kwargs):
+    """AttentionInterface function: query [B, H, q, D], key/value [B, H_kv, kv, D] (the whole cache).
+    Returns (output [B, q, H, D], attention weights or None)."""
+    state: PositionState | None = getattr(module, STATE_ATTR, None)
+    if state is None:
+        raise RuntimeError(
+            f"{type(module).__name__} uses attention implementation {ATTENTION_NAME!r} but was not patched by "
+            "hf_posenc; call hf_posenc.patch_model(model, ...) on this model instead of setting it by hand."
+        )
+    batch, heads, q, head_dim = query.shape
+    kv = key.shape[2]
+    scaling = head_dim**-0.5 if scaling is None else scaling
+    query_slots, key_slots, query_positions, key_positions = state.relative_positions(q, kv, query.device)
+    rotary = isinstance(state.method, RotaryMethod)
+    has_bias = isinstance(state.method, AttentionBiasMethod)
+    if rotary and not state.method.rotates_per_query_block:
+        # Keys are cached un-rotated; rotating the whole cache here costs O(kv * D) per layer and step, the same
+        # order as attention itself, and is what keeps length-dependent scalings exact under a KV cache.
+        query, key = state.method.rotate_query_key(query, key, query_positions, key_positions, state.call.seq_len)
+    dropout = dropout if module.training else 0.0
+    eager = state.backend == "eager"
+    layer_idx = getattr(module, "layer_idx", 0) or 0
+
+    if not eager and dropout == 0.0 and has_bias and state.call.shift is not None:
+        output = _kernel_output(module, state, layer_idx, query, key, value, attention_mask, scaling, query_slots,
+                                key_slots, query_positions, key_positions, kwargs)
+        if output is not None:
+            return output, None
+    if (not has_bias and not eager and attention_mask is None and query.shape[2] == key.shape[2]
+            and int(query_slots[0]) == int(key_slots[0]) and not state.method.masks_keys
+            and not (rotary and state.method.rotates_per_query_block)):
+        # No bias and a plain causal square (a full forward without padding): SDPA's own causal kernel.
+        last_paths["causal"] += 1
+        output = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=True,
+                                                enable_gqa=query.shape[1] != key.shape[1])
+        return output.transpose(1, 2).contiguous(), None
+    last_paths["blocked"] += 1
+    return _blocked(module, state, layer_idx, query, key, value, attention_mask, scaling, dropout, eager,
+                    query_slots, key_slots, query_positions, key_positions)
+
+
+def _blocked(module, state, layer_idx, query, key, value, attention_mask, scaling, dropout, eager, query_slots,
+             key_slots, query_positions, key_positions):
+    batch, heads, q, _ = query.shape
+    kv = key.shape[2]
+    groups = heads // key.shape[1]
+    if eager and groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    first_key = int(key_slots[0]) if kv else 0
+    query_offset = int(query_slots[0]) - first_key  # slot distance of the first query to the first key
+    table = None
+    # A distance table indexed by slot distance needs position distances to be slot distances (state.py's shift);
+    # eager returns attention weights, in key order: both others take the generic path.
+    if not eager and state.call.shift is not None:
+        table = distance_table(state.method, layer_idx, query_offset + q, int(query_positions.max()), query.device)
+    if table is not None:
+        # Keys in reversed order (see toeplitz_view); softmax does not care about the order of keys.
+        key, value, key_slots, key_positions = key.flip(2), value.flip(2), key_slots.flip(0), key_positions.flip(-1)
+        attention_mask = attention_mask.flip(-1) if attention_mask is not None else None
+    # A bias table and nothing else to mask: each block's mask is a view of the table (see toeplitz_view).
+    as_view = table is not None and attention_mask is None and not state.method.masks_keys
+    if table is not None:
+        step = VIEW_BLOCK_ROWS if as_view else block_rows(batch, heads, kv)
+        padded = padded_table(table, step, query.dtype if as_view else torch.float32)
+    else:
+        step = block_rows(batch, heads, kv, state.method.block_cost)
+    rotate_blocks = isinstance(state.method, RotaryMethod) and state.method.rotates_per_query_block
+
+    outputs, weights = [], []
+    for rows in query_blocks(query_positions, step, state.method.max_query_spread if rotate_blocks else None):
+        start, stop = rows.start, rows.stop
+        # Keys past the block's last query slot are masked for every row of the block: leave them out
+        # (eager mode keeps them, for full-width attention weights).
+        keys = kv if eager else max(1, min(kv, query_offset + stop))
+        columns = slice(kv - keys, kv) if table is not None else slice(0, keys)
+        block_query = query[:, :, rows]
+        block_key, block_value = key[:, :, columns], value[:, :, columns]
+        if rotate_blocks:
+            block_query, block_key = state.method.rotate_query_key(
+                block_query, block_key, query_positions[:, rows], key_positions[:, columns], state.call.seq_len)
+        if as_view:
+            mask = toeplitz_view(padded, step, query_offset + start, stop - start, keys)[None]
+            outputs.append(F.scaled_dot_product_attention(block_query, block_key, block_value, attn_mask=mask,
+                                                          dropout_p=dropout, scale=scaling, enable_gqa=groups > 1))
+            continue
+        allowed = key_slots[None, columns] <= query_slots[rows, None]
+        if not isinstance(state.method, AttentionBiasMethod):
+            bias = None
+        elif table is not None:
+            bias = toeplitz_view(padded, step, query_offset + start, stop - start, keys).contiguous()[None]
+        else:
+            bias = state.method.bias(layer_idx, query_positions[:, rows], key_positions[:, columns])
+        given = attention_mask[..., rows, columns] if attention_mask is not None else None
+        mask = _combine(state, allowed, bias, given, query_positions[:, rows], key_positions[:, columns],
+                        query.dtype, fresh=table is not None)
+        if eager:
+            scores = torch.matmul(block_query, block_key.transpose(2, 3)) * scaling
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool \
+                else scores + mask
+            probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+            probs = F.dropout(probs, p=dropout, training=module.training)
+            outputs.append(torch.matmul(probs, block_value))
+            weights.append(probs)
+        else:
+            outputs.append(F.scaled_dot_product_attention(
+                block_query, block_key, block_value, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                enable_gqa=groups > 1))
+    output = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
+    attn_weights = (torch.cat(weights, dim=2) if len(weights) > 1 else weights[0]) if eager else None
+    return output.transpose(1, 2).contiguous(), attn_weights
+
+
+def query_blocks(query_positions: torch.Tensor, step: int, max_spread: float | None = None) -> list[slice]:
+    """Query rows in blocks of at most `step`; with `max_spread`, a block is halved until the positions of each of its
+    rows lie within max_spread of each other (for methods that scale around a centre per block, see xpos.py)."""
+    q = query_positions.shape[-1]
+    blocks, start = [], 0
+    while start < q:
+        stop = min(q, start + step)
+        while max_spread is not None and stop - start > 1:
+            rows = query_positions[:, start:stop]
+            if float((rows.amax(-1) - rows.amin(-1)).max()) <= max_spread:
+                break
+            stop = start + (stop - start) // 2
+        blocks.append(slice(start, stop))
+        start = stop
+    return blocks
+
+
+def _kernel_output(module, state, layer_idx, query, key, value, attention_mask, scaling, query_slots, key_slots,
+                   query_positions, key_positions, kwargs):
+    """The output [B, q, H, D] of the first compiled or external kernel that applies to this call under the chosen
+    path and is (or has just been) checked on this device (see kernel_check), or None: the blocked path serves."""
+    builders = []
+    if _path in ("auto", "flash"):
+        builders.append(_flash_call)
+    if _path == "flex" or (_path == "auto" and query.is_cuda):
+        builders.append(_flex_call)
+    for build in builders:
+        call = build(module, state, layer_idx, query, key, value, attention_mask, scaling, query_slots, key_slots,
+                     query_positions, key_positions, kwargs)
+        output = serve_checked(call) if call is not None else None
+        if output is not None:
+            last_paths[call.kernel] += 1
+            return output
+    return None
+
+
+def _reference_rows(module, state, layer_idx, query, key, value, attention_mask, scaling, query_slots, key_slots,
+                    query_positions, key_positions):
+    """rows -> the blocked path's output [B, r, H, D] for those query rows (all keys): what kernels are checked
+    against."""
+    def reference(rows: slice) -> torch.Tensor:
+        mask = attention_mask
+        if mask is not None and mask.shape[-2] == query.shape[2]:
+            mask = mask[..., rows, :]
+        return _blocked(module, state, layer_idx, query[:, :, rows], key, value, mask, scaling, 0.0, False,
+                        query_slots[rows], key_slots, query_positions[:, rows], key_positions)[0]
+    return reference
+
+
+def _needs_grad(state, *tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *state.method.parameters()))
+
+
+def size_class(n: int) -> int:
+    """Power-of-two size class: 1, 2-3, 4-7, 8-15, ... (each new class of a kind is checked once)."""
+    return int(n).bit_length()
+
+
+def _key_validity(attention_mask, batch: int, kv: int):
+    """[B, kv] bool: keys the last query row may see (padding masked), from a boolean mask; None if unusable."""
+    if attention_mask is None:
+        return torch.ones(batch, kv, dtype=torch.bool)
+    if attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
+        return None
+    return attention_mask[:, 0, -1, :].expand(batch, kv)
+
+
+FLEX_BACKWARD_DEVICES = ("cuda",)  # flex_attention has no CPU backward in torch 2.13
+
+
+def _flex_call(module, state, layer_idx, query, key, value, attention_mask, scaling, query_slots, key_slots,
+               query_positions, key_positions, kwargs) -> KernelCall | None:
+    """Compiled flex_attention with a distance-table score_mod, or None where it does not apply (see the module
+    docstring). Its kind is the exact compiled shape: on CPU it compiles once per shape (dynamic=False), and the
+    torch 2.13 CPU failures depend on batch size and length; on CUDA a check per new shape costs at most the blocked
+    path on 128 query rows, and flex never serves decoding, whose shape changes every step."""
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401 (availability)
+    except ImportError:
+        return None
+    if state.method.masks_keys or kwargs.get("sliding_window") \
+            or getattr(module, "sliding_window", None):
+        return None
+    batch, heads, q, head_dim = query.shape
+    kv = key.shape[2]
+    if q == 1:  # decoding: one row of bias, a view of the table in the blocked path; flex would recompile per length
+        return None
+    needs_grad = _needs_grad(state, query, key, value)
+    if needs_grad and query.device.type not in FLEX_BACKWARD_DEVICES:
+        return None
+    valid = _key_validity(attention_mask, batch, kv)
+    if valid is None:
+        return None
+    offset = int(query_slots[0]) - int(key_slots[0])
+    table = distance_table(state.method, layer_idx, offset + q, int(query_positions.max()), query.device)
+    if table is None:
+        return None
+    valid = valid.to(query.device)
+    dtype = str(query.dtype)
+    masked = attention_mask is not None
+    return KernelCall(
+        kernel="flex", device=query.device,
+        kind=(dtype, tuple(query.shape), tuple(key.shape), offset, "mask" if masked else "no mask",
+              "grad" if needs_grad else "no grad"),
+        function=functools.partial(_flex_kernel, offset=offset, valid=valid, scaling=scaling),
+        inputs={"query": query, "key": key, "value": value, "table": table},
+        reference=_reference_rows(module, state, layer_idx, query, key, value, attention_mask, scaling, query_slots,
+                                  key_slots, query_positions, key_positions),
+        defined=lambda: valid.cumsum(-1)[:, offset:offset + q] > 0,
+        gradient_kind=(dtype, heads, key.shape[1], head_dim, masked) if needs_grad else None,
+        gradient_probe=lambda: _table_gradient_probe(_flex_kernel, query, key, value, table, offset + q, valid,
+                                                     scaling))
+
+
+def _flex_kernel(query, key, value, table, offset: int, valid, scaling) -> torch.Tensor:
+    """torch.compile(flex_attention) on a distance-table problem (see kernel_check.table_attention_reference):
+    output [B, q, H, D]."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    batch, heads, q, _ = query.shape
+    kv = key.shape[2]
+    offset_t = torch.tensor(offset, device=query.device)
+    last = table.shape[1] - 1
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        distance = (q_idx + offset_t - kv_idx).clamp(0, last)
+        return score + table[h, distance]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx + offset_t) & valid[b, kv_idx]
+
+    device = query.device.type
+    if device not in _compiled_flex:
+        # Inductor's CPU flex template failed to compile with dynamic shapes (torch 2.13): one compile per shape there.
+        _compiled_flex[device] = torch.compile(flex_attention, dynamic=False if device == "cpu" else None)
+    blocks = create_block_mask(mask_mod, batch, None, q, kv, device=query.device)
+    output = _compiled_flex[device](query, key, value, score_mod=score_mod, block_mask=blocks, scale=scaling,
+                                    enable_gqa=heads != key.shape[1])
+    return output.transpose(1, 2).contiguous()
+
+
+def _table_gradient_probe(kernel, query, key, value, table, end: int, valid, scaling,
+                          table_gradient: bool = True) -> GradientProbe:
+    """A small square problem cut from a call, for checking the gradients of `kernel(query, key, value, table,
+    offset, valid, scaling)` w.r.t. queries, keys, values and (where `table_gradient`) the table: the last
+    PROBE_ROWS queries of the first PROBE_BATCH rows, with the keys that end at the last query's slot (key index
+    `end` - 1)."""
+    size = min(PROBE_ROWS, query.shape[2], end)
+    rows = slice(0, min(PROBE_BATCH, query.shape[0]))
+    keys = slice(end - size, end)
+    fixed = {"offset": 0, "scaling": scaling, "valid": valid[rows, keys] if valid is not None else None}
+    inputs = {"query": query[rows, :, -size:], "key": key[rows, :, keys], "value": value[rows, :, keys]}
+    if table_gradient:
+        inputs["table"] = table[:, :size]
+    else:
+        fixed["table"] = table[:, :size]
+    return GradientProbe(
+        inputs, kernel=lambda **tensors: kernel(**tensors, **fixed),
+        reference=lambda **tensors: table_attention_reference(**tensors, **fixed),
+        defined=fixed["valid"].cumsum(-1) > 0 if valid is not None else None)
+
+
+def _flash_device(query: torch.Tensor) -> bool:
+    """flash-attn runs on CUDA in fp16/bf16 only."""
+    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+
+
+def _flash_call(module, state, layer_idx, query, key, value, attention_mask, scaling, query_slots, key_slots,
+                query_positions, key_positions, kwargs) -> KernelCall | None:
+    """flash-attn with alibi_slopes, or None where it does not apply (see the module docstring). flash-attn is a
+    fixed kernel with run-time shapes: its kind is the dtype, heads and head size, whether it decodes (one query)
+    or the queries are all the keys, and power-of-two size classes of batch, queries and keys, so a generation
+    checks about log2(length) kinds, not every step."""
+    if not _flash_device(query):
+        return None
+    slopes = state.method.alibi_slopes(query.device) if isinstance(state.method, AttentionBiasMethod) else None
+    if slopes is None:
+        return None
+    batch, heads, q, head_dim = query.shape
+    kv = key.shape[2]
+    # A boolean mask whose last row is all True holds no padding: it is the causal mask, which flash applies.
+    if attention_mask is not None and not (attention_mask.dtype == torch.bool
+                                           and bool(attention_mask[:, :, -1, :].all())):
+        return None
+    # flash-attn aligns causal attention to the lower right: key slots must be exactly 0..offset+q-1.
+    if int(key_slots[0]) != 0 or int(query_slots[-1]) != kv - 1:
+        return None
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError:
+        return None
+    slopes = slopes.float()
+    needs_grad = _needs_grad(state, query, key, value)
+    dtype = str(query.dtype)
+
+    def kernel(query, key, value, scaling=scaling, **ignored):  # flash-attn applies the causal mask and ALiBi itself
+        return flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                               softmax_scale=scaling, causal=True, alibi_slopes=slopes)
+
+    def gradient_probe():
+        table = distance_table(state.method, layer_idx, min(q, PROBE_ROWS), 0, query.device)
+        return _table_gradient_probe(kernel, query, key, value, table, kv, None, scaling, table_gradient=False)
+
+    return KernelCall(
+        kernel="flash", device=query.device,
+        kind=(dtype, heads, key.shape[1], head_dim, "decoding" if q == 1 else "square" if q == kv else "chunk",
+              size_class(batch), size_class(q), size_class(kv), "grad" if needs_grad else "no grad"),
+        function=kernel, inputs={"query": query, "key": key, "value": value},
+        reference=_reference_rows(module, state, layer_idx, query, key, value, attention_mask, scaling, query_slots,
+                                  key_slots, query_positions, key_positions),
+        gradient_kind=(dtype, heads, key.shape[1], head_dim) if needs_grad else None,
+        gradient_probe=gradient_probe if needs_grad else None)

@@ -6,7 +6,7 @@
 """
 import sys
 
-from hf_posenc.evaluate import main
+from hf_posenc.tools.eval_ppl import main
 
 if __name__ == "__main__":
     sys.exit(main())

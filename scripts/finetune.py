@@ -6,7 +6,7 @@
 """
 import sys
 
-from hf_posenc.train import main
+from hf_posenc.tools.finetune import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,4 +7,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python -m hf_posenc.pipeline "$@"
+exec .venv/bin/python -m hf_posenc.tools.main_job "$@"

@@ -5,7 +5,7 @@
 """
 import sys
 
-from hf_posenc.passkey import main
+from hf_posenc.tools.passkey import main
 
 if __name__ == "__main__":
     sys.exit(main())

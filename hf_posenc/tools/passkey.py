@@ -243,7 +243,7 @@ def run_passkey(args: argparse.Namespace, accelerator=None) -> tuple[list[Trial]
                 print(f"  {name} + {spec.label}: accuracy {acc:.0%} over {len(got)} trials "
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)
             if spec.name != UNPATCHED:
-                from .patching import unpatch_model
+                from hf_posenc import unpatch_model
 
                 unpatch_model(model)
     settings = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _passkey_and_write(args: argparse.Namespace) -> None:
-    from .evaluate import _launched
+    from .eval_ppl import _launched
 
     set_threads(args.threads)
     check_args(args)

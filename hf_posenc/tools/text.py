@@ -15,7 +15,7 @@ class DataError(ValueError):
 
 
 def _candidate_data_dirs() -> list[Path]:
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     return [repo.parent / "shared" / "data", Path.cwd() / "shared" / "data"]
 
 

@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
-from train_eval_helpers import BOOK, DATA, WIKI, assert_failed_cleanly, launch, save_tiny_model
+from tool_helpers import BOOK, DATA, WIKI, assert_failed_cleanly, launch, save_tiny_model
 
-from hf_posenc import evaluate
-from hf_posenc.data import load_documents, tokenize_documents
-from hf_posenc.runtime import load_model
+from hf_posenc.tools import eval_ppl as evaluate
+from hf_posenc.tools.data import load_documents, tokenize_documents
+from hf_posenc.tools.runtime import load_model
 
 pytestmark = pytest.mark.skipif(not BOOK.is_file(), reason="../shared/data is not there")
 
@@ -118,7 +118,7 @@ def test_text_files_that_do_not_read(tiny_dir, tmp_path, capsys):
 
 
 def test_memory_estimate_refuses(tiny_dir, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("hf_posenc.runtime.available_memory_bytes", lambda: 2**20)  # 1 MiB "available"
+    monkeypatch.setattr("hf_posenc.tools.runtime.available_memory_bytes", lambda: 2**20)  # 1 MiB "available"
     assert evaluate.main(_args(tiny_dir, tmp_path / "out")) == 2
     err = capsys.readouterr().err
     assert "GiB of memory by estimate" in err and "0.0 GiB is available" in err
@@ -126,7 +126,7 @@ def test_memory_estimate_refuses(tiny_dir, tmp_path, capsys, monkeypatch):
 
 
 def test_unpatchable_model(tmp_path, capsys):
-    from train_eval_helpers import byte_tokenizer
+    from tool_helpers import byte_tokenizer
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     directory = tmp_path / "neox"
@@ -141,7 +141,7 @@ def test_unpatchable_model(tmp_path, capsys):
 
 
 def test_main_job_and_cli_refuse_bad_input(tmp_path, capsys):
-    from hf_posenc import cli, pipeline
+    from hf_posenc.tools import cli, main_job as pipeline
 
     assert pipeline.main(["--data-dir", str(tmp_path), "--output-dir", str(tmp_path / "out")]) == 2
     assert "pg1342-pride-and-prejudice.txt not found" in capsys.readouterr().err
@@ -165,7 +165,7 @@ def test_main_job_and_cli_refuse_bad_input(tmp_path, capsys):
 
 
 def test_text_loading_helpers(tmp_path):
-    from hf_posenc.data import DataError, pack_blocks, parse_fraction
+    from hf_posenc.tools.data import DataError, pack_blocks, parse_fraction
 
     (tmp_path / "ds").mkdir()
     (tmp_path / "ds" / "a.txt").write_text(BOOK.read_text(encoding="utf-8")[:5000], encoding="utf-8")
@@ -179,7 +179,7 @@ def test_text_loading_helpers(tmp_path):
     tail = load_documents([str(BOOK)], fraction="0.8:1")[0].text
     assert head + tail == whole and 0.75 < len(head) / len(whole) < 0.85
     assert parse_fraction("0.8:") == (0.8, 1.0)
-    from hf_posenc.data import expand_text_files
+    from hf_posenc.tools.data import expand_text_files
 
     assert [p.name for p in expand_text_files([str(BOOK.parent / "pg84-*.txt"), str(BOOK)])] == \
         ["pg84-frankenstein.README.txt", BOOK.name]  # sorted, without duplicates

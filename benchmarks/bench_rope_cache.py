@@ -14,6 +14,7 @@ Every figure is a ratio to native RoPE measured in the same run.
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from .patching import patch_model, unpatch_model
+from hf_posenc import patch_model, unpatch_model
 
 VARIANTS = {
     "native rope": None,
@@ -106,3 +107,18 @@ def plot(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", default="512,1024,2048,4096", help="prompt lengths, comma-separated")
+    parser.add_argument("--window", type=int, default=1024, help="the model's original window")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--output-dir", default="runs/bench_rope_cache")
+    args = parser.parse_args()
+    run(tuple(int(n) for n in args.lengths.split(",")), args.window, args.layers, args.new_tokens, args.output_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -56,7 +56,7 @@ class NonFiniteLoss(UsageError):
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    from .evaluate import add_text_arguments
+    from .eval_ppl import add_text_arguments
 
     p = parser or argparse.ArgumentParser(prog="hf-posenc finetune", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2",
@@ -150,7 +150,7 @@ def _flag(name: str) -> str:
 
 # --- trainable parameters ----------------------------------------------------------------------------------
 def positional_parameters(model) -> list[torch.nn.Parameter]:
-    from .patching import get_positional_module
+    from hf_posenc import get_positional_module
 
     module = get_positional_module(model)
     return [] if module is None else list(module.parameters())
@@ -281,7 +281,7 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
     if spec is not None:
         torch.manual_seed(args.seed)  # methods with randomly initialised parameters start the same everywhere
         spec.apply(model)
-    from .patching import get_posenc_config
+    from hf_posenc import get_posenc_config
 
     posenc = get_posenc_config(model)
     model, positional_ids = select_trainable(model, args.train_only, args)

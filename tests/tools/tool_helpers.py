@@ -3,6 +3,7 @@ real text from ../shared/data can go through it (no downloads)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DATA = Path(os.environ.get("HF_POSENC_DATA") or REPO.parent / "shared" / "data")  # as hf_posenc.text finds it
 BOOK = DATA / "pg84-frankenstein.txt"
 WIKI = DATA / "wikitext-2-raw-test.txt"
@@ -90,3 +91,12 @@ def launch(script: str, args: list[str], num_processes: int = 2, timeout: int = 
                 str(num_processes), "--main_process_port", str(port)]
     return subprocess.run([*cmd, str(REPO / script), *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def load_script(relative_path: str):
+    """A script of the repository that is not in the package (benchmarks/...), imported as a module."""
+    path = REPO / relative_path
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

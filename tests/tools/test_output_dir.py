@@ -8,10 +8,10 @@ import json
 import os
 
 import pytest
-from train_eval_helpers import BOOK, DATA, assert_refused, launch, save_tiny_model, snapshot
+from tool_helpers import BOOK, DATA, assert_refused, launch, save_tiny_model, snapshot
 
-from hf_posenc import demo, evaluate, passkey, pipeline, train
-from hf_posenc.runtime import MANIFEST, UsageError, atomic_output_dir
+from hf_posenc.tools import demo, eval_ppl as evaluate, finetune as train, main_job as pipeline, passkey
+from hf_posenc.tools.runtime import MANIFEST, UsageError, atomic_output_dir
 
 pytestmark = pytest.mark.skipif(not BOOK.is_file(), reason="../shared/data is not there")
 

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from .perplexity import perplexity, tokenize_text
 from .runtime import OVERWRITE_HELP, atomic_output_dir, check_output_dir, run_command, set_threads
-from .smollm2 import forward_seconds, is_cached, load_smollm2
+from .models import forward_seconds, is_cached, load_smollm2
 from .text import default_data_dir, read_text
 
 DEFAULT_TEXT = "pg1342-pride-and-prejudice.txt"

@@ -75,13 +75,13 @@ class MethodSpec:
             if self.options:
                 raise UsageError(f"method '{UNPATCHED}' takes no options, got {self.options}")
             return
-        from .registry import get_method
+        from hf_posenc import get_method
 
         get_method(self.name).config_class.from_options(**self.options)
 
     def apply(self, model) -> None:
         if self.name != UNPATCHED:
-            from .patching import patch_model
+            from hf_posenc import patch_model
 
             patch_model(model, self.name, **self.options)
 
@@ -93,7 +93,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, tokenizer: str | N
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if spec.lower() == SMOLLM2:
-        from .smollm2 import load_smollm2
+        from .models import load_smollm2
 
         model, tok = load_smollm2(dtype=dtype, verbose=verbose)
     elif spec.lower().endswith(".gguf"):
@@ -111,10 +111,8 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, tokenizer: str | N
             raise UsageError(f"--model {spec!r}: no such directory (and not a Hub id)")
         if path.exists() and not (path / "config.json").is_file():
             raise UsageError(f"--model {spec!r}: {path} has no config.json (not a transformers checkpoint)")
-        try:
-            from .checkpoint import from_pretrained
-        except ImportError:  # pragma: no cover - the checkpoint module ships with the library
-            from_pretrained = AutoModelForCausalLM.from_pretrained
+        from hf_posenc import from_pretrained
+
         try:
             model = from_pretrained(str(path) if path.exists() else spec, dtype=dtype)
         except OSError as exc:
@@ -134,7 +132,7 @@ def check_patchable(model, spec: MethodSpec) -> None:
     """Patch and unpatch once, so an unpatchable model fails before any long work (or output) starts."""
     if spec.name == UNPATCHED:
         return
-    from .patching import get_posenc_config, patch_model, unpatch_model
+    from hf_posenc import get_posenc_config, patch_model, unpatch_model
 
     if get_posenc_config(model) is not None:
         return  # a loaded patched checkpoint: patch_model would replace its patch, which is the user's call
@@ -325,7 +323,7 @@ def _move_into_place(staging: Path, final: Path, command: str, overwrite: bool) 
 
 
 def _write_manifest(folder: Path, command: str, entries: list[str]) -> None:
-    from .version import __version__
+    from hf_posenc import __version__
 
     manifest = {"written_by": "hf_posenc", "command": command, "version": __version__,
                 "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "entries": entries}
@@ -357,7 +355,7 @@ def run_command(body: Callable[[], int | None]) -> int:
     """Run a command's ``body`` and return its exit code (None: 0). Bad input ends as one line ``error: ...`` on
     stderr and exit code 2 instead of a traceback: our own refusals, a file that is missing, unreadable or not what
     was expected, a missing optional package. Every command's ``main`` goes through here."""
-    from .errors import PosEncError
+    from hf_posenc import PosEncError
     from .text import DataError
 
     try:
@@ -397,7 +395,7 @@ def versions() -> dict[str, str]:
     import accelerate
     import transformers
 
-    from .version import __version__
+    from hf_posenc import __version__
 
     return {"hf_posenc": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "accelerate": accelerate.__version__}

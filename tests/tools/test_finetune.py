@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_eval_helpers import BOOK, DATA, assert_failed_cleanly, assert_refused, launch, save_tiny_model, snapshot
+from tool_helpers import BOOK, DATA, assert_failed_cleanly, assert_refused, launch, save_tiny_model, snapshot
 
 import hf_posenc
-from hf_posenc import train
+from hf_posenc.tools import finetune as train
 
 pytestmark = pytest.mark.skipif(not BOOK.is_file(), reason="../shared/data is not there")
 
@@ -203,7 +203,7 @@ def test_lora_leaves_out_projections_the_patch_hooks():
 
 
 def test_training_memory_estimate_refuses(tiny_dir, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("hf_posenc.runtime.available_memory_bytes", lambda: 2**20)
+    monkeypatch.setattr("hf_posenc.tools.runtime.available_memory_bytes", lambda: 2**20)
     out = tmp_path / "out"
     assert_failed_cleanly(train.main(_args(tiny_dir, out, "--max-steps", "1")), capsys,
                           "training on 1 x 64 tokens needs about", out)

@@ -6,9 +6,9 @@ import json
 import random
 
 import pytest
-from train_eval_helpers import BOOK, byte_tokenizer, launch, save_tiny_model
+from tool_helpers import BOOK, byte_tokenizer, launch, save_tiny_model
 
-from hf_posenc import passkey
+from hf_posenc.tools import passkey
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ import torch
 
 from .runtime import (OVERWRITE_HELP, MethodSpec, UsageError, atomic_output_dir, check_number, check_output_dir,
                       run_command, set_threads, write_json)
-from .smollm2 import forward_seconds, load_smollm2
+from .models import forward_seconds, load_smollm2
 
 BOOK = "pg1342-pride-and-prejudice.txt"
 BOOK_START = "It is a truth universally acknowledged"  # skip the Gutenberg front matter
@@ -107,7 +107,7 @@ def apply_defaults(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from . import evaluate, train
+    from . import eval_ppl as evaluate, finetune as train
     from .text import default_data_dir
 
     data_dir = args.data_dir or default_data_dir()
@@ -193,7 +193,7 @@ def _relabel(label: str, old: str, swap: str) -> str:
 
 
 def write_outputs(out: Path, runs: dict, args, summary: dict, timings: dict, estimate: float) -> None:
-    from .evaluate import _interp
+    from .eval_ppl import _interp
 
     with open(out / "main_job.csv", "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)

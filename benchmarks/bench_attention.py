@@ -1,6 +1,6 @@
 """Attention-path benchmark: a LLaMA-style layer stack (8 heads x 64) with its native RoPE (sdpa) against every
 relative-bias method and attention path, at several lengths, batch 1: forward time, forward+backward time and
-peak memory, as ratios to native in the same run. `scripts/bench_attention.py` is the command-line front end.
+peak memory, as ratios to native in the same run. Run it as a script (`--help`).
 
 Peak memory on CPU is the process's resident high-water mark (VmHWM, reset through /proc/self/clear_refs before
 each measurement) with glibc's mmap threshold fixed low, so freed tensors go back to the system at once and the
@@ -10,6 +10,7 @@ materialised float32 bias [1, H, L, L].
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import statistics
@@ -19,8 +20,7 @@ from pathlib import Path
 
 import torch
 
-from . import attention
-from .patching import patch_model, unpatch_model
+from hf_posenc import attention, patch_model, unpatch_model
 
 METHODS = ["alibi", "fire", "t5", "kerple", "sandwich", "xpos"]
 LENGTHS = [512, 1024, 2048, 4096, 8192]
@@ -196,3 +196,27 @@ def save(rows: list[Row], out_dir: str | Path) -> dict[str, Path]:
     plt.close(figure)
     paths["png"] = png
     return paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="comma-separated sequence lengths")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods")
+    parser.add_argument("--paths", default="blocked",
+                        help="comma-separated attention paths: blocked, flex (flex compiles per shape: minutes on CPU)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="timed forwards per case (median)")
+    parser.add_argument("--backward-repeats", type=int, default=2, help="timed forward+backward per case (median)")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default="runs/bench_attention")
+    args = parser.parse_args()
+    rows = run_benchmark(lengths=[int(x) for x in args.lengths.split(",")], methods=args.methods.split(","),
+                         paths=tuple(args.paths.split(",")), layers=args.layers, repeats=args.repeats,
+                         backward_repeats=args.backward_repeats, threads=args.threads)
+    print(format_table(rows))
+    for kind, path in save(rows, args.out).items():
+        print(f"{kind}: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_posenc.perplexity import perplexity, tokenize_text
-from hf_posenc.smollm2 import GGUF_FILE, find_smollm2_gguf
-from hf_posenc.text import DataError, read_text, split_text
+from hf_posenc.tools.perplexity import perplexity, tokenize_text
+from hf_posenc.tools.models import GGUF_FILE, find_smollm2_gguf
+from hf_posenc.tools.text import DataError, read_text, split_text
 
 VOCAB = 64
 

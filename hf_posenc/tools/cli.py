@@ -10,10 +10,10 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
-    "finetune": ("hf_posenc.train", "fine-tune a patched model with accelerate"),
-    "eval-ppl": ("hf_posenc.evaluate", "perplexity vs context length for several models/methods"),
-    "passkey": ("hf_posenc.passkey", "passkey retrieval accuracy over lengths and depths"),
-    "main-job": ("hf_posenc.pipeline", "the whole loop on SmolLM2-135M: fine-tune, evaluate, table and plot"),
+    "finetune": ("hf_posenc.tools.finetune", "fine-tune a patched model with accelerate"),
+    "eval-ppl": ("hf_posenc.tools.eval_ppl", "perplexity vs context length for several models/methods"),
+    "passkey": ("hf_posenc.tools.passkey", "passkey retrieval accuracy over lengths and depths"),
+    "main-job": ("hf_posenc.tools.main_job", "the whole loop on SmolLM2-135M: fine-tune, evaluate, table and plot"),
 }
 
 

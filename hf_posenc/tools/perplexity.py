@@ -1,138 +1,132 @@
-"""Perplexity of a causal LM over fixed-length windows of one token stream.
+"""Perplexity of a causal LM over windows of a fixed length: the one measurement behind ``eval-ppl``, the main job
+and the demo.
 
-Two protocols, chosen by ``stride``:
+The protocol is the sliding window of jquesnelle/yarn ``eval/perplexity.py``. At each length L, windows of L tokens
+start every ``stride`` tokens of each document (only full windows, so every score is taken at the stated length).
+The first window of a document scores all its tokens but the first; each later window scores only the tokens past
+the previous one (its last ``stride``), so every token is scored once and, after the first window, with at least
+L - stride tokens of context. ``stride == L`` gives non-overlapping windows, each scoring all its tokens but the
+first. Documents shorter than L are skipped. NLL is computed in fp32 from the logits (not from the model's loss),
+and summed in window order, so the result is the same for any batch size and process count.
 
-* ``stride == window`` (default): non-overlapping windows; every token of a window except
-  its first is scored, with the preceding tokens of the same window as context.
-* ``stride < window``: the sliding-window protocol of jquesnelle/yarn ``eval/perplexity.py``.
-  Windows of ``window`` tokens start every ``stride`` tokens; the first window scores all
-  its tokens but the first, each later one scores only its last ``stride`` tokens (the
-  ones the previous window did not reach), so each token is scored exactly once and,
-  after the first window, with at least ``window - stride`` tokens of context.
-
-Only full windows are used, so every score is taken at the stated context length; tokens
-after the last full window are not scored. NLL is computed here in fp32 from the logits
-(not from the model's loss), so ``n_scored_tokens`` is exact.
+    from hf_posenc.tools.perplexity import perplexity_at_length
+    result = perplexity_at_length(model, token_docs, length=1024, stride=256, max_windows=4)
+    result.ppl, result.n_scored_tokens          # also unpacks: ppl, nll_sum, n_scored, n_windows = result
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
+
+from .runtime import gather_in_order, process_count
 
 # Rows of logits turned into log-probabilities at once; bounds the fp32 copy at long windows.
-_CHUNK = 1024
+LOGIT_ROWS_PER_CHUNK = 1024
 
 
-@dataclass
-class PerplexityResult:
-    ppl: float
+class Perplexity(NamedTuple):
+    ppl: float | None  # None when no document holds a full window
     nll_sum: float
     n_scored_tokens: int
     n_windows: int
-    window: int
-    stride: int
-
-    @property
-    def mean_nll(self) -> float:
-        return self.nll_sum / self.n_scored_tokens
 
 
-def tokenize_text(tokenizer, text: str, max_tokens: int | None = None) -> torch.LongTensor:
-    """Token ids of ``text`` as a 1-D LongTensor (the tokenizer's own special tokens).
-
-    ``verbose=False`` silences the "longer than the maximum sequence length" warning: a
-    whole book is longer than any window by design.
-    """
-    ids = tokenizer(text, verbose=False)["input_ids"]
-    if max_tokens is not None:
-        ids = ids[:max_tokens]
-    return torch.tensor(ids, dtype=torch.long)
+class Window(NamedTuple):
+    document: int
+    start: int
+    n_scored: int  # the last n_scored tokens of the window are scored
 
 
-def window_starts(n_tokens: int, window: int, stride: int, max_windows: int | None) -> list[int]:
-    """Start offsets of the full windows that fit in ``n_tokens``."""
-    if n_tokens < window:
-        raise ValueError(
-            f"perplexity at window {window} needs {window} tokens, found {n_tokens}"
-        )
-    starts = list(range(0, n_tokens - window + 1, stride))
+def check_protocol(length: int, stride: int, max_windows: int | None) -> None:
+    if length < 2:
+        raise ValueError(f"the length must be at least 2 tokens, got {length}")
+    if not 1 <= stride <= length:
+        raise ValueError(f"the stride must be in [1, length={length}], got {stride}")
+    if max_windows is not None and max_windows < 1:
+        raise ValueError(f"max_windows must be at least 1, got {max_windows}")
+
+
+def window_starts(n_tokens: int, length: int, stride: int, max_windows: int | None = None) -> list[int]:
+    """Start offsets of the full windows of ``length`` that fit in ``n_tokens`` (none when fewer tokens)."""
+    starts = list(range(0, n_tokens - length + 1, stride))
     return starts if max_windows is None else starts[:max_windows]
 
 
-def _forward_kwargs(model, n_keep: int, window: int) -> dict:
+def window_plan(doc_lengths: list[int], length: int, stride: int, max_windows: int | None = None) -> list[Window]:
+    """Every window at ``length``, documents in order (see the module docstring for what each one scores)."""
+    return [Window(d, start, length - 1 if (i == 0 or stride == length) else stride)
+            for d, n in enumerate(doc_lengths)
+            for i, start in enumerate(window_starts(n, length, stride, max_windows))]
+
+
+def windows_nll(model, windows: torch.LongTensor, n_scored: list[int]) -> list[float]:
+    """Summed NLL (fp32) of the last ``n_scored[b]`` tokens of each window ``b`` of a [B, L] batch, each given the
+    tokens before it (one forward)."""
+    length = windows.shape[1]
+    n_keep = max(n_scored) + 1  # the logits at positions -n-1 .. -2 predict the last n tokens
+    logits = model(input_ids=windows, **_forward_kwargs(model, n_keep, length)).logits
+    sums = []
+    for b, n in enumerate(n_scored):
+        rows, targets = logits[b, -n - 1 : -1], windows[b, -n:]
+        total = torch.zeros((), dtype=torch.float32, device=rows.device)
+        for lo in range(0, n, LOGIT_ROWS_PER_CHUNK):
+            chunk = slice(lo, lo + LOGIT_ROWS_PER_CHUNK)
+            total += F.cross_entropy(rows[chunk].float(), targets[chunk], reduction="sum")
+        sums.append(float(total))
+    return sums
+
+
+def _forward_kwargs(model, n_keep: int, length: int) -> dict:
     """Ask for only the logits we score, and no KV cache, where the model supports it."""
     params = inspect.signature(model.forward).parameters
     kwargs = {}
     if "use_cache" in params:
         kwargs["use_cache"] = False
-    if "logits_to_keep" in params and n_keep < window:
+    if "logits_to_keep" in params and n_keep < length:
         kwargs["logits_to_keep"] = n_keep
     return kwargs
 
 
-def _window_nll(model, ids: torch.LongTensor, n_scored: int) -> torch.Tensor:
-    """Summed NLL (fp32) of the last ``n_scored`` tokens of ``ids`` given the ones before."""
-    n_keep = n_scored + 1  # the logits at positions -n_scored-1 .. -2 predict the scored ones
-    logits = model(input_ids=ids[None], **_forward_kwargs(model, n_keep, ids.numel())).logits[0]
-    logits = logits[-n_keep:-1]
-    targets = ids[-n_scored:]
-    total = torch.zeros((), dtype=torch.float32, device=logits.device)
-    for lo in range(0, n_scored, _CHUNK):
-        chunk = logits[lo : lo + _CHUNK].float()
-        total += F.cross_entropy(chunk, targets[lo : lo + _CHUNK], reduction="sum")
-    return total
+def perplexity_at_length(model, token_docs: list[torch.LongTensor], length: int, stride: int,
+                         max_windows: int | None = None, batch_size: int = 1, accelerator=None,
+                         progress: bool = True, desc: str = "") -> Perplexity:
+    """Perplexity at one ``length`` over the 1-D token tensors ``token_docs``: ``(ppl, nll_sum, tokens scored,
+    windows)``. With an ``accelerator`` of several processes, the windows are split across them (round robin) and
+    the per-window NLLs gathered and summed in window order on every process, so the numbers equal a one-process
+    run's."""
+    from tqdm.auto import tqdm
 
-
-def perplexity(
-    model,
-    token_ids: torch.LongTensor,
-    window: int,
-    max_windows: int | None = None,
-    stride: int | None = None,
-    progress: bool = True,
-) -> PerplexityResult:
-    """Perplexity of ``model`` on the 1-D ``token_ids`` (see the module docstring)."""
-    if token_ids.dim() != 1:
-        raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
-    if window < 2:
-        raise ValueError(f"window must be at least 2 tokens, got {window}")
-    stride = window if stride is None else stride
-    if not 1 <= stride <= window:
-        raise ValueError(f"stride must be in [1, window={window}], got {stride}")
-    if max_windows is not None and max_windows < 1:
-        raise ValueError(f"max_windows must be at least 1, got {max_windows}")
-
-    starts = window_starts(token_ids.numel(), window, stride, max_windows)
+    check_protocol(length, stride, max_windows)
+    plan = window_plan([ids.numel() for ids in token_docs], length, stride, max_windows)
+    rank = accelerator.process_index if accelerator is not None else 0
+    mine = list(range(rank, len(plan), process_count(accelerator)))
     device = next(model.parameters()).device
-    token_ids = token_ids.to(device)
-
+    local: list[tuple[int, float]] = []
     was_training = model.training
     model.eval()
-    nll_sum = 0.0
-    n_scored_total = 0
     try:
         with torch.inference_mode():
-            bar = tqdm(starts, desc=f"ppl@{window}", unit="win", disable=not progress, leave=False)
-            for i, start in enumerate(bar):
-                n_scored = window - 1 if (i == 0 or stride == window) else stride
-                nll = _window_nll(model, token_ids[start : start + window], n_scored)
-                nll_sum += float(nll)
-                n_scored_total += n_scored
-                bar.set_postfix(ppl=f"{math.exp(nll_sum / n_scored_total):.2f}")
+            bar = tqdm(total=len(mine), desc=desc or f"ppl@{length}", unit="win", leave=False,
+                       disable=not progress or rank != 0)
+            for lo in range(0, len(mine), batch_size):
+                batch = [plan[i] for i in mine[lo : lo + batch_size]]
+                windows = torch.stack([token_docs[w.document][w.start : w.start + length] for w in batch])
+                nlls = windows_nll(model, windows.to(device), [w.n_scored for w in batch])
+                local.extend(zip(mine[lo : lo + batch_size], nlls))
+                bar.update(len(batch))
+            bar.close()
     finally:
         model.train(was_training)
-
-    return PerplexityResult(
-        ppl=math.exp(nll_sum / n_scored_total),
-        nll_sum=nll_sum,
-        n_scored_tokens=n_scored_total,
-        n_windows=len(starts),
-        window=window,
-        stride=stride,
-    )
+    nlls = gather_in_order(local, accelerator)
+    if len(nlls) != len(plan):
+        raise RuntimeError(f"gathered {len(nlls)} window results, expected {len(plan)}")
+    nll_sum = 0.0
+    for nll in nlls:  # fixed order: the same float sum whatever the process count
+        nll_sum += nll
+    n_scored = sum(w.n_scored for w in plan)
+    return Perplexity(math.exp(nll_sum / n_scored) if n_scored else None, nll_sum, n_scored, len(plan))

@@ -9,7 +9,10 @@ Decodes a few tokens after prompts of several lengths on a LLaMA-style stack sha
 - `dynamic` with exact_cache=True (as above, plus the text replayed whenever the scale changes: every step
   past the window).
 
-Every figure is a ratio to native RoPE measured in the same run.
+Every figure is a ratio to native RoPE measured in the same run. Prints a table and writes results.json and
+decode_time.png to --output-dir.
+
+    .venv/bin/python benchmarks/bench_rope_cache.py --lengths 512,1024,2048,4096 --output-dir runs/bench_rope_cache
 """
 
 from __future__ import annotations
@@ -75,7 +78,6 @@ def run(lengths=(512, 1024, 2048, 4096), window: int = 1024, layers: int = 4, ne
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=2))
     plot(report, out / "decode_time.png")
-    print(table(report))
     return report
 
 
@@ -117,7 +119,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--output-dir", default="runs/bench_rope_cache")
     args = parser.parse_args()
-    run(tuple(int(n) for n in args.lengths.split(",")), args.window, args.layers, args.new_tokens, args.output_dir)
+    report = run(tuple(int(n) for n in args.lengths.split(",")), args.window, args.layers, args.new_tokens,
+                 args.output_dir)
+    print(table(report))
+    print(f"wrote {args.output_dir}/results.json, decode_time.png")
 
 
 if __name__ == "__main__":

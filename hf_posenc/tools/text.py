@@ -109,10 +109,10 @@ class Document:
     text: str
 
 
-def expand_text_files(patterns: list[str]) -> list[Path]:
+def expand_text_files(patterns: list[str | os.PathLike]) -> list[Path]:
     """Paths matching each pattern (a file or a glob), in order, without duplicates."""
     paths: list[Path] = []
-    for pattern in patterns:
+    for pattern in map(os.fspath, patterns):
         expanded = os.path.expanduser(pattern)
         if glob.has_magic(expanded):
             matches = sorted(Path(p) for p in glob.glob(expanded, recursive=True) if Path(p).is_file())

@@ -110,3 +110,11 @@ def test_text_loading_helpers(tmp_path):
         ["pg84-frankenstein.README.txt", BOOK.name]  # sorted, without duplicates
     blocks = pack_blocks([torch.arange(5), torch.arange(7)], 4, separator=99)
     assert blocks.tolist() == [[0, 1, 2, 3], [4, 99, 0, 1], [2, 3, 4, 5]]
+
+
+def test_text_files_may_be_paths(tmp_path):
+    """A caller of load_documents from code may pass Path objects, in messages too."""
+    (tmp_path / "a.txt").write_text("Some text.\n")
+    assert [d.text for d in load_documents([tmp_path / "a.txt"])] == ["Some text.\n"]
+    with pytest.raises(DataError, match=f"--text-file '{tmp_path}' is a folder"):
+        expand_text_files([tmp_path])

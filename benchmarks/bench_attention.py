@@ -231,8 +231,8 @@ def main() -> None:
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="comma-separated sequence lengths")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods")
     parser.add_argument("--paths", default="blocked",
-                        help="comma-separated attention paths to ask for: blocked, flex (compiles per shape: minutes on "
-                             "CPU), flash (CUDA with flash-attn); each row says which path served")
+                        help="comma-separated attention paths to ask for: blocked, flex (compiles per shape: minutes "
+                             "on CPU), flash (CUDA with flash-attn); each row says which path served")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="timed forwards per case (median)")
     parser.add_argument("--backward-repeats", type=int, default=2, help="timed forward+backward per case (median)")

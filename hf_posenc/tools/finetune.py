@@ -277,9 +277,8 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
     progress = resume_progress(accelerator, resume)
     train(args, training, progress, checkpoint_dir, started, bool(trackers))
 
-    unwrapped = accelerator.unwrap_model(training.model)
     summary = run_summary(args, training, progress, request, posenc, data, started)
-    save_output(args, training, unwrapped, tokenizer, posenc, summary, progress.log)
+    save_output(args, training, tokenizer, posenc, summary, progress.log)
     if trackers:
         accelerator.end_training()
     return summary
@@ -335,11 +334,10 @@ def training_data(args: argparse.Namespace, tokenizer, docs, world: int) -> Trai
     n_tokens = sum(int(t.numel()) for t in token_docs)
     needed_blocks = args.batch_size * world + args.eval_blocks
     if blocks.shape[0] < needed_blocks:
-        raise DataError(
-            f"the training text has {n_tokens} tokens ({len(docs)} document(s)); blocks of {args.max_length} tokens for "
-            f"batch {args.batch_size} x {world} process(es)" + (f" + {args.eval_blocks} eval blocks" if args.eval_blocks
-                                                                else "")
-            + f" need at least {needed_blocks * args.max_length} tokens")
+        held_out = f" + {args.eval_blocks} eval blocks" if args.eval_blocks else ""
+        raise DataError(f"the training text has {n_tokens} tokens ({len(docs)} document(s)); blocks of "
+                        f"{args.max_length} tokens for batch {args.batch_size} x {world} process(es){held_out} need "
+                        f"at least {needed_blocks * args.max_length} tokens")
     n_train = blocks.shape[0] - args.eval_blocks
     return TrainingData([d.name for d in docs], n_tokens, blocks[:n_train], blocks[n_train:])
 
@@ -489,10 +487,11 @@ def run_summary(args: argparse.Namespace, training: Training, progress: Progress
     }
 
 
-def save_output(args: argparse.Namespace, training: Training, unwrapped, tokenizer, posenc, summary: dict,
+def save_output(args: argparse.Namespace, training: Training, tokenizer, posenc, summary: dict,
                 log: list[dict]) -> None:
     """Write ``--output-dir`` (from the main process): the model (LoRA merged), tokenizer, settings, loss log."""
     accelerator = training.accelerator
+    unwrapped = accelerator.unwrap_model(training.model)
     if args.train_only == "lora":
         unwrapped = unwrapped.merge_and_unload()
     state_dict = None

@@ -132,7 +132,8 @@ def test_overwrite_writes_beside_other_files_and_a_rerun_replaces_only_its_own(c
     manifest = json.loads((runs / MANIFEST).read_text())
     assert manifest["command"] == command and "other" not in manifest["entries"]
     first = {name: (runs / name).stat().st_mtime_ns for name in manifest["entries"]}
-    assert run_cli(command, [*argv(tiny_dir), "--output-dir", str(runs)]) == 0  # our own output now: no --overwrite needed
+    # our own output now: no --overwrite needed
+    assert run_cli(command, [*argv(tiny_dir), "--output-dir", str(runs)]) == 0
     assert (runs / "other" / "x.txt").read_text() == "keep"
     assert json.loads((runs / MANIFEST).read_text())["entries"] == manifest["entries"]
     assert all((runs / name).stat().st_mtime_ns != first[name] for name in first)  # rewritten

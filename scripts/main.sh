@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The main job, set-up included: on the real SmolLM2-135M, swap RoPE for KERPLE and fine-tune it briefly on the
 # first 80% of a book, then perplexity vs context length of the original, the original + YaRN and the fine-tuned
-# swap on held-out text (hf_posenc/pipeline.py). `--quick` for a short run, `--help` for the options.
-# The per-method swap demo that this command ran before is `.venv/bin/python scripts/demo.py`.
+# swap on held-out text (`hf-posenc main-job`, hf_posenc/tools/main_job.py). `--quick` for a short run, `--help` for
+# the options. The texts come from $HF_POSENC_DATA, by default the shared folder ../shared/data beside the checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python -m hf_posenc.pipeline "$@"
+export HF_POSENC_DATA="${HF_POSENC_DATA:-$(cd .. && pwd)/shared/data}"
+exec .venv/bin/python -m hf_posenc main-job "$@"

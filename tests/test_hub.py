@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import base64
-import importlib.util
 import json
 import os
 import socket
@@ -19,7 +18,6 @@ import hf_posenc
 from hf_posenc import PosEncError
 from tiny_models import random_ids, tiny_model
 
-ROOT = Path(__file__).resolve().parent.parent
 SHA = "0123456789abcdef0123456789abcdef01234567"
 
 
@@ -202,10 +200,9 @@ def test_not_a_checkpoint(tmp_path):
 
 
 def load_publish_script():
-    spec = importlib.util.spec_from_file_location("publish_script", ROOT / "scripts" / "publish.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    from hf_posenc.tools.cli import main
+
+    return lambda argv: main(["publish", *argv])  # `hf-posenc publish` (was scripts/publish.py)
 
 
 def test_publish_script(fake_hub, checkpoint, tmp_path, monkeypatch, capsys):

@@ -304,13 +304,3 @@ def test_repatching_rope_on_gpt2_keeps_rotating():
         once = model(ids).logits
         hf_posenc.patch_model(model, "rope")  # the previous rope patch must not make RoPE look native
         assert torch.equal(model(ids).logits, once)
-
-
-def test_decode_benchmark_runs_and_reports_ratios(tmp_path):
-    from hf_posenc.rope_cache_benchmark import run
-
-    report = run(lengths=(16, 48), window=32, layers=1, new_tokens=2, output_dir=tmp_path)
-    assert set(report["ratio_to_native"]) == {"native rope", "yarn", "dynamic, exact_cache=False",
-                                              "dynamic, exact_cache=True"}
-    assert report["ratio_to_native"]["native rope"] == {16: 1.0, 48: 1.0}
-    assert (tmp_path / "results.json").exists() and (tmp_path / "decode_time.png").stat().st_size > 0

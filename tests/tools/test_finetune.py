@@ -1,4 +1,4 @@
-"""Fine-tuning (hf_posenc.train): two accelerate processes, resume, LoRA, bad input."""
+"""Fine-tuning (hf-posenc finetune): two accelerate processes, resume, LoRA, bad input."""
 
 from __future__ import annotations
 
@@ -8,12 +8,17 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_eval_helpers import BOOK, DATA, assert_failed_cleanly, assert_refused, launch, save_tiny_model, snapshot
+from tool_helpers import (BOOK, DATA, assert_failed_cleanly, assert_refused, launch, run_cli, save_tiny_model,
+                          snapshot)
 
 import hf_posenc
-from hf_posenc import train
+from hf_posenc.tools import finetune
 
 pytestmark = pytest.mark.skipif(not BOOK.is_file(), reason="../shared/data is not there")
+
+
+def finetune_main(argv: list[str]) -> int:
+    return run_cli("finetune", argv)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +35,7 @@ def _args(tiny_dir, out, *extra):
 @pytest.mark.parametrize("cpu_mpirun", [False, True], ids=["ddp.yaml", "--cpu with mpirun"])
 def test_two_processes_train_the_same_weights(tiny_dir, tmp_path, cpu_mpirun):
     out = tmp_path / "ft"
-    done = launch("scripts/finetune.py", _args(tiny_dir, out, "--max-steps", "8", "--train-only", "all",
+    done = launch("finetune", _args(tiny_dir, out, "--max-steps", "8", "--train-only", "all",
                                                "--threads", "1"), cpu_mpirun=cpu_mpirun)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "training_args.json").read_text())
@@ -66,10 +71,10 @@ def _digest(directory):
 
 def test_resume_gives_the_same_weights(tiny_dir, tmp_path):
     common = ["--max-steps", "4", "--train-only", "positional", "--lr", "0.05"]
-    assert train.main(_args(tiny_dir, tmp_path / "straight", *common)) == 0
-    assert train.main(_args(tiny_dir, tmp_path / "cut", *common, "--save-every", "2")) == 0
+    assert finetune_main(_args(tiny_dir, tmp_path / "straight", *common)) == 0
+    assert finetune_main(_args(tiny_dir, tmp_path / "cut", *common, "--save-every", "2")) == 0
     assert (tmp_path / "cut-checkpoints" / "step-2" / "trainer_state.json").is_file()
-    assert train.main(_args(tiny_dir, tmp_path / "resumed", *common, "--resume-from",
+    assert finetune_main(_args(tiny_dir, tmp_path / "resumed", *common, "--resume-from",
                             str(tmp_path / "cut-checkpoints" / "step-2"))) == 0
     assert _digest(tmp_path / "resumed") == _digest(tmp_path / "straight") == _digest(tmp_path / "cut")
     straight = json.loads((tmp_path / "straight" / "loss_log.json").read_text())
@@ -79,7 +84,7 @@ def test_resume_gives_the_same_weights(tiny_dir, tmp_path):
 
 def test_lora_is_merged_and_positional_parameters_train(tiny_dir, tmp_path):
     out = tmp_path / "lora"
-    assert train.main(_args(tiny_dir, out, "--max-steps", "3", "--train-only", "lora", "--eval-blocks", "2",
+    assert finetune_main(_args(tiny_dir, out, "--max-steps", "3", "--train-only", "lora", "--eval-blocks", "2",
                             "--eval-every", "3")) == 0
     summary = json.loads((out / "training_args.json").read_text())
     assert summary["final_eval_loss"] is not None
@@ -117,7 +122,7 @@ def test_lora_is_merged_and_positional_parameters_train(tiny_dir, tmp_path):
 ])
 def test_bad_input_fails_cleanly(tiny_dir, tmp_path, capsys, extra, message):
     out = tmp_path / "out"
-    assert_failed_cleanly(train.main(_args(tiny_dir, out, "--max-steps", "1", *extra)), capsys, message, out)
+    assert_failed_cleanly(finetune_main(_args(tiny_dir, out, "--max-steps", "1", *extra)), capsys, message, out)
 
 
 def test_a_non_utf8_text_file_is_named_with_the_fix(tiny_dir, tmp_path, capsys):
@@ -126,9 +131,9 @@ def test_a_non_utf8_text_file_is_named_with_the_fix(tiny_dir, tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["--model", str(tiny_dir), "--text-file", str(latin), "--max-length", "64", "--max-steps", "1",
             "--output-dir", str(out), "--no-progress"]
-    assert_failed_cleanly(train.main(argv), capsys, f"{latin} is not valid utf-8 text (invalid continuation byte: "
+    assert_failed_cleanly(finetune_main(argv), capsys, f"{latin} is not valid utf-8 text (invalid continuation byte: "
                           "byte 0xe9 at offset 3, line 1); pass --encoding with the file's encoding", out)
-    assert train.main([*argv, "--encoding", "latin-1"]) == 0
+    assert finetune_main([*argv, "--encoding", "latin-1"]) == 0
     assert json.loads((out / "training_args.json").read_text())["encoding"] == "latin-1"
 
 
@@ -137,13 +142,13 @@ def test_a_diverging_run_stops_and_keeps_the_previous_output(tiny_dir, tmp_path,
     line and exit 2, and the good model saved before stays as it was. Weights made non-finite by the last update,
     after the last loss was checked, are caught before saving."""
     out = tmp_path / "out"
-    assert train.main(_args(tiny_dir, out, "--max-steps", "1")) == 0
+    assert finetune_main(_args(tiny_dir, out, "--max-steps", "1")) == 0
     good = snapshot(out)
-    assert_refused(train.main(_args(tiny_dir, out, "--max-steps", "4", "--lr", "1e30")), capsys,
+    assert_refused(finetune_main(_args(tiny_dir, out, "--max-steps", "4", "--lr", "1e30")), capsys,
                    "the training loss is nan at step 2; training stopped and nothing was saved to --output-dir", out,
                    good)
     # an --lr whose first AdamW step float32 cannot hold is refused up front (AdamW raised an overflow error)
-    assert_refused(train.main(_args(tiny_dir, out, "--max-steps", "1", "--lr", "1e38")), capsys,
+    assert_refused(finetune_main(_args(tiny_dir, out, "--max-steps", "1", "--lr", "1e38")), capsys,
                    "--lr must be a finite number > 0 and <= 3.40282e+37, got 1e+38", out, good)
 
     real_step = torch.optim.AdamW.step
@@ -155,15 +160,15 @@ def test_a_diverging_run_stops_and_keeps_the_previous_output(tiny_dir, tmp_path,
         return result
 
     monkeypatch.setattr(torch.optim.AdamW, "step", step_then_overflow)
-    assert_refused(train.main(_args(tiny_dir, out, "--max-steps", "1")), capsys,
+    assert_refused(finetune_main(_args(tiny_dir, out, "--max-steps", "1")), capsys,
                    "the update of step 1 left weights that are not finite", out, good)
 
 
 def test_two_processes_stop_together_on_a_diverging_loss(tiny_dir, tmp_path):
     out = tmp_path / "out"
-    assert train.main(_args(tiny_dir, out, "--max-steps", "1")) == 0
+    assert finetune_main(_args(tiny_dir, out, "--max-steps", "1")) == 0
     good = snapshot(out)
-    done = launch("scripts/finetune.py", _args(tiny_dir, out, "--max-steps", "4", "--lr", "1e30", "--threads", "1"),
+    done = launch("finetune", _args(tiny_dir, out, "--max-steps", "4", "--lr", "1e30", "--threads", "1"),
                   timeout=240)
     assert done.returncode != 0  # and not a timeout: a process that stopped alone would leave the other waiting
     assert done.stderr.count("error: the training loss is nan at step 2; training stopped") == 2, done.stderr[-3000:]
@@ -175,11 +180,11 @@ def test_checkpoints_inside_the_output_dir_survive(tiny_dir, tmp_path):
     in it when old checkpoints are pruned."""
     out = tmp_path / "o"
     checkpoints = ["--save-every", "1", "--checkpoint-dir", str(out / "ckpts"), "--train-only", "positional"]
-    assert train.main(_args(tiny_dir, out, "--max-steps", "2", *checkpoints)) == 0
+    assert finetune_main(_args(tiny_dir, out, "--max-steps", "2", *checkpoints)) == 0
     assert (out / "ckpts" / "step-1" / "trainer_state.json").is_file() and (out / "model.safetensors").is_file()
     (out / "ckpts" / "step-0").mkdir()
     (out / "ckpts" / "step-0" / "notes.txt").write_text("mine")
-    assert train.main(_args(tiny_dir, out, "--max-steps", "4", *checkpoints)) == 0  # saves steps 1-3, keeps 2
+    assert finetune_main(_args(tiny_dir, out, "--max-steps", "4", *checkpoints)) == 0  # saves steps 1-3, keeps 2
     assert sorted(p.name for p in (out / "ckpts").iterdir()) == ["step-0", "step-2", "step-3"]
     assert (out / "ckpts" / "step-0" / "notes.txt").read_text() == "mine"
     assert json.loads((out / "training_args.json").read_text())["steps_done"] == 4
@@ -189,30 +194,44 @@ def test_no_trainable_positional_parameters(tiny_dir, tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["--model", str(tiny_dir), "--method", "alibi", "--train-only", "positional", "--text-file", str(BOOK),
             "--max-length", "64", "--max-steps", "1", "--output-dir", str(out), "--no-progress"]
-    assert_failed_cleanly(train.main(argv), capsys, "has no trainable parameters", out)
+    assert_failed_cleanly(finetune_main(argv), capsys, "has no trainable parameters", out)
+
+
+def test_method_options_in_the_method_and_repeated():
+    """--method takes NAME:KEY=VALUE,... as eval-ppl does (the main job passes its --swap that way), and
+    --method-option adds to it."""
+    request = finetune.check_args(finetune.settings(method="alibi:trainable=true",
+                                                    method_option=['slopes="geometric"']))
+    assert (request.name, request.options) == ("alibi", {"trainable": True, "slopes": "geometric"})
+    assert finetune.check_args(finetune.settings(method="none")) is None
+    with pytest.raises(hf_posenc.PosEncError, match="Unknown option"):
+        finetune.check_args(finetune.settings(method="yarn:factr=4"))
+    with pytest.raises(TypeError, match="no setting max_step"):
+        finetune.settings(max_step=3)
 
 
 def test_lora_leaves_out_projections_the_patch_hooks():
     from tiny_models import tiny_model
 
     gpt2 = hf_posenc.patch_model(tiny_model("gpt2"), "rope")  # RoPE on GPT-2 rotates in a hook on c_attn
-    names = train.lora_targets(gpt2)
+    names = finetune.lora_targets(gpt2)
     assert names and all(n.endswith("attn.c_proj") for n in names)
     llama = hf_posenc.patch_model(tiny_model("llama"), "alibi")
-    assert sorted({n.rsplit(".", 1)[1] for n in train.lora_targets(llama)}) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    projections = {n.rsplit(".", 1)[1] for n in finetune.lora_targets(llama)}
+    assert sorted(projections) == ["k_proj", "o_proj", "q_proj", "v_proj"]
 
 
 def test_training_memory_estimate_refuses(tiny_dir, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("hf_posenc.runtime.available_memory_bytes", lambda: 2**20)
+    monkeypatch.setattr("hf_posenc.tools.estimates.available_memory_bytes", lambda: 2**20)
     out = tmp_path / "out"
-    assert_failed_cleanly(train.main(_args(tiny_dir, out, "--max-steps", "1")), capsys,
+    assert_failed_cleanly(finetune_main(_args(tiny_dir, out, "--max-steps", "1")), capsys,
                           "training on 1 x 64 tokens needs about", out)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="what a CPU-only machine says; with GPUs FSDP runs")
 def test_fsdp_config_on_a_cpu_only_machine_says_what_to_use(tiny_dir, tmp_path):
     out = tmp_path / "out"
-    done = launch("scripts/finetune.py", _args(tiny_dir, out, "--max-steps", "2", "--mixed-precision", "no"),
+    done = launch("finetune", _args(tiny_dir, out, "--max-steps", "2", "--mixed-precision", "no"),
                   config="fsdp.yaml")
     assert done.returncode != 0
     assert "this accelerate configuration needs GPUs" in done.stderr and "ddp.yaml" in done.stderr
@@ -223,7 +242,7 @@ def test_tensorboard_tracker_logs_the_loss_beside_the_output(tiny_dir, tmp_path,
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "out"
-    assert train.main(_args(tiny_dir, out, "--max-steps", "3", "--report-to", "tensorboard")) == 0
+    assert finetune_main(_args(tiny_dir, out, "--max-steps", "3", "--report-to", "tensorboard")) == 0
     events = list((tmp_path / "out-logs").rglob("events.out.tfevents.*"))
     assert events and (out / "model.safetensors").is_file()
     accumulator = EventAccumulator(str(events[0].parent)).Reload()
@@ -232,11 +251,11 @@ def test_tensorboard_tracker_logs_the_loss_beside_the_output(tiny_dir, tmp_path,
     assert [e.value for e in accumulator.Scalars("loss")] == pytest.approx([e["loss"] for e in log])
     capsys.readouterr()
     bad = tmp_path / "bad"
-    assert_failed_cleanly(train.main(_args(tiny_dir, bad, "--max-steps", "3", "--report-to", "tensorbord")), capsys,
+    assert_failed_cleanly(finetune_main(_args(tiny_dir, bad, "--max-steps", "3", "--report-to", "tensorbord")), capsys,
                           "--report-to tensorbord: unknown tracker; accelerate knows", bad)
     assert not (tmp_path / "bad-logs").exists()
     # wandb is not a dependency: a named tracker whose package is missing is refused
     if importlib.util.find_spec("wandb") is None:
-        assert_failed_cleanly(train.main(_args(tiny_dir, bad, "--max-steps", "3", "--report-to", "wandb")), capsys,
+        assert_failed_cleanly(finetune_main(_args(tiny_dir, bad, "--max-steps", "3", "--report-to", "wandb")), capsys,
                               "--report-to wandb: its package is not installed (pip install wandb)", bad)
 

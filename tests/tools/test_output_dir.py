@@ -1,4 +1,4 @@
-"""The output folder of every command (hf_posenc.runtime.atomic_output_dir): never replaced wholesale; an earlier
+"""The output folder of every command (hf_posenc.tools.outputs.atomic_output_dir): never replaced wholesale; an earlier
 output of the same command is recognised by its manifest and only what that manifest lists is replaced; a folder
 holding anything else is refused unless --overwrite, and even then nothing we did not write is removed."""
 
@@ -8,10 +8,10 @@ import json
 import os
 
 import pytest
-from train_eval_helpers import BOOK, DATA, assert_refused, launch, save_tiny_model, snapshot
+from tool_helpers import BOOK, DATA, assert_refused, launch, run_cli, save_tiny_model, snapshot
 
-from hf_posenc import demo, evaluate, passkey, pipeline, train
-from hf_posenc.runtime import MANIFEST, UsageError, atomic_output_dir
+from hf_posenc.tools.outputs import MANIFEST, atomic_output_dir
+from hf_posenc.tools.runtime import UsageError
 
 pytestmark = pytest.mark.skipif(not BOOK.is_file(), reason="../shared/data is not there")
 
@@ -98,17 +98,16 @@ def _passkey(tiny):
             "--no-progress"]
 
 
-COMMANDS = {"finetune": (train.main, _finetune), "eval-ppl": (evaluate.main, _eval_ppl),
-            "passkey": (passkey.main, _passkey),
-            "main-job": (pipeline.main, lambda tiny: ["--quick", "--data-dir", str(DATA), "--no-progress"]),
-            "demo": (demo.main, lambda tiny: ["--quick", "--no-progress"])}
+ARGUMENTS = {"finetune": _finetune, "eval-ppl": _eval_ppl, "passkey": _passkey,
+             "main-job": lambda tiny: ["--quick", "--data-dir", str(DATA), "--no-progress"],
+             "demo": lambda tiny: ["--quick", "--no-progress"]}
 
 
-@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("command", ARGUMENTS)
 def test_every_command_refuses_a_folder_it_did_not_write(command, tiny_dir, tmp_path, capsys, monkeypatch):
     """`--output-dir .` in a folder of other files (a home folder, a project): one line, exit 2, all of it kept.
     The check comes before any model is loaded (main-job and demo would load SmolLM2 otherwise)."""
-    main, argv = COMMANDS[command]
+    argv = ARGUMENTS[command]
     home = tmp_path / "home"
     (home / "other").mkdir(parents=True)
     _write(home, **{"notes.txt": "keep"})
@@ -117,23 +116,24 @@ def test_every_command_refuses_a_folder_it_did_not_write(command, tiny_dir, tmp_
     monkeypatch.chdir(home)
     monkeypatch.setenv("HOME", str(home))
     for output_dir in (".", str(home), "~"):
-        assert_refused(main([*argv(tiny_dir), "--output-dir", output_dir]), capsys,
+        assert_refused(run_cli(command, [*argv(tiny_dir), "--output-dir", output_dir]), capsys,
                        f"--output-dir {home} holds files that hf-posenc {command} did not write", home, before)
-    assert_refused(main([*argv(tiny_dir), "--output-dir", "notes.txt"]), capsys, "is a file, not a folder", home,
-                   before)
+    assert_refused(run_cli(command, [*argv(tiny_dir), "--output-dir", "notes.txt"]), capsys, "is a file, not a folder",
+                   home, before)
 
 
 @pytest.mark.parametrize("command", ["finetune", "eval-ppl", "passkey"])
 def test_overwrite_writes_beside_other_files_and_a_rerun_replaces_only_its_own(command, tiny_dir, tmp_path):
-    main, argv = COMMANDS[command]
+    argv = ARGUMENTS[command]
     runs = tmp_path / "runs"
     (runs / "other").mkdir(parents=True)
     _write(runs / "other", **{"x.txt": "keep"})
-    assert main([*argv(tiny_dir), "--output-dir", str(runs), "--overwrite"]) == 0
+    assert run_cli(command, [*argv(tiny_dir), "--output-dir", str(runs), "--overwrite"]) == 0
     manifest = json.loads((runs / MANIFEST).read_text())
     assert manifest["command"] == command and "other" not in manifest["entries"]
     first = {name: (runs / name).stat().st_mtime_ns for name in manifest["entries"]}
-    assert main([*argv(tiny_dir), "--output-dir", str(runs)]) == 0  # our own output now: no --overwrite needed
+    # our own output now: no --overwrite needed
+    assert run_cli(command, [*argv(tiny_dir), "--output-dir", str(runs)]) == 0
     assert (runs / "other" / "x.txt").read_text() == "keep"
     assert json.loads((runs / MANIFEST).read_text())["entries"] == manifest["entries"]
     assert all((runs / name).stat().st_mtime_ns != first[name] for name in first)  # rewritten
@@ -145,7 +145,7 @@ def test_two_processes_refuse_together(tiny_dir, tmp_path):
     out = tmp_path / "mine"
     out.mkdir()
     _write(out, **{"notes.txt": "keep"})
-    done = launch("scripts/finetune.py", [*_finetune(tiny_dir), "--output-dir", str(out), "--threads", "1"],
+    done = launch("finetune", [*_finetune(tiny_dir), "--output-dir", str(out), "--threads", "1"],
                   timeout=240)
     assert done.returncode != 0  # torchrun then prints its own ChildFailedError summary
     assert done.stderr.count(f"error: --output-dir {out} holds files that hf-posenc finetune did not write") == 2

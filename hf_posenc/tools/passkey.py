@@ -1,4 +1,4 @@
-"""Passkey retrieval: can the model repeat a 5-digit number hidden at some depth of a long prompt?
+"""``hf-posenc passkey``: can the model repeat a 5-digit number hidden at some depth of a long prompt?
 
     hf-posenc passkey --model smollm2 --method none --method yarn:factor=4 --lengths 1024,4096 \\
         --depths 0,0.25,0.5,0.75,1 --trials 5
@@ -16,21 +16,21 @@ trial, the settings) and ``passkey.png`` (a heat-map of accuracy per length and 
 from __future__ import annotations
 
 import argparse
-import csv
 import random
 import re
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from .data import DataError
-from .runtime import (DTYPES, OVERWRITE_HELP, UNPATCHED, MethodSpec, UsageError, atomic_output_dir, check_memory,
-                      check_number, check_output_dir_on_main, check_patchable, estimate_forward_bytes, load_model,
-                      run_command, set_threads, versions, write_json)
-from .text import DEFAULT_ENCODING, check_encoding, read_text
+from . import report
+from .estimates import check_memory, estimate_forward_bytes
+from .models import SMOLLM2, load_model
+from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir_on_main, write_json
+from .runtime import (DTYPES, UNPATCHED, MethodRequest, UsageError, accelerator_if_launched, check_at_least,
+                      gather_in_order, is_main, parse_numbers, process_count, set_threads, settings_of, versions)
+from .text import DEFAULT_ENCODING, DataError, check_encoding, read_text
 
 TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
         "I will quiz you about the important information there.")
@@ -97,11 +97,11 @@ def run_trials(model, tokenizer, label_model: str, label_method: str, lengths: l
             for t in range(trials):
                 rng = random.Random(f"{seed}-{length}-{depth}-{t}")
                 plan.append((length, depth, t, rng.randint(10000, 99999), rng))
-    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
+    rank = accelerator.process_index if accelerator is not None else 0
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     local = []
-    mine = list(range(rank, len(plan), world))
+    mine = list(range(rank, len(plan), process_count(accelerator)))
     with torch.inference_mode():
         for i in tqdm(mine, desc=f"passkey {label_method}", leave=False, disable=not progress or rank != 0):
             length, depth, t, key, rng = plan[i]
@@ -110,11 +110,7 @@ def run_trials(model, tokenizer, label_model: str, label_method: str, lengths: l
                                  do_sample=False, pad_token_id=pad)
             answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
             local.append((i, Trial(label_model, label_method, length, depth, t, key, answer, answer_is(answer, key))))
-    if world > 1:
-        from accelerate.utils import gather_object
-
-        local = gather_object(local)
-    return [trial for _, trial in sorted(local, key=lambda x: x[0])]
+    return gather_in_order(local, accelerator)
 
 
 def accuracy_table(trials: list[Trial]) -> dict[tuple[str, int, float], tuple[float, int]]:
@@ -130,46 +126,17 @@ def accuracy_table(trials: list[Trial]) -> dict[tuple[str, int, float], tuple[fl
 def write_outputs(directory: Path, trials: list[Trial], settings: dict, lengths: list[int],
                   depths: list[float]) -> dict:
     table = accuracy_table(trials)
-    with open(directory / "passkey.csv", "w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow(["model", "length", "depth", "accuracy", "trials"])
-        for (label, length, depth), (acc, n) in table.items():
-            writer.writerow([label, length, depth, f"{acc:.4f}", n])
+    report.write_passkey_csv(directory / "passkey.csv", table)
     write_json(directory / "passkey.json", {"settings": settings,
                                             "accuracy": [{"model": k[0], "length": k[1], "depth": k[2],
                                                           "accuracy": v[0], "trials": v[1]} for k, v in table.items()],
                                             "trials": [asdict(t) for t in trials]})
-    heatmap(directory / "passkey.png", table, lengths, depths)
+    report.passkey_heatmap(directory / "passkey.png", table, lengths, depths)
     return table
 
 
-def heatmap(path: Path, table, lengths: list[int], depths: list[float]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = list(dict.fromkeys(k[0] for k in table))
-    fig, axes = plt.subplots(1, len(labels), figsize=(1.2 + 0.9 * len(lengths) * len(labels) + 1.5 * len(labels),
-                                                      0.5 * len(depths) + 1.8), squeeze=False)
-    for ax, label in zip(axes[0], labels):
-        grid = [[table.get((label, n, d), (float("nan"), 0))[0] for n in lengths] for d in depths]
-        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
-        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
-        ax.set_xlabel("prompt length (tokens)", fontsize=8)
-        ax.set_ylabel("passkey depth", fontsize=8)
-        ax.set_title(label, fontsize=8)
-        for y, row in enumerate(grid):
-            for x, v in enumerate(row):
-                ax.text(x, y, "-" if v != v else f"{v:.0%}", ha="center", va="center", fontsize=7)
-    fig.colorbar(im, ax=axes[0].tolist(), fraction=0.03, label="accuracy")
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-
-
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    p = parser or argparse.ArgumentParser(prog="hf-posenc passkey", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hf-posenc passkey", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", action="append", default=None, help="as eval-ppl; repeatable (default: smollm2)")
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--method", action="append", default=None, help="'none' or NAME[:KEY=VALUE,...]; repeatable")
@@ -189,37 +156,28 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return p
 
 
-def _numbers(text: str, what: str, kind: type = float) -> list:
-    try:
-        return [kind(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"--{what} {text!r} must be {'whole ' if kind is int else ''}numbers separated by "
-                         "commas") from None
-
-
 def check_args(args: argparse.Namespace) -> None:
     """Refuse nonsense settings before any model is loaded."""
-    for name in ("trials", "max_new_tokens", "threads"):
-        check_number("--" + name.replace("_", "-"), getattr(args, name), 1)
+    check_at_least(args, 1, "trials", "max_new_tokens", "threads")
     check_encoding(args.encoding)
 
 
 def run_passkey(args: argparse.Namespace, accelerator=None) -> tuple[list[Trial], dict, list[int], list[float]]:
     check_args(args)
-    lengths = sorted(set(_numbers(args.lengths, "lengths", int)))
-    depths = sorted(set(_numbers(args.depths, "depths")))
+    lengths = parse_numbers(args.lengths, "--lengths", int)
+    depths = parse_numbers(args.depths, "--depths")
     if not lengths or not depths or args.trials < 1:
         raise UsageError("need at least one length, one depth and one trial")
     if any(not 0.0 <= d <= 1.0 for d in depths):
         raise UsageError(f"--depths must lie in [0, 1], got {depths}")
-    specs = [MethodSpec.parse(m) for m in (args.method or [UNPATCHED])]
-    for spec in specs:
-        spec.check()
+    requests = [MethodRequest.parse(m) for m in (args.method or [UNPATCHED])]
+    for request in requests:
+        request.check()
     filler_text = read_text(args.filler_file, args.encoding) if args.filler_file else None
-    main_process = accelerator is None or accelerator.is_main_process
+    main_process = is_main(accelerator)
     device = accelerator.device if accelerator is not None else torch.device("cpu")
     trials: list[Trial] = []
-    for model_spec in args.model:
+    for model_spec in args.model or [SMOLLM2]:
         model, tokenizer = load_model(model_spec, dtype=DTYPES[args.dtype], tokenizer=args.tokenizer,
                                       verbose=main_process and not args.no_progress)
         model.to(device)
@@ -229,47 +187,33 @@ def run_passkey(args: argparse.Namespace, accelerator=None) -> tuple[list[Trial]
             build_prompt(tokenizer, max(lengths), 0.5, 12345, filler_ids)  # too-short filler fails here
         if not args.no_memory_check:
             check_memory(estimate_forward_bytes(model, max(lengths)), f"a {max(lengths)}-token prompt")
-        for spec in specs:
-            check_patchable(model, spec)
+        for request in requests:
+            request.check_patchable(model)
         name = Path(model_spec).name if Path(model_spec).exists() else model_spec
-        for spec in specs:
-            spec.apply(model)
+        for request in requests:
+            request.apply(model)
             t0 = time.perf_counter()
-            got = run_trials(model, tokenizer, name, spec.label, lengths, depths, args.trials, args.seed, filler_ids,
+            got = run_trials(model, tokenizer, name, request.label, lengths, depths, args.trials, args.seed, filler_ids,
                              args.max_new_tokens, accelerator, not args.no_progress)
             trials.extend(got)
             if main_process:
                 acc = sum(t.correct for t in got) / len(got)
-                print(f"  {name} + {spec.label}: accuracy {acc:.0%} over {len(got)} trials "
+                print(f"  {name} + {request.label}: accuracy {acc:.0%} over {len(got)} trials "
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)
-            if spec.name != UNPATCHED:
-                from .patching import unpatch_model
-
-                unpatch_model(model)
-    settings = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            request.remove(model)
+    settings = {**settings_of(args),
                 "lengths": lengths, "depths": depths, "prompt": {"task": TASK, "garbage": GARBAGE,
                                                                   "question": QUESTION, "info": info_line(12345)},
-                "num_processes": accelerator.num_processes if accelerator is not None else 1, "versions": versions()}
+                "num_processes": process_count(accelerator), "versions": versions()}
     return trials, settings, lengths, depths
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.model = args.model or ["smollm2"]
-    return run_command(lambda: _passkey_and_write(args))
-
-
-def _passkey_and_write(args: argparse.Namespace) -> None:
-    from .evaluate import _launched
-
+def run(args: argparse.Namespace) -> None:
+    """The command: run the trials, write ``--output-dir`` (from the main process), print the table."""
     set_threads(args.threads)
     check_args(args)
-    accelerator = None
-    if _launched():
-        from accelerate import Accelerator
-
-        accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    main_process = accelerator is None or accelerator.is_main_process
+    accelerator = accelerator_if_launched()
+    main_process = is_main(accelerator)
     check_output_dir_on_main(accelerator, args.output_dir, "passkey", args.overwrite)
     with atomic_output_dir(args.output_dir, "passkey", args.overwrite, enabled=main_process) as out:
         trials, settings, lengths, depths = run_passkey(args, accelerator)
@@ -277,13 +221,5 @@ def _passkey_and_write(args: argparse.Namespace) -> None:
             table = write_outputs(out, trials, settings, lengths, depths)
     if main_process:
         print()
-        print("| model | length | " + " | ".join(f"depth {d:g}" for d in depths) + " |")
-        print("| --- | ---: | " + " | ".join("---:" for _ in depths) + " |")
-        for label in dict.fromkeys(k[0] for k in table):
-            for n in lengths:
-                print(f"| {label} | {n} | " + " | ".join(f"{table[(label, n, d)][0]:.0%}" for d in depths) + " |")
+        print(report.passkey_markdown(table, lengths, depths))
         print(f"wrote {args.output_dir}/passkey.csv, passkey.json, passkey.png")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

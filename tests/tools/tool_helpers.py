@@ -1,8 +1,10 @@
-"""Helpers of the fine-tuning / evaluation tests: a tiny LLaMA with a byte-level tokenizer saved to a folder, so
-real text from ../shared/data can go through it (no downloads)."""
+"""Helpers of the tools' tests: the ``hf-posenc`` command in this process or under ``accelerate launch``, a tiny LLaMA
+with a byte-level tokenizer saved to a folder, so real text from the shared folder can go through it (no downloads),
+and checks that a refused run left its output folder as it was."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -12,10 +14,17 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = Path(os.environ.get("HF_POSENC_DATA") or REPO.parent / "shared" / "data")  # as hf_posenc.text finds it
+REPO = Path(__file__).resolve().parents[2]
+DATA = Path(os.environ.get("HF_POSENC_DATA") or REPO.parent / "shared" / "data")  # as scripts/main.sh finds it
 BOOK = DATA / "pg84-frankenstein.txt"
 WIKI = DATA / "wikitext-2-raw-test.txt"
+
+
+def run_cli(command: str, argv: list[str]) -> int:
+    """``hf-posenc COMMAND ARGV...`` in this process; its exit code."""
+    from hf_posenc.tools.cli import main
+
+    return main([command, *argv])
 
 
 def byte_tokenizer():
@@ -68,12 +77,12 @@ def assert_refused(exit_code: int, capsys, message: str, folder: Path, before: d
     assert snapshot(folder) == before
 
 
-def launch(script: str, args: list[str], num_processes: int = 2, timeout: int = 300,
+def launch(command: str, args: list[str], num_processes: int = 2, timeout: int = 300,
            config: str = "ddp.yaml", cpu_mpirun: bool = False) -> subprocess.CompletedProcess:
-    """`accelerate launch` of two processes, on a CPU-only machine too. By default with a shipped config (ddp.yaml:
-    torchrun starts CPU processes, gloo). `cpu_mpirun`: the `--cpu` form, `accelerate launch --cpu --num_processes N
-    --mpirun_hostfile FILE` (accelerate starts several CPU processes only through mpirun; MPICH comes from its
-    PyPI wheel, so its mpiexec lies beside this Python)."""
+    """`accelerate launch -m hf_posenc COMMAND ARGS...` of two processes, on a CPU-only machine too. By default with
+    a shipped config (ddp.yaml: torchrun starts CPU processes, gloo). `cpu_mpirun`: the `--cpu` form, `accelerate
+    launch --cpu --num_processes N --mpirun_hostfile FILE` (accelerate starts several CPU processes only through
+    mpirun; MPICH comes from its PyPI wheel, so its mpiexec lies beside this Python)."""
     with socket.socket() as sock:  # a free port: other test runs may hold accelerate's default 29500
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -88,5 +97,15 @@ def launch(script: str, args: list[str], num_processes: int = 2, timeout: int = 
     else:
         cmd += ["--config_file", str(REPO / "scripts/accelerate_configs" / config), "--num_processes",
                 str(num_processes), "--main_process_port", str(port)]
-    return subprocess.run([*cmd, str(REPO / script), *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([*cmd, "-m", "hf_posenc", command, *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def load_script(relative_path: str):
+    """A script of the repository that is not in the package (benchmarks/...), imported as a module."""
+    path = REPO / relative_path
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the script runs
+    spec.loader.exec_module(module)
+    return module

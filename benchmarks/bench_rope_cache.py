@@ -9,11 +9,15 @@ Decodes a few tokens after prompts of several lengths on a LLaMA-style stack sha
 - `dynamic` with exact_cache=True (as above, plus the text replayed whenever the scale changes: every step
   past the window).
 
-Every figure is a ratio to native RoPE measured in the same run.
+Every figure is a ratio to native RoPE measured in the same run. Prints a table and writes results.json and
+decode_time.png to --output-dir.
+
+    .venv/bin/python benchmarks/bench_rope_cache.py --lengths 512,1024,2048,4096 --output-dir runs/bench_rope_cache
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -22,7 +26,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from .patching import patch_model, unpatch_model
+from hf_posenc import patch_model, unpatch_model
 
 VARIANTS = {
     "native rope": None,
@@ -74,7 +78,6 @@ def run(lengths=(512, 1024, 2048, 4096), window: int = 1024, layers: int = 4, ne
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=2))
     plot(report, out / "decode_time.png")
-    print(table(report))
     return report
 
 
@@ -106,3 +109,21 @@ def plot(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", default="512,1024,2048,4096", help="prompt lengths, comma-separated")
+    parser.add_argument("--window", type=int, default=1024, help="the model's original window")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--output-dir", default="runs/bench_rope_cache")
+    args = parser.parse_args()
+    report = run(tuple(int(n) for n in args.lengths.split(",")), args.window, args.layers, args.new_tokens,
+                 args.output_dir)
+    print(table(report))
+    print(f"wrote {args.output_dir}/results.json, decode_time.png")
+
+
+if __name__ == "__main__":
+    main()

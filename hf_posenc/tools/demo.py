@@ -1,10 +1,14 @@
-"""Swap the positional mechanism of the real SmolLM2-135M and measure what it does.
+"""``hf-posenc demo``: swap the positional mechanism of the real SmolLM2-135M with each method and measure what it
+does.
 
-For each method: patch, measure perplexity on real text, generate a short greedy
-continuation, unpatch, and check that the model is back to its original logits.
+For each method: patch, measure perplexity on real text, generate a short greedy continuation, unpatch, and check
+that the model is back to its original logits.
 
-    python scripts/demo.py            # about 3-4 minutes on 2 CPU cores
-    python scripts/demo.py --quick    # 1 window of 512 tokens, 2 methods
+    hf-posenc demo            # every method: about 3-4 minutes on 2 CPU cores
+    hf-posenc demo --quick    # 1 window of 512 tokens, 2 methods
+
+Outputs in ``--output-dir``: ``results.json``, ``results.csv`` and ``perplexity.png`` (a bar per method). The text
+is ``--text-file``, else Pride and Prejudice in ``--data-dir`` (default: ``$HF_POSENC_DATA``).
 """
 
 from __future__ import annotations
@@ -12,9 +16,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import re
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,23 +24,20 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .perplexity import perplexity, tokenize_text
-from .runtime import OVERWRITE_HELP, atomic_output_dir, check_output_dir, run_command, set_threads
-from .smollm2 import forward_seconds, is_cached, load_smollm2
-from .text import default_data_dir, read_text
+from . import report
+from .estimates import PATCHED_SLOWDOWN, SECONDS_PER_GENERATED_TOKEN, forward_seconds
+from .models import is_cached, load_smollm2
+from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir
+from .perplexity import perplexity_at_length
+from .runtime import UNPATCHED, UsageError, check_number, set_threads, versions
+from .text import Document, data_dir, read_text, tokenize_documents
 
 DEFAULT_TEXT = "pg1342-pride-and-prejudice.txt"
 # Evaluation starts at the first chapter; the Gutenberg front matter before it is mostly
 # whitespace layout of title pages, which says little about a language model.
 DEFAULT_START = "It is a truth universally acknowledged"
-UNPATCHED = "none"
 QUICK_PATCHED_PREFERENCE = ("alibi", "nope")
 CHECK_TOKENS = 64
-
-# Seconds per generated token on two idle CPU cores; windows cost smollm2.forward_seconds. Patched methods
-# that bring their own attention path measured about as fast (1.0-1.2x).
-_SEC_PER_GEN_TOKEN = 0.07
-_PATCHED_SLOWDOWN = 1.05
 
 
 @dataclass
@@ -58,14 +57,16 @@ class MethodResult:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="hf-posenc-demo",
+        prog="hf-posenc demo",
         description="Patch SmolLM2-135M with each positional method; report perplexity and a continuation.",
     )
     parser.add_argument("--methods", nargs="+", default=None,
                         help=f"method names ('{UNPATCHED}' = unpatched); default: '{UNPATCHED}' then every "
                              "available method with its default options")
     parser.add_argument("--text-file", type=Path, default=None,
-                        help=f"UTF-8 text to evaluate on (default: {DEFAULT_TEXT} in the shared data folder)")
+                        help=f"UTF-8 text to evaluate on (default: {DEFAULT_TEXT} in --data-dir)")
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help="the folder of the shared text files (default: $HF_POSENC_DATA)")
     parser.add_argument("--start-text", default=DEFAULT_START,
                         help="evaluate from the first occurrence of this string, if present "
                              "(default: %(default)r; '' = from the beginning)")
@@ -86,6 +87,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def apply_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the window settings left unset (the default run, or the --quick one) and refuse nonsense ones."""
+    check_number("--window", args.window, 2)
+    args.window = args.window or (512 if args.quick else 1024)
+    check_number("--max-windows", args.max_windows, 1)
+    args.max_windows = args.max_windows or (1 if args.quick else 4)
+    args.stride = args.window if args.stride is None else args.stride
+    check_number("--stride", args.stride, 1, maximum=args.window, hint="windows overlap by --window minus --stride")
+    check_number("--gen-tokens", args.gen_tokens, 0)
+    return args
+
+
 def resolve_methods(requested: list[str] | None, quick: bool, available: list[str]) -> list[str]:
     if requested:
         return [name for item in requested for name in item.split(",") if name]
@@ -97,10 +110,10 @@ def resolve_methods(requested: list[str] | None, quick: bool, available: list[st
 
 
 def estimate_seconds(methods: list[str], window: int, n_windows: int, gen_tokens: int, cached: bool) -> float:
-    """Rough run time on this machine class; a loaded machine is several times slower."""
+    """Rough run time on the machine the estimates were measured on; a loaded machine is several times slower."""
     per_window = forward_seconds(window)
-    per_method = n_windows * per_window + gen_tokens * _SEC_PER_GEN_TOKEN + 0.5
-    compute = per_window + sum(per_method * (1.0 if m == UNPATCHED else _PATCHED_SLOWDOWN) for m in methods)
+    per_method = n_windows * per_window + gen_tokens * SECONDS_PER_GENERATED_TOKEN + 0.5
+    compute = per_window + sum(per_method * (1.0 if m == UNPATCHED else PATCHED_SLOWDOWN) for m in methods)
     threads_factor = 2 / max(1, min(torch.get_num_threads(), 16))
     return (1.0 if cached else 25.0) + compute * threads_factor
 
@@ -133,6 +146,8 @@ def reference_logits(model, ids: torch.LongTensor) -> torch.Tensor:
 
 
 def run_method(name: str, model, tokenizer, ids, prompt, args, check_ids, ref) -> MethodResult:
+    """Patch ``name``, measure perplexity and a continuation, unpatch, and check the original logits are back. A
+    method that fails is reported in the result (the others still run)."""
     import hf_posenc
 
     result = MethodResult(method=name)
@@ -144,7 +159,8 @@ def run_method(name: str, model, tokenizer, ids, prompt, args, check_ids, ref) -
             hf_posenc.patch_model(model, name)
             patched = True
         t0 = time.perf_counter()
-        ppl = perplexity(model, ids, args.window, args.max_windows, args.stride, progress=not args.no_progress)
+        ppl = perplexity_at_length(model, [ids], args.window, args.stride, args.max_windows,
+                                   progress=not args.no_progress)
         result.ppl_seconds = time.perf_counter() - t0
         result.perplexity, result.nll_sum = ppl.ppl, ppl.nll_sum
         result.n_scored_tokens, result.n_windows = ppl.n_scored_tokens, ppl.n_windows
@@ -166,105 +182,50 @@ def run_method(name: str, model, tokenizer, ids, prompt, args, check_ids, ref) -
     return result
 
 
-def _fmt_ppl(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.2f}" if value < 1e5 else f"{value:.3g}"
-
-
-def _cell(text: str, limit: int = 120) -> str:
-    text = " ".join(text.split()).replace("|", "\\|")
-    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
-
-
-def markdown_table(results: list[MethodResult]) -> str:
-    lines = ["| method | perplexity | tokens scored | seconds | continuation |",
-             "| --- | ---: | ---: | ---: | --- |"]
-    for r in results:
-        continuation = f"ERROR {r.error}" if r.error else repr(r.continuation)
-        lines.append(f"| {r.method} | {_fmt_ppl(r.perplexity)} | {r.n_scored_tokens} | "
-                     f"{r.seconds:.1f} | {_cell(continuation)} |")
-    return "\n".join(lines)
-
-
 def write_outputs(output_dir: Path, meta: dict, results: list[MethodResult]) -> None:
-    output_dir.mkdir(parents=True, exist_ok=True)
     rows = [asdict(r) for r in results]
     (output_dir / "results.json").write_text(json.dumps({**meta, "results": rows}, indent=2) + "\n")
     with open(output_dir / "results.csv", "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["method"])
         writer.writeheader()
         writer.writerows(rows)
-    plot_perplexity(output_dir / "perplexity.png", meta, results)
+    report.plot_demo_perplexity(output_dir / "perplexity.png", results,
+                                f"{meta['model']} on {meta['text_name']}\n"
+                                f"{meta['max_windows']} x {meta['window']}-token windows", UNPATCHED)
 
 
-def plot_perplexity(path: Path, meta: dict, results: list[MethodResult]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [r.method for r in results]
-    values = [r.perplexity if r.perplexity is not None and math.isfinite(r.perplexity) else 0.0 for r in results]
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(names) + 1.5), 4.0))
-    colors = ["tab:gray" if n == UNPATCHED else "tab:blue" for n in names]
-    bars = ax.bar(names, values, color=colors)
-    finite = [v for v in values if v > 0]
-    if finite and max(finite) / min(finite) > 20:
-        ax.set_yscale("log")
-    for bar, r in zip(bars, results):
-        label = "error" if r.perplexity is None else _fmt_ppl(r.perplexity)
-        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, max(bar.get_height(), min(finite or [1]))),
-                    ha="center", va="bottom", fontsize=8)
-    ax.set_ylabel("perplexity (lower is better)")
-    ax.set_title(f"{meta['model']} on {meta['text_name']}\n"
-                 f"{meta['max_windows']} x {meta['window']}-token windows", fontsize=9)
-    ax.tick_params(axis="x", labelrotation=30)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def evaluation_text(args: argparse.Namespace, text_path: Path, tokenizer) -> tuple[torch.LongTensor, str, int]:
+    """(the token ids the windows cover, the prompt, the character the text starts at, -1: from the beginning)."""
+    text = read_text(text_path)
+    offset = text.find(args.start_text) if args.start_text else -1
+    region = text[offset:] if offset >= 0 else text
+    n_tokens = args.window + (args.max_windows - 1) * args.stride
+    ids = tokenize_documents(tokenizer, [Document(text_path.name, region)], n_tokens)[0]
+    if ids.numel() < n_tokens:
+        raise UsageError(f"{args.max_windows} window(s) of {args.window} tokens need {n_tokens} tokens, "
+                         f"{text_path} has {ids.numel()} (after character {max(offset, 0)})")
+    return ids, default_prompt(region), offset
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return run_command(lambda: _run_demo(args))
-
-
-def _run_demo(args: argparse.Namespace) -> int:
-    args.window = args.window or (512 if args.quick else 1024)
-    args.max_windows = args.max_windows or (1 if args.quick else 4)
-    set_threads(args.threads)
-    check_output_dir(args.output_dir, "demo", args.overwrite)
-
+def run(args: argparse.Namespace) -> int:
+    """The command; exit code 1 when a method did not restore the original logits."""
     import hf_posenc
 
+    apply_defaults(args)
+    set_threads(args.threads)
+    check_output_dir(args.output_dir, "demo", args.overwrite)
     methods = resolve_methods(args.methods, args.quick, hf_posenc.available_methods())
-    text_path = args.text_file or default_data_dir() / DEFAULT_TEXT
-    stride = args.stride or args.window
-    n_tokens = args.window + (args.max_windows - 1) * stride
-
-    cached = is_cached(args.cache_dir)
-    estimate = estimate_seconds(methods, args.window, args.max_windows, args.gen_tokens, cached)
+    text_path = args.text_file or data_dir(args.data_dir) / DEFAULT_TEXT
+    estimate = estimate_seconds(methods, args.window, args.max_windows, args.gen_tokens, is_cached(args.cache_dir))
     print(f"hf_posenc demo: {len(methods)} methods ({', '.join(methods)}) x {args.max_windows} window(s) of "
           f"{args.window} tokens on {text_path.name}, {torch.get_num_threads()} threads")
     print(f"estimated run time: at most about {estimate / 60:.1f} min on an otherwise idle machine "
           "(a method that needs options fails at once)", flush=True)
 
     run_start = time.perf_counter()
-    t0 = time.perf_counter()
-    dtype = getattr(torch, args.dtype)
-    model, tokenizer = load_smollm2(dtype=dtype, cache_dir=args.cache_dir)
-    load_seconds = time.perf_counter() - t0
-
-    text = read_text(text_path)
-    offset = text.find(args.start_text) if args.start_text else -1
-    region = text[offset:] if offset >= 0 else text
-    ids = tokenize_text(tokenizer, region, max_tokens=n_tokens)
-    if ids.numel() < n_tokens:
-        print(f"error: {args.max_windows} window(s) of {args.window} tokens need {n_tokens} tokens, "
-              f"{text_path} has {ids.numel()} (after character {max(offset, 0)})", file=sys.stderr)
-        return 2
-    prompt = default_prompt(region)
+    model, tokenizer = load_smollm2(dtype=getattr(torch, args.dtype), cache_dir=args.cache_dir)
+    load_seconds = time.perf_counter() - run_start
+    ids, prompt, offset = evaluation_text(args, text_path, tokenizer)
     check_ids = ids[:CHECK_TOKENS]
     ref = reference_logits(model, check_ids)
     # The first forward at a new length is several times slower (allocator, thread pool);
@@ -277,7 +238,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         bar.set_postfix(method=name)
         result = run_method(name, model, tokenizer, ids, prompt, args, check_ids, ref)
         results.append(result)
-        status = f"ppl {_fmt_ppl(result.perplexity)}" if result.perplexity is not None else result.error
+        status = f"ppl {report.format_perplexity(result.perplexity)}" if result.perplexity is not None \
+            else result.error
         tqdm.write(f"  {name}: {status} ({result.seconds:.1f} s)"
                    + ("" if result.restored else "  [NOT RESTORED after unpatch]"))
         if len(results) == 1 and len(methods) > 1:
@@ -293,10 +255,10 @@ def _run_demo(args: argparse.Namespace) -> int:
     print()
     print(f"Prompt: {prompt!r}")
     print(f"Perplexity over {args.max_windows} window(s) of {args.window} tokens"
-          + (f" (stride {stride})" if stride != args.window else "")
+          + (f" (stride {args.stride})" if args.stride != args.window else "")
           + f" of {text_path.name}" + (f", from {args.start_text!r}" if offset >= 0 else "") + ":")
     print()
-    print(markdown_table(results))
+    print(report.demo_markdown(results))
     print()
     print(f"unpatch_model restores the original logits: {'OK' if restored else 'FAIL'} "
           f"(max |diff| {max_diff:.3g} over {check_ids.numel()} tokens, after every method)")
@@ -312,14 +274,13 @@ def _run_demo(args: argparse.Namespace) -> int:
         "start_text": args.start_text if offset >= 0 else None,
         "start_char": max(offset, 0),
         "window": args.window,
-        "stride": stride,
+        "stride": args.stride,
         "max_windows": args.max_windows,
         "gen_tokens": args.gen_tokens,
         "seed": args.seed,
         "prompt": prompt,
         "threads": torch.get_num_threads(),
-        "versions": {"hf_posenc": getattr(hf_posenc, "__version__", None), "torch": torch.__version__,
-                     "transformers": __import__("transformers").__version__},
+        "versions": versions(),
         "load_seconds": load_seconds,
         "total_seconds": total_seconds,
         "estimated_seconds": estimate,

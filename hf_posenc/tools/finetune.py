@@ -1,9 +1,9 @@
-"""Fine-tune a model after swapping or extending its positional mechanism, with accelerate.
+"""``hf-posenc finetune``: fine-tune a model after swapping or extending its positional mechanism, with accelerate.
 
-    accelerate launch scripts/finetune.py --model smollm2 --method alibi --train-only all \\
+    hf-posenc finetune --model smollm2 --method alibi --train-only all \\
         --text-file ../shared/data/pg1342-pride-and-prejudice.txt --text-fraction 0:0.8 \\
         --max-length 512 --max-steps 200 --output-dir runs/alibi-ft
-    accelerate launch --config_file scripts/accelerate_configs/ddp.yaml scripts/finetune.py ...
+    accelerate launch --config_file scripts/accelerate_configs/ddp.yaml -m hf_posenc finetune ...
 
 Distribution (DDP, FSDP, DeepSpeed), mixed precision and gradient accumulation come from accelerate. The text is
 packed into blocks of ``--max-length`` tokens (documents joined by the EOS token). ``--train-only``: ``positional``
@@ -26,25 +26,25 @@ import hashlib
 import json
 import math
 import os
+import re
+import shutil
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .data import DataError, load_documents, pack_blocks, tokenize_documents
-from .runtime import (DTYPES, OVERWRITE_HELP, MethodSpec, UsageError, atomic_output_dir, check_memory, check_number,
-                      check_output_dir_on_main, estimate_training_bytes, load_model, output_path, parse_options,
-                      run_command, set_threads, versions, write_json)
-from .text import check_encoding
+from .estimates import check_memory, estimate_training_bytes
+from .model_facts import lora_target_pattern
+from .models import SMOLLM2, load_model
+from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir_on_main, output_path, write_json
+from .runtime import (DTYPES, UNPATCHED, MethodRequest, UsageError, check_at_least, check_number, parse_options,
+                      set_threads, settings_from, settings_of, versions)
+from .text import DataError, add_text_arguments, check_encoding, documents_of, pack_blocks, tokenize_documents
 
 TRAIN_ONLY = ("positional", "all", "lora")
-LORA_TARGETS = {  # attention projections per family (PEFT target_modules regex, matched on the full name)
-    "gpt2": r".*\.attn\.(c_attn|c_proj)",
-    "bloom": r".*\.self_attention\.(query_key_value|dense)",
-}
-LLAMA_LORA_TARGETS = r".*\.self_attn\.(q_proj|k_proj|v_proj|o_proj)"
 STATE_FILE = "trainer_state.json"
 # transformers schedulers that need nothing beyond warm-up and total steps
 LR_SCHEDULERS = ("cosine", "linear", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
@@ -55,15 +55,15 @@ class NonFiniteLoss(UsageError):
     """Training diverged (a NaN or infinite loss, or weights): the run stops and saves nothing."""
 
 
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    from .evaluate import add_text_arguments
-
-    p = parser or argparse.ArgumentParser(prog="hf-posenc finetune", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2",
+# --- settings -------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hf-posenc finetune", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=SMOLLM2,
                    help="local checkpoint, Hub id, .gguf file, or 'smollm2' (the bundled SmolLM2-135M; default)")
     p.add_argument("--tokenizer", default=None)
-    p.add_argument("--method", default=None, help="positional method to patch in before training (default: none, "
-                                                  "train the model as loaded)")
+    p.add_argument("--method", default=None,
+                   help="positional method to patch in before training, NAME[:KEY=VALUE,...] (default: none, train "
+                        "the model as loaded)")
     p.add_argument("--method-option", action="append", default=None, metavar="KEY=VALUE",
                    help="an option of --method, value parsed as JSON when it can be (factor=4, slopes=\"geometric\"); "
                         "repeatable")
@@ -109,13 +109,17 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return p
 
 
-def check_args(args: argparse.Namespace) -> MethodSpec | None:
+def settings(**overrides) -> argparse.Namespace:
+    """The settings of a fine-tune: the command's defaults with ``overrides`` (e.g. ``method="kerple"``,
+    ``text_file=[path]``, ``max_steps=60``), for ``run_finetune``."""
+    return settings_from(build_parser(), **overrides)
+
+
+def check_args(args: argparse.Namespace) -> MethodRequest | None:
     """Refuse nonsense settings before anything runs; returns the method to patch in (None: none)."""
-    for name in ("max_steps", "batch_size", "gradient_accumulation_steps", "lora_r", "lora_alpha", "log_every",
-                 "save_total_limit", "threads"):
-        check_number(_flag(name), getattr(args, name), 1)
-    for name in ("eval_blocks", "eval_every", "save_every", "weight_decay"):
-        check_number(_flag(name), getattr(args, name), 0)
+    check_at_least(args, 1, "max_steps", "batch_size", "gradient_accumulation_steps", "lora_r", "lora_alpha",
+                   "log_every", "save_total_limit", "threads")
+    check_at_least(args, 0, "eval_blocks", "eval_every", "save_every", "weight_decay")
     check_number("--max-length", args.max_length, 2)
     check_number("--seed", args.seed, 0, maximum=2**32 - 1)
     # AdamW adds lr / (1 - beta1) = 10 lr to the weights in its first step (and multiplies them by 1 - lr * weight
@@ -134,23 +138,20 @@ def check_args(args: argparse.Namespace) -> MethodSpec | None:
     if args.lr_scheduler not in LR_SCHEDULERS:
         raise UsageError(f"--lr-scheduler {args.lr_scheduler!r}: choose one of {', '.join(LR_SCHEDULERS)}")
     check_encoding(args.encoding)
-    options = parse_options(args.method_option)
-    if options and not args.method:
+    extra_options = parse_options(args.method_option)
+    if extra_options and not args.method:
         raise UsageError("--method-option needs --method")
-    if not args.method or args.method == "none":
+    if not args.method or args.method.lower() == UNPATCHED:
         return None
-    spec = MethodSpec(args.method.lower(), options)
-    spec.check()
-    return spec
+    asked = MethodRequest.parse(args.method)
+    request = MethodRequest(asked.name, {**asked.options, **extra_options})
+    request.check()
+    return request
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-# --- trainable parameters ----------------------------------------------------------------------------------
+# --- trainable parameters -------------------------------------------------------------------------------------
 def positional_parameters(model) -> list[torch.nn.Parameter]:
-    from .patching import get_positional_module
+    from hf_posenc import get_positional_module
 
     module = get_positional_module(model)
     return [] if module is None else list(module.parameters())
@@ -176,9 +177,8 @@ def select_trainable(model, train_only: str, args: argparse.Namespace):
             from peft import LoraConfig, get_peft_model
         except ImportError:
             raise UsageError("--train-only lora needs PEFT: pip install peft") from None
-        target = lora_targets(model)
         config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                            target_modules=target, bias="none", task_type="CAUSAL_LM")
+                            target_modules=lora_targets(model), bias="none", task_type="CAUSAL_LM")
         model = get_peft_model(model, config)
         for p in positional:  # PEFT froze everything that is not LoRA; the positional parameters train too
             p.requires_grad_(True)
@@ -189,9 +189,7 @@ def lora_targets(model) -> list[str]:
     """Full names of the attention projections LoRA wraps. A projection that carries a hook of the positional
     patch (RoPE on GPT-2 / BLOOM rotates the fused qkv output in a forward hook) is left out: PEFT would add its
     update after the hook, unrotated."""
-    import re
-
-    pattern = re.compile(LORA_TARGETS.get(model.config.model_type, LLAMA_LORA_TARGETS) + "$")
+    pattern = re.compile(lora_target_pattern(model) + "$")
     names, hooked = [], []
     for name, module in model.named_modules():
         if pattern.match(name):
@@ -215,28 +213,83 @@ def weights_digest(model) -> str:
     return digest.hexdigest()
 
 
-# --- the run -----------------------------------------------------------------------------------------------
-def _latest_checkpoint(directory: Path) -> Path | None:
-    steps = sorted((int(p.name.split("-")[1]), p) for p in directory.glob("step-*")
-                   if p.name.split("-")[1].isdigit() and (p / STATE_FILE).is_file()) if directory.is_dir() else []
-    return steps[-1][1] if steps else None
+# --- the run, step by step ------------------------------------------------------------------------------------
+@dataclass
+class TrainingData:
+    documents: list[str]
+    n_tokens: int
+    train_blocks: torch.LongTensor  # [n, max_length]
+    eval_blocks: torch.LongTensor
+
+
+@dataclass
+class Progress:
+    """Where training stands; saved with every resumable checkpoint."""
+    step: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0  # batches of the current epoch already trained (skipped when resuming)
+    log: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Training:
+    """The prepared pieces of a run (after ``accelerator.prepare``)."""
+    accelerator: Any
+    model: Any
+    trainable: list[torch.nn.Parameter]
+    optimizer: Any
+    scheduler: Any
+    loader: Any
+    eval_loader: Any
+    warmup_steps: int
 
 
 def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
-    """Everything ``finetune`` does; returns the run summary (also written as ``training_args.json``)."""
-    from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, gather_object, set_seed
-    from tqdm.auto import tqdm
-    from transformers import get_scheduler
+    """Everything ``finetune`` does, from its settings (``settings(...)`` or parsed options); returns the run
+    summary (also written as ``training_args.json``)."""
+    from accelerate.utils import set_seed
 
-    spec = check_args(args)
-    start_time = time.perf_counter()
+    request = check_args(args)
+    started = time.perf_counter()
     output_dir = output_path(args.output_dir)
     # Not inside --output-dir: that folder is written atomically at the end, and the logs are wanted while training.
     logging_dir = args.logging_dir or _beside(output_dir, "-logs")
     trackers = _trackers(args.report_to, logging_dir)
+    accelerator = make_accelerator(args, trackers, logging_dir)
+    check_output_dir_on_main(accelerator, output_dir, "finetune", args.overwrite)
+    set_seed(args.seed)
+    checkpoint_dir = args.checkpoint_dir or _beside(output_dir, "-checkpoints")
+    resume = resume_point(args, checkpoint_dir)
+
+    docs = documents_of(args)  # text first: a missing or too-short corpus fails before the model is loaded
+    model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype], tokenizer=args.tokenizer,
+                                  verbose=accelerator.is_main_process and not args.no_progress)
+    data = training_data(args, tokenizer, docs, accelerator.num_processes)
+    if request is not None:
+        torch.manual_seed(args.seed)  # methods with randomly initialised parameters start the same everywhere
+        request.apply(model)
+    from hf_posenc import get_posenc_config
+
+    posenc = get_posenc_config(model)
+    training = prepare_training(args, accelerator, model, data)
+    if trackers:
+        accelerator.init_trackers("hf_posenc_finetune", config=_flat_config(args))
+    progress = resume_progress(accelerator, resume)
+    train(args, training, progress, checkpoint_dir, started, bool(trackers))
+
+    summary = run_summary(args, training, progress, request, posenc, data, started)
+    save_output(args, training, tokenizer, posenc, summary, progress.log)
+    if trackers:
+        accelerator.end_training()
+    return summary
+
+
+def make_accelerator(args: argparse.Namespace, trackers: list[str], logging_dir: Path):
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
+
     try:
-        accelerator = Accelerator(
+        return Accelerator(
             mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.gradient_accumulation_steps,
             cpu=not torch.cuda.is_available(), log_with=trackers or None,
             project_config=ProjectConfiguration(project_dir=str(logging_dir), logging_dir=str(logging_dir))
@@ -248,159 +301,205 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
         # accelerate's FSDP and DeepSpeed plugins need an accelerator: they refuse CPU-only machines.
         raise UsageError(f"this accelerate configuration needs GPUs ({error}); on a CPU-only machine launch with "
                          "scripts/accelerate_configs/ddp.yaml (several CPU processes) or cpu_single.yaml") from None
-    main_process = accelerator.is_main_process
-    world = accelerator.num_processes
-    check_output_dir_on_main(accelerator, output_dir, "finetune", args.overwrite)
-    set_seed(args.seed)
-    checkpoint_dir = args.checkpoint_dir or _beside(output_dir, "-checkpoints")
-    resume = None
-    if args.resume_from:
-        resume = _latest_checkpoint(checkpoint_dir) if args.resume_from == "latest" else Path(args.resume_from)
-        if resume is None or not (resume / STATE_FILE).is_file():
-            raise UsageError(f"--resume-from {args.resume_from}: no checkpoint there "
-                             f"(looked for {STATE_FILE} in {resume or checkpoint_dir})")
 
-    # Text first: a missing or too-short corpus fails before the model is loaded.
-    docs = load_documents(args.text_file, args.dataset, args.dataset_config, args.split, args.text_column,
-                          args.text_fraction, args.start_text, encoding=args.encoding)
-    model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype], tokenizer=args.tokenizer,
-                                  verbose=main_process and not args.no_progress)
+
+def resume_point(args: argparse.Namespace, checkpoint_dir: Path) -> Path | None:
+    """The checkpoint ``--resume-from`` names (a folder, or ``latest`` in ``checkpoint_dir``), or None."""
+    if not args.resume_from:
+        return None
+    resume = _latest_checkpoint(checkpoint_dir) if args.resume_from == "latest" else Path(args.resume_from)
+    if resume is None or not (resume / STATE_FILE).is_file():
+        raise UsageError(f"--resume-from {args.resume_from}: no checkpoint there "
+                         f"(looked for {STATE_FILE} in {resume or checkpoint_dir})")
+    return resume
+
+
+def _checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of the resumable checkpoints in ``directory`` (ours: they hold STATE_FILE), oldest first."""
+    if not directory.is_dir():
+        return []
+    return sorted((int(p.name.split("-")[1]), p) for p in directory.glob("step-*")
+                  if p.name.split("-")[1].isdigit() and (p / STATE_FILE).is_file())
+
+
+def _latest_checkpoint(directory: Path) -> Path | None:
+    steps = _checkpoints(directory)
+    return steps[-1][1] if steps else None
+
+
+def training_data(args: argparse.Namespace, tokenizer, docs, world: int) -> TrainingData:
+    """The text packed into blocks of ``--max-length`` tokens; the last ``--eval-blocks`` are held out."""
     token_docs = tokenize_documents(tokenizer, docs)
     blocks = pack_blocks(token_docs, args.max_length, tokenizer.eos_token_id)
     n_tokens = sum(int(t.numel()) for t in token_docs)
     needed_blocks = args.batch_size * world + args.eval_blocks
     if blocks.shape[0] < needed_blocks:
-        raise DataError(
-            f"the training text has {n_tokens} tokens ({len(docs)} document(s)); blocks of {args.max_length} tokens for "
-            f"batch {args.batch_size} x {world} process(es)" + (f" + {args.eval_blocks} eval blocks" if args.eval_blocks
-                                                                else "")
-            + f" need at least {needed_blocks * args.max_length} tokens")
-    eval_blocks = blocks[blocks.shape[0] - args.eval_blocks:] if args.eval_blocks else blocks[:0]
-    train_blocks = blocks[: blocks.shape[0] - args.eval_blocks]
+        held_out = f" + {args.eval_blocks} eval blocks" if args.eval_blocks else ""
+        raise DataError(f"the training text has {n_tokens} tokens ({len(docs)} document(s)); blocks of "
+                        f"{args.max_length} tokens for batch {args.batch_size} x {world} process(es){held_out} need "
+                        f"at least {needed_blocks * args.max_length} tokens")
+    n_train = blocks.shape[0] - args.eval_blocks
+    return TrainingData([d.name for d in docs], n_tokens, blocks[:n_train], blocks[n_train:])
 
-    if spec is not None:
-        torch.manual_seed(args.seed)  # methods with randomly initialised parameters start the same everywhere
-        spec.apply(model)
-    from .patching import get_posenc_config
 
-    posenc = get_posenc_config(model)
+def prepare_training(args: argparse.Namespace, accelerator, model, data: TrainingData) -> Training:
+    """Choose what trains, check the memory it needs, and build the optimizer, schedule and data loaders."""
+    from transformers import get_scheduler
+
     model, positional_ids = select_trainable(model, args.train_only, args)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    n_trainable = sum(p.numel() for p in trainable)
     if not args.no_memory_check:
-        check_memory(estimate_training_bytes(model, args.max_length, args.batch_size, n_trainable,
-                                             args.gradient_checkpointing),
+        check_memory(estimate_training_bytes(model, args.max_length, args.batch_size,
+                                             sum(p.numel() for p in trainable), args.gradient_checkpointing),
                      f"training on {args.batch_size} x {args.max_length} tokens")
     if args.gradient_checkpointing:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         base.config.use_cache = False
-    positional_lr = args.positional_lr or args.lr
     groups = [{"params": [p for p in trainable if id(p) not in positional_ids], "lr": args.lr},
-              {"params": [p for p in trainable if id(p) in positional_ids], "lr": positional_lr}]
+              {"params": [p for p in trainable if id(p) in positional_ids], "lr": args.positional_lr or args.lr}]
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, weight_decay=args.weight_decay)
     warmup = args.warmup_steps if args.warmup_steps is not None else max(0, round(0.1 * args.max_steps))
     scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=warmup,
                               num_training_steps=args.max_steps)
-    generator = torch.Generator().manual_seed(args.seed)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(train_blocks), batch_size=args.batch_size,
-                                         shuffle=True, drop_last=True, generator=generator)
-    eval_loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(eval_blocks), batch_size=args.batch_size)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data.train_blocks),
+                                         batch_size=args.batch_size, shuffle=True, drop_last=True,
+                                         generator=torch.Generator().manual_seed(args.seed))
+    eval_loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data.eval_blocks),
+                                              batch_size=args.batch_size)
     model, optimizer, loader, eval_loader, scheduler = accelerator.prepare(model, optimizer, loader, eval_loader,
                                                                            scheduler)
-    if trackers:
-        accelerator.init_trackers("hf_posenc_finetune", config=_flat_config(args))
+    return Training(accelerator, model, trainable, optimizer, scheduler, loader, eval_loader, warmup)
 
-    step, epoch, skip, log = 0, 0, 0, []
-    if resume is not None:
-        accelerator.load_state(str(resume))
-        state = json.loads((resume / STATE_FILE).read_text())
-        step, epoch, skip, log = state["step"], state["epoch"], state["batches_in_epoch"], state["log"]
-        if main_process:
-            print(f"resumed from {resume} at step {step}", flush=True)
+
+def resume_progress(accelerator, resume: Path | None) -> Progress:
+    if resume is None:
+        return Progress()
+    accelerator.load_state(str(resume))
+    state = json.loads((resume / STATE_FILE).read_text())
+    if accelerator.is_main_process:
+        print(f"resumed from {resume} at step {state['step']}", flush=True)
+    return Progress(state["step"], state["epoch"], state["batches_in_epoch"], state["log"])
+
+
+def train(args: argparse.Namespace, training: Training, progress: Progress, checkpoint_dir: Path, started: float,
+          log_to_trackers: bool) -> None:
+    """The training loop, from ``progress`` to ``--max-steps``: the loss (the mean over processes) is checked at
+    every micro-step, logged every ``--log-every`` steps, and resumable checkpoints saved every ``--save-every``."""
+    from tqdm.auto import tqdm
+
+    accelerator, model, loader = training.accelerator, training.model, training.loader
     if len(loader) == 0:
         raise DataError("no full training batch per process; add text or lower --batch-size / --max-length")
-
-    bar = tqdm(total=args.max_steps, initial=step, desc="finetune", unit="step",
-               disable=args.no_progress or not main_process)
+    bar = tqdm(total=args.max_steps, initial=progress.step, desc="finetune", unit="step",
+               disable=args.no_progress or not accelerator.is_main_process)
     model.train()
     window_loss, window_count = 0.0, 0
-    done = step >= args.max_steps
-    while not done:
-        loader.set_epoch(epoch)
+    while progress.step < args.max_steps:
+        loader.set_epoch(progress.epoch)
+        skip = progress.batches_in_epoch
         batches = accelerator.skip_first_batches(loader, skip) if skip else loader
         for batch_index, (batch,) in enumerate(batches, start=skip):
-            with accelerator.accumulate(model):
-                loss = model(input_ids=batch, labels=batch).loss
-                # The mean over processes: every process sees the same number, so a divergence stops all together.
-                mean_loss = accelerator.gather(loss.detach().float()[None]).mean().item()
-                if not math.isfinite(mean_loss):
-                    raise NonFiniteLoss(f"the training loss is {mean_loss} at step {step + 1}; " + _diverged(args))
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and args.max_grad_norm:
-                    accelerator.clip_grad_norm_(trainable, args.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-            window_loss += mean_loss
+            window_loss += training_step(args, training, batch, progress.step)
             window_count += 1
             if not accelerator.sync_gradients:
                 continue
-            step += 1
+            progress.step += 1
             bar.update(1)
-            if step % args.log_every == 0 or step == args.max_steps:
-                entry = {"step": step, "loss": window_loss / window_count, "lr": scheduler.get_last_lr()[0],
-                         "tokens": step * args.batch_size * args.gradient_accumulation_steps * world * args.max_length,
-                         "seconds": round(time.perf_counter() - start_time, 2)}
+            if progress.step % args.log_every == 0 or progress.step == args.max_steps:
+                entry = log_entry(args, training, progress.step, window_loss / window_count, started)
                 window_loss, window_count = 0.0, 0
-                if args.eval_blocks and args.eval_every and (step % args.eval_every == 0 or step == args.max_steps):
-                    entry["eval_loss"] = evaluate_loss(model, eval_loader, accelerator)
-                    model.train()
-                log.append(entry)
+                progress.log.append(entry)
                 bar.set_postfix(loss=f"{entry['loss']:.3f}")
-                if trackers:
-                    accelerator.log({k: v for k, v in entry.items() if k != "step"}, step=step)
-            if args.save_every and step % args.save_every == 0 and step < args.max_steps:
-                save_checkpoint(accelerator, checkpoint_dir, step, epoch, batch_index + 1, log, args.save_total_limit)
-            if step >= args.max_steps:
-                done = True
+                if log_to_trackers:
+                    accelerator.log({k: v for k, v in entry.items() if k != "step"}, step=progress.step)
+            if args.save_every and progress.step % args.save_every == 0 and progress.step < args.max_steps:
+                progress.batches_in_epoch = batch_index + 1
+                save_checkpoint(accelerator, checkpoint_dir, progress, args.save_total_limit)
+            if progress.step >= args.max_steps:
                 break
-        epoch, skip = epoch + 1, 0
+        else:
+            progress.epoch, progress.batches_in_epoch = progress.epoch + 1, 0
     bar.close()
     if not weights_are_finite(model, accelerator):  # the last update comes after the last loss checked
-        raise NonFiniteLoss(f"the update of step {step} left weights that are not finite; " + _diverged(args))
+        raise NonFiniteLoss(f"the update of step {progress.step} left weights that are not finite; "
+                            + _diverged(args))
 
-    unwrapped = accelerator.unwrap_model(model)
-    digests = gather_object([weights_digest(unwrapped)])
-    if args.train_only == "lora":
-        unwrapped = unwrapped.merge_and_unload()
-    summary = {
+
+def training_step(args: argparse.Namespace, training: Training, batch: torch.LongTensor, step: int) -> float:
+    """One micro-step (forward, backward, and the optimizer step when gradients are synchronised); returns the
+    loss averaged over processes, the same number on every process, so a divergence stops all of them together."""
+    accelerator, model = training.accelerator, training.model
+    with accelerator.accumulate(model):
+        loss = model(input_ids=batch, labels=batch).loss
+        mean_loss = accelerator.gather(loss.detach().float()[None]).mean().item()
+        if not math.isfinite(mean_loss):
+            raise NonFiniteLoss(f"the training loss is {mean_loss} at step {step + 1}; " + _diverged(args))
+        accelerator.backward(loss)
+        if accelerator.sync_gradients and args.max_grad_norm:
+            accelerator.clip_grad_norm_(training.trainable, args.max_grad_norm)
+        training.optimizer.step()
+        training.scheduler.step()
+        training.optimizer.zero_grad()
+    return mean_loss
+
+
+def log_entry(args: argparse.Namespace, training: Training, step: int, loss: float, started: float) -> dict:
+    world = training.accelerator.num_processes
+    entry = {"step": step, "loss": loss, "lr": training.scheduler.get_last_lr()[0],
+             "tokens": step * args.batch_size * args.gradient_accumulation_steps * world * args.max_length,
+             "seconds": round(time.perf_counter() - started, 2)}
+    if args.eval_blocks and args.eval_every and (step % args.eval_every == 0 or step == args.max_steps):
+        entry["eval_loss"] = evaluate_loss(training.model, training.eval_loader, training.accelerator)
+        training.model.train()
+    return entry
+
+
+def run_summary(args: argparse.Namespace, training: Training, progress: Progress, request: MethodRequest | None,
+                posenc, data: TrainingData, started: float) -> dict[str, Any]:
+    """What ``training_args.json`` holds: every setting and what the run saw and did."""
+    from accelerate.utils import gather_object
+
+    accelerator, log = training.accelerator, progress.log
+    world = accelerator.num_processes
+    tokens_per_step = args.batch_size * args.gradient_accumulation_steps * world * args.max_length
+    return {
         "command": "finetune",
-        **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
-        "method_options": spec.options if spec else {},
+        **settings_of(args),
+        "method_options": request.options if request else {},
         "posenc_config": posenc.to_dict() if posenc is not None else None,
         "num_processes": world,
         "distributed_type": str(accelerator.distributed_type),
         "mixed_precision_used": accelerator.mixed_precision,
-        "warmup_steps_used": warmup,
+        "warmup_steps_used": training.warmup_steps,
         "effective_batch_blocks": args.batch_size * args.gradient_accumulation_steps * world,
-        "tokens_per_step": args.batch_size * args.gradient_accumulation_steps * world * args.max_length,
-        "steps_done": step,
-        "trainable_parameters": n_trainable,
-        "data": {"documents": [d.name for d in docs], "tokens": n_tokens, "train_blocks": int(train_blocks.shape[0]),
-                 "eval_blocks": int(eval_blocks.shape[0]), "text_fraction": args.text_fraction},
+        "tokens_per_step": tokens_per_step,
+        "steps_done": progress.step,
+        "trainable_parameters": sum(p.numel() for p in training.trainable),
+        "data": {"documents": data.documents, "tokens": data.n_tokens, "train_blocks": int(data.train_blocks.shape[0]),
+                 "eval_blocks": int(data.eval_blocks.shape[0]), "text_fraction": args.text_fraction},
         "first_loss": log[0]["loss"] if log else None,
         "final_loss": log[-1]["loss"] if log else None,
         "final_eval_loss": next((e["eval_loss"] for e in reversed(log) if "eval_loss" in e), None),
-        "weights_sha256_per_process": digests,
-        "seconds": round(time.perf_counter() - start_time, 2),
+        "weights_sha256_per_process": gather_object([weights_digest(accelerator.unwrap_model(training.model))]),
+        "seconds": round(time.perf_counter() - started, 2),
         "versions": versions(),
     }
+
+
+def save_output(args: argparse.Namespace, training: Training, tokenizer, posenc, summary: dict,
+                log: list[dict]) -> None:
+    """Write ``--output-dir`` (from the main process): the model (LoRA merged), tokenizer, settings, loss log."""
+    accelerator = training.accelerator
+    unwrapped = accelerator.unwrap_model(training.model)
+    if args.train_only == "lora":
+        unwrapped = unwrapped.merge_and_unload()
     state_dict = None
     if accelerator.distributed_type.name in ("FSDP", "DEEPSPEED") and args.train_only != "lora":
-        state_dict = accelerator.get_state_dict(model)  # a collective: every process takes part
+        state_dict = accelerator.get_state_dict(training.model)  # a collective: every process takes part
+    main_process = accelerator.is_main_process
     # checked at the start: a --checkpoint-dir or --logging-dir inside --output-dir may have appeared since
-    with atomic_output_dir(output_dir, "finetune", args.overwrite, enabled=main_process, checked=True) as out:
+    with atomic_output_dir(args.output_dir, "finetune", args.overwrite, enabled=main_process, checked=True) as out:
         if main_process:
             unwrapped.save_pretrained(out, state_dict=state_dict)
             tokenizer.save_pretrained(out)
@@ -409,9 +508,6 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
             write_json(out / "training_args.json", summary)
             write_loss_log(out, log)
     accelerator.wait_for_everyone()
-    if trackers:
-        accelerator.end_training()
-    return summary
 
 
 def _beside(output_dir: Path, suffix: str) -> Path:
@@ -441,17 +537,16 @@ def evaluate_loss(model, loader, accelerator) -> float:
     return float(torch.cat(losses).float().mean()) if losses else float("nan")
 
 
-def save_checkpoint(accelerator, directory: Path, step: int, epoch: int, batches_in_epoch: int, log, limit: int):
-    path = directory / f"step-{step}"
+def save_checkpoint(accelerator, directory: Path, progress: Progress, limit: int) -> None:
+    """A resumable checkpoint ``step-N`` in ``directory``; only the newest ``limit`` of ours are kept."""
+    path = directory / f"step-{progress.step}"
     accelerator.save_state(str(path))
     if accelerator.is_main_process:
-        (path / STATE_FILE).write_text(json.dumps({"step": step, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
-                                                   "log": log}, indent=2))
-        old = sorted((int(p.name.split("-")[1]), p) for p in directory.glob("step-*")  # ours: they hold STATE_FILE
-                     if p.name.split("-")[1].isdigit() and (p / STATE_FILE).is_file())
+        (path / STATE_FILE).write_text(json.dumps({"step": progress.step, "epoch": progress.epoch,
+                                                   "batches_in_epoch": progress.batches_in_epoch,
+                                                   "log": progress.log}, indent=2))
+        old = _checkpoints(directory)
         for _, stale in old[: max(0, len(old) - limit)]:
-            import shutil
-
             shutil.rmtree(stale, ignore_errors=True)
     accelerator.wait_for_everyone()
 
@@ -490,12 +585,8 @@ def _flat_config(args) -> dict:
     return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in vars(args).items()}
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return run_command(lambda: _finetune_and_report(args))
-
-
-def _finetune_and_report(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> None:
+    """The command: fine-tune, then say what happened (from the first process)."""
     set_threads(args.threads)
     summary = run_finetune(args)
     if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0:
@@ -503,7 +594,3 @@ def _finetune_and_report(args: argparse.Namespace) -> None:
                   if summary["final_loss"] is not None else "")
         print(f"trained {summary['steps_done']} steps in {summary['seconds']:.0f} s{losses}", flush=True)
         print(f"saved to {args.output_dir}", flush=True)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,14 @@
 """Attention-path benchmark: a LLaMA-style layer stack (8 heads x 64) with its native RoPE (sdpa) against every
 relative-bias method and attention path, at several lengths, batch 1: forward time, forward+backward time and
-peak memory, as ratios to native in the same run. `scripts/bench_attention.py` is the command-line front end.
+peak memory, as ratios to native in the same run. Prints a table and writes bench_attention.json and
+bench_attention.png to --output-dir.
+
+    .venv/bin/python benchmarks/bench_attention.py --lengths 512,1024 --output-dir runs/bench_attention
+
+Each row names the path that served its attention calls (`hf_posenc.attention.last_paths`), which is not always
+the one asked for: "flex" or "flash" fall back to "blocked" for calls they cannot serve or that the kernel check
+refused on this machine (`attention.kernel_status()`), and a method without a bias over a plain causal square takes
+SDPA's own causal kernel ("causal"). Native RoPE never enters hf_posenc's attention path: its rows say "sdpa".
 
 Peak memory on CPU is the process's resident high-water mark (VmHWM, reset through /proc/self/clear_refs before
 each measurement) with glibc's mmap threshold fixed low, so freed tensors go back to the system at once and the
@@ -10,17 +18,18 @@ materialised float32 bias [1, H, L, L].
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from . import attention
-from .patching import patch_model, unpatch_model
+from hf_posenc import attention, patch_model, unpatch_model
 
 METHODS = ["alibi", "fire", "t5", "kerple", "sandwich", "xpos"]
 LENGTHS = [512, 1024, 2048, 4096, 8192]
@@ -29,16 +38,23 @@ LENGTHS = [512, 1024, 2048, 4096, 8192]
 @dataclass
 class Row:
     method: str
-    path: str
+    path: str  # the path(s) that served the attention calls, most calls first ("blocked", "flex+blocked", ...)
+    requested_path: str
     length: int
     forward_s: float
     forward_backward_s: float
     forward_peak_mib: float
     forward_backward_peak_mib: float
+    served_calls: dict[str, int] = field(default_factory=dict)  # attention calls per path, warm-up included
     forward_ratio: float = 1.0
     forward_backward_ratio: float = 1.0
     extra_forward_mib: float = 0.0
     extra_vs_materialised_bias: float = 0.0  # extra forward peak / size of a materialised [1, H, L, L] bias
+
+
+def served_path(calls: Counter) -> str:
+    """The paths that served, most calls first; "sdpa" when hf_posenc's attention path was not called (native)."""
+    return "+".join(path for path, _ in calls.most_common()) or "sdpa"
 
 
 def _fix_mmap_threshold() -> None:
@@ -134,9 +150,12 @@ def run_benchmark(lengths=LENGTHS, methods=METHODS, paths=("blocked",), layers: 
             unpatch_model(model)
         else:
             patch_model(model, method)
+        attention.last_paths.clear()
         with attention.attention_path(path if path != "sdpa" else "auto"):
             forward_s, backward_s, forward_peak, backward_peak = measure(model, ids, repeats, backward_repeats)
-        row = Row(method, path, length, forward_s, backward_s, forward_peak, backward_peak)
+        calls = Counter(attention.last_paths)
+        row = Row(method, served_path(calls), path, length, forward_s, backward_s, forward_peak, backward_peak,
+                  dict(calls))
         if method == "rope (native)":
             native[length] = row
         base = native[length]
@@ -150,17 +169,24 @@ def run_benchmark(lengths=LENGTHS, methods=METHODS, paths=("blocked",), layers: 
 
 
 def format_table(rows: list[Row]) -> str:
+    """A markdown table; the path column says what served, and what was asked for when that differs."""
     lines = ["| method | path | L | forward s | x native | fwd+bwd s | x native | extra fwd peak MiB | % of bias |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r.method} | {r.path} | {r.length} | {r.forward_s:.3f} | {r.forward_ratio:.2f} | "
+        path = r.path if r.path == r.requested_path else f"{r.path} ({r.requested_path} asked)"
+        lines.append(f"| {r.method} | {path} | {r.length} | {r.forward_s:.3f} | {r.forward_ratio:.2f} | "
                      f"{r.forward_backward_s:.3f} | {r.forward_backward_ratio:.2f} | {r.extra_forward_mib:.0f} | "
                      f"{100 * r.extra_vs_materialised_bias:.1f}% |")
     return "\n".join(lines)
 
 
-def save(rows: list[Row], out_dir: str | Path) -> dict[str, Path]:
-    out = Path(out_dir)
+def refused_kernels() -> list[str]:
+    """One line per kernel the kernel check refused in this process (the blocked path served it instead)."""
+    return [f"{v.kernel} on {v.device}: {v.detail}" for v in attention.kernel_status() if not v.passed]
+
+
+def save(rows: list[Row], output_dir: str | Path) -> dict[str, Path]:
+    out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / "bench_attention.json"
     json_path.write_text(json.dumps([asdict(r) for r in rows], indent=2))
@@ -173,9 +199,11 @@ def save(rows: list[Row], out_dir: str | Path) -> dict[str, Path]:
     except ImportError:
         return paths
     figure, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    keys = sorted({(r.method, r.path) for r in rows if r.method != "rope (native)"})
-    for method, path in keys:
-        series = sorted((r for r in rows if (r.method, r.path) == (method, path)), key=lambda r: r.length)
+    keys = sorted({(r.method, r.requested_path) for r in rows if r.method != "rope (native)"})
+    for method, requested in keys:
+        series = sorted((r for r in rows if (r.method, r.requested_path) == (method, requested)),
+                        key=lambda r: r.length)
+        path = "/".join(dict.fromkeys(r.path for r in series))  # what served
         lengths = [r.length for r in series]
         axes[0].plot(lengths, [r.forward_ratio for r in series], marker="o", label=f"{method} ({path})")
         axes[1].plot(lengths, [r.forward_backward_ratio for r in series], marker="o", label=f"{method} ({path})")
@@ -196,3 +224,30 @@ def save(rows: list[Row], out_dir: str | Path) -> dict[str, Path]:
     plt.close(figure)
     paths["png"] = png
     return paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="comma-separated sequence lengths")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods")
+    parser.add_argument("--paths", default="blocked",
+                        help="comma-separated attention paths to ask for: blocked, flex (compiles per shape: minutes "
+                             "on CPU), flash (CUDA with flash-attn); each row says which path served")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="timed forwards per case (median)")
+    parser.add_argument("--backward-repeats", type=int, default=2, help="timed forward+backward per case (median)")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--output-dir", default="runs/bench_attention")
+    args = parser.parse_args()
+    rows = run_benchmark(lengths=[int(x) for x in args.lengths.split(",")], methods=args.methods.split(","),
+                         paths=tuple(args.paths.split(",")), layers=args.layers, repeats=args.repeats,
+                         backward_repeats=args.backward_repeats, threads=args.threads)
+    print(format_table(rows))
+    for line in refused_kernels():
+        print(f"refused by the kernel check: {line}")
+    for kind, path in save(rows, args.output_dir).items():
+        print(f"{kind}: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,4 @@
-"""Passkey retrieval (hf_posenc.passkey): the prompt, scoring, outputs."""
+"""Passkey retrieval (hf-posenc passkey): the prompt, scoring, outputs."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 import random
 
 import pytest
-from train_eval_helpers import BOOK, byte_tokenizer, launch, save_tiny_model
+from tool_helpers import BOOK, byte_tokenizer, launch, run_cli, save_tiny_model
 
-from hf_posenc import passkey
+from hf_posenc.tools import passkey
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_end_to_end_outputs(tmp_path):
     out = tmp_path / "pk"
     argv = ["--model", str(model_dir), "--method", "none", "--method", "alibi", "--lengths", "300,400",
             "--depths", "0,1", "--trials", "2", "--max-new-tokens", "3", "--output-dir", str(out), "--no-progress"]
-    assert passkey.main(argv) == 0
+    assert run_cli("passkey", argv) == 0
     rows = (out / "passkey.csv").read_text().splitlines()
     assert rows[0] == "model,length,depth,accuracy,trials" and len(rows) == 1 + 2 * 2 * 2
     data = json.loads((out / "passkey.json").read_text())
@@ -60,7 +60,7 @@ def test_end_to_end_outputs(tmp_path):
     keys = {(t["length"], t["depth"], t["trial"], t["passkey"]) for t in data["trials"]}
     assert len(keys) == 8
     assert (out / "passkey.png").stat().st_size > 1000
-    assert passkey.main([*argv[:-3], "--depths", "1.5", "--output-dir", str(tmp_path / "bad")]) == 2
+    assert run_cli("passkey", [*argv[:-3], "--depths", "1.5", "--output-dir", str(tmp_path / "bad")]) == 2
     assert not (tmp_path / "bad").exists()
 
 
@@ -74,11 +74,11 @@ def test_bad_input_is_one_line(tmp_path, capsys):
                          (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1, got 0"),
                          (["--filler-file", str(latin)], f"{latin} is not valid utf-8 text"),
                          (["--filler-file", str(tmp_path)], f"{tmp_path} is a folder, not a text file")):
-        assert passkey.main([*argv, *bad]) == 2
+        assert run_cli("passkey", [*argv, *bad]) == 2
         err = capsys.readouterr().err
         assert err.rstrip().splitlines()[-1].startswith(f"error: {message}") and "Traceback" not in err, err
         assert not (tmp_path / "bad").exists()
-    assert passkey.main([*argv, "--filler-file", str(latin), "--encoding", "latin-1"]) == 0
+    assert run_cli("passkey", [*argv, "--filler-file", str(latin), "--encoding", "latin-1"]) == 0
 
 
 def test_two_processes_give_the_trials_of_one(tmp_path):
@@ -87,8 +87,8 @@ def test_two_processes_give_the_trials_of_one(tmp_path):
     model_dir = save_tiny_model(tmp_path / "tiny")
     argv = ["--model", str(model_dir), "--method", "alibi", "--lengths", "300", "--depths", "0,0.5,1",
             "--trials", "1", "--max-new-tokens", "3", "--no-progress"]
-    assert passkey.main([*argv, "--output-dir", str(tmp_path / "one")]) == 0
-    done = launch("scripts/passkey.py", [*argv, "--output-dir", str(tmp_path / "two")])
+    assert run_cli("passkey", [*argv, "--output-dir", str(tmp_path / "one")]) == 0
+    done = launch("passkey", [*argv, "--output-dir", str(tmp_path / "two")])
     assert done.returncode == 0, done.stderr[-3000:]
     one = json.loads((tmp_path / "one" / "passkey.json").read_text())
     two = json.loads((tmp_path / "two" / "passkey.json").read_text())

@@ -1,0 +1,77 @@
+"""The ``hf-posenc`` command: one subcommand per tool.
+
+    hf-posenc methods
+    hf-posenc eval-ppl --model smollm2 --method none --method yarn:factor=4 --lengths 512,1024 --text-file BOOK
+    accelerate launch -m hf_posenc finetune --method alibi --text-file BOOK      # several processes
+
+Each subcommand's module has ``build_parser()`` (its options) and ``run(args)`` (its body); this module parses,
+runs, and turns every refusal into one line ``error: ...`` and exit code 2 (``runtime.run_command``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import NamedTuple
+
+
+class Command(NamedTuple):
+    module: str  # in hf_posenc.tools
+    help: str
+    build_parser: str = "build_parser"
+    run: str = "run"
+
+
+COMMANDS = {
+    "finetune": Command("finetune", "fine-tune a patched model with accelerate"),
+    "eval-ppl": Command("eval_ppl", "perplexity vs context length for several models/methods"),
+    "passkey": Command("passkey", "passkey retrieval accuracy over lengths and depths"),
+    "main-job": Command("main_job", "the whole loop on SmolLM2-135M: fine-tune, evaluate, table and plot"),
+    "demo": Command("demo", "patch SmolLM2-135M with each method: perplexity, a continuation, exact unpatch"),
+    "export": Command("publish", "add the code that loads a saved checkpoint without hf_posenc",
+                      "build_export_parser", "run_export"),
+    "publish": Command("publish", "upload a saved checkpoint to the Hugging Face Hub, with its model card",
+                       "build_publish_parser", "run_publish"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: hf-posenc COMMAND [options]   (hf-posenc COMMAND --help for its options)", "", "commands:"]
+    lines += [f"  {name:<10} {command.help}" for name, command in COMMANDS.items()]
+    lines.append(f"  {'methods':<10} list the positional methods and their options")
+    return "\n".join(lines)
+
+
+def list_methods() -> None:
+    import hf_posenc
+
+    for name in hf_posenc.available_methods():
+        print(f"{name:<14} {', '.join(hf_posenc.get_method(name).config_class.option_names()) or '-'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .runtime import fail, run_command
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name == "methods":
+        return run_command(list_methods)
+    if name not in COMMANDS:
+        return fail(f"unknown command {name!r}\n\n{_usage()}")
+    command = COMMANDS[name]
+    module = importlib.import_module(f"{__package__}.{command.module}")
+    args = getattr(module, command.build_parser)().parse_args(rest)
+    return run_command(lambda: getattr(module, command.run)(args))
+
+
+def demo_main() -> int:
+    """The ``hf-posenc-demo`` console script: ``hf-posenc demo``."""
+    return main(["demo", *sys.argv[1:]])
+
+
+def export_main() -> int:
+    """The ``hf-posenc-export`` console script: ``hf-posenc export``."""
+    return main(["export", *sys.argv[1:]])

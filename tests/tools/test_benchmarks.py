@@ -1,0 +1,30 @@
+"""The benchmark scripts (benchmarks/): they run on tiny settings and write what they say."""
+
+from __future__ import annotations
+
+from tool_helpers import load_script
+
+
+def test_decode_benchmark_runs_and_reports_ratios(tmp_path):
+    run = load_script("benchmarks/bench_rope_cache.py").run
+
+    report = run(lengths=(16, 48), window=32, layers=1, new_tokens=2, output_dir=tmp_path)
+    assert set(report["ratio_to_native"]) == {"native rope", "yarn", "dynamic, exact_cache=False",
+                                              "dynamic, exact_cache=True"}
+    assert report["ratio_to_native"]["native rope"] == {16: 1.0, 48: 1.0}
+    assert (tmp_path / "results.json").exists() and (tmp_path / "decode_time.png").stat().st_size > 0
+
+
+def test_attention_benchmark_rows_name_the_path_that_served(tmp_path):
+    """A row asked for "flash" on a machine where flash cannot serve (no CUDA) times the blocked path, and says so;
+    native RoPE never enters hf_posenc's attention path."""
+    bench = load_script("benchmarks/bench_attention.py")
+    rows = bench.run_benchmark(lengths=[16], methods=["alibi"], paths=("blocked", "flash"), layers=1, heads=2,
+                               head_dim=8, repeats=1, backward_repeats=1, progress=False)
+    served = {(r.method, r.requested_path): r.path for r in rows}
+    assert served == {("rope (native)", "sdpa"): "sdpa", ("alibi", "blocked"): "blocked",
+                      ("alibi", "flash"): "blocked"}
+    assert all(r.served_calls.get("flash", 0) == 0 for r in rows)
+    assert "| alibi | blocked (flash asked) | 16 |" in bench.format_table(rows)
+    written = bench.save(rows, tmp_path)
+    assert written["json"].stat().st_size > 0 and written["png"].stat().st_size > 0

@@ -1,0 +1,84 @@
+"""The one ``hf-posenc`` command: every subcommand behind it, refusals as one line, the main job's checks, the
+checkpoint subcommands and the console-script aliases."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from tool_helpers import BOOK, DATA, run_cli
+
+import hf_posenc
+from hf_posenc.tools import cli, main_job
+from tiny_models import tiny_model
+
+SUBCOMMANDS = ["finetune", "eval-ppl", "passkey", "main-job", "demo", "export", "publish"]
+
+
+def test_every_subcommand_is_listed_and_has_its_options(capsys):
+    assert cli.main([]) == 2 and cli.main(["--help"]) == 0
+    usage = capsys.readouterr().out
+    assert all(f"  {name} " in usage for name in [*SUBCOMMANDS, "methods"]), usage
+    for name in SUBCOMMANDS:
+        with pytest.raises(SystemExit) as exit_:
+            run_cli(name, ["--help"])
+        assert exit_.value.code == 0 and f"usage: hf-posenc {name}" in capsys.readouterr().out
+    assert cli.main(["eval-pp"]) == 2 and "unknown command 'eval-pp'" in capsys.readouterr().err
+
+
+def test_methods_lists_every_registered_method(capsys):
+    assert cli.main(["methods"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == hf_posenc.available_methods() and len(listed) >= 17
+
+
+@pytest.mark.skipif(not BOOK.is_file(), reason="../shared/data is not there")
+def test_main_job_refuses_bad_input(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("HF_POSENC_DATA", raising=False)
+    out = tmp_path / "out"
+    assert run_cli("main-job", ["--output-dir", str(out)]) == 2  # no text folder: the option or the variable
+    assert "pass --data-dir DIR or set HF_POSENC_DATA=DIR" in capsys.readouterr().err
+    monkeypatch.setenv("HF_POSENC_DATA", str(tmp_path))
+    assert run_cli("main-job", ["--output-dir", str(out)]) == 2
+    assert "pg1342-pride-and-prejudice.txt not found" in capsys.readouterr().err
+    assert not out.exists()
+    for bad, message in ((["--lengths", "256,a"], "--lengths '256,a' must be whole numbers"),
+                         (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+                         (["--train-steps", "0"], "--train-steps must be an integer >= 1, got 0"),
+                         (["--swap", "kerpel"], "Unknown positional method 'kerpel'")):
+        assert run_cli("main-job", ["--data-dir", str(DATA), "--output-dir", str(out), *bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {message}") and err.count("\n") == 1, err  # one line, no traceback
+        assert not out.exists()
+
+
+def test_main_job_estimate_grows_with_the_work():
+    args = main_job.apply_defaults(main_job.build_parser().parse_args(["--quick"]))
+    args.lengths = [256, 512]
+    small = main_job.estimate_seconds(args)
+    args.lengths = [256, 512, 1024, 2048]
+    assert main_job.estimate_seconds(args) > small > 15
+
+
+def test_export_subcommand_and_its_alias(tmp_path, capsys, monkeypatch):
+    hf_posenc.patch_model(tiny_model("llama"), "alibi").save_pretrained(tmp_path / "plain")
+    assert run_cli("export", [str(tmp_path / "plain"), str(tmp_path / "exported")]) == 0
+    assert "standalone checkpoint:" in capsys.readouterr().out
+    assert (tmp_path / "exported" / "modeling_posenc.py").is_file()
+    assert not (tmp_path / "plain" / "modeling_posenc.py").exists()  # the source is only read
+    assert run_cli("export", [str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+    monkeypatch.setattr(sys, "argv", ["hf-posenc-export", str(tmp_path / "plain"), str(tmp_path / "exported")])
+    assert cli.export_main() == 2  # never writes into a full directory
+    assert "is not empty" in capsys.readouterr().err
+
+
+def test_demo_alias_is_the_demo_subcommand(tmp_path, capsys, monkeypatch):
+    (tmp_path / "notes.txt").write_text("keep")
+    monkeypatch.setattr(sys, "argv", ["hf-posenc-demo", "--quick", "--output-dir", str(tmp_path)])
+    assert cli.demo_main() == 2
+    assert "holds files that hf-posenc demo did not write" in capsys.readouterr().err
+    for bad in (["--stride", "0"], ["--window", "64", "--stride", "65"]):
+        assert run_cli("demo", ["--quick", *bad, "--output-dir", str(tmp_path / "out")]) == 2
+        assert "--stride must be an integer >= 1" in capsys.readouterr().err  # refused before loading SmolLM2
+    assert not (tmp_path / "out").exists()

@@ -6,6 +6,7 @@ imports from here.
   (``run_finetune``, ``run_eval``, ``run_passkey``, ``run_main_job``) that takes the command's settings.
 - Shared: ``runtime`` (refusals, option checks, the method asked for, several processes), ``outputs`` (output
   folders), ``models`` (the model loader), ``text`` (text files, documents, blocks), ``perplexity`` (the
-  measurement), ``report`` (tables and plots), ``estimates`` (memory and run time), ``model_facts`` (what the tools
-  read about a model's family).
+  measurement), ``report`` (tables and plots), ``estimates`` (memory and run time). What a tool
+  needs to know about a model's family (LoRA targets, shape, trained window) it asks the family
+  (``hf_posenc.registry.get_family(config)``).
 """

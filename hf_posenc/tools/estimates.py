@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from .model_facts import model_shape
+from ..registry import get_family
 from .runtime import UsageError
 
 # Seconds for one forward of W tokens, fitted as a*W + b*W^2 to measurements at W = 256..8192 (0.70, 2.56, 6.18, 15.5
@@ -45,7 +45,8 @@ def estimate_forward_bytes(model, length: int, batch: int = 1) -> int:
     """Rough, deliberately high peak memory of a no-grad forward at ``length`` tokens: weights, the fp32 logits,
     a layer's activations and an fp32 attention block of [heads, 2048, length]. For SmolLM2-135M it says 4.2 GB
     at 8k and 7.8 GB at 16k tokens, where 2.5 and 7.5 GB were measured (DESIGN.md)."""
-    hidden, _layers, heads, vocab = model_shape(model)
+    info = get_family(model.config).model_info(model)
+    hidden, heads, vocab = info.hidden_size, info.num_heads, info.vocab_size
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     per_token = 4 * (vocab * 1.1 + hidden * 24)
     attention = 4 * heads * min(length, 2048) * length
@@ -55,7 +56,8 @@ def estimate_forward_bytes(model, length: int, batch: int = 1) -> int:
 def estimate_training_bytes(model, length: int, batch: int, trainable: int, checkpointing: bool) -> int:
     """Rough peak memory of one training micro-step: weights, gradients and AdamW state of the trainable
     parameters, activations kept for backward (all layers, or one with gradient checkpointing), fp32 logits."""
-    hidden, layers, heads, vocab = model_shape(model)
+    info = get_family(model.config).model_info(model)
+    hidden, layers, heads, vocab = info.hidden_size, info.num_layers, info.num_heads, info.vocab_size
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     kept_layers = 1 if checkpointing else layers
     per_token = 4 * (vocab * 3 + hidden * 34 * kept_layers + (hidden * 2 * layers if checkpointing else 0))

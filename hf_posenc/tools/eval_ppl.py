@@ -31,7 +31,7 @@ import torch
 
 from . import report
 from .estimates import check_memory, estimate_forward_bytes
-from .model_facts import trained_window
+from ..registry import get_family
 from .models import SMOLLM2, load_model
 from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir_on_main, write_json
 from .perplexity import perplexity_at_length
@@ -101,7 +101,7 @@ def training_length(model, model_dir: str | None = None) -> int | None:
             return int(json.loads((Path(model_dir) / "training_args.json").read_text())["max_length"])
         except (KeyError, ValueError, TypeError):
             pass
-    return trained_window(model)
+    return get_family(model.config).trained_window(model)
 
 
 # --- settings -------------------------------------------------------------------------------------------------

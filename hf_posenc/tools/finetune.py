@@ -26,7 +26,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import shutil
 import sys
 import time
@@ -37,7 +36,7 @@ from typing import Any
 import torch
 
 from .estimates import check_memory, estimate_training_bytes
-from .model_facts import lora_target_pattern
+from ..registry import get_family
 from .models import SMOLLM2, load_model
 from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir_on_main, output_path, write_json
 from .runtime import (DTYPES, UNPATCHED, MethodRequest, UsageError, check_at_least, check_number, parse_options,
@@ -189,17 +188,17 @@ def lora_targets(model) -> list[str]:
     """Full names of the attention projections LoRA wraps. A projection that carries a hook of the positional
     patch (RoPE on GPT-2 / BLOOM rotates the fused qkv output in a forward hook) is left out: PEFT would add its
     update after the hook, unrotated."""
-    pattern = re.compile(lora_target_pattern(model) + "$")
+    modules = dict(model.named_modules())
     names, hooked = [], []
-    for name, module in model.named_modules():
-        if pattern.match(name):
-            (hooked if module._forward_hooks or module._forward_pre_hooks else names).append(name)
+    for name in get_family(model.config).lora_target_modules(model):
+        module = modules[name]
+        (hooked if module._forward_hooks or module._forward_pre_hooks else names).append(name)
     if hooked:
         print(f"LoRA leaves out {len(hooked)} projection(s) that the positional patch hooks "
               f"(e.g. {hooked[0]}); they stay frozen", file=sys.stderr)
     if not names:
         raise UsageError("--train-only lora: no attention projection of this model can take LoRA "
-                         f"(pattern {pattern.pattern}; hooked by the patch: {len(hooked)})")
+                         f"(hooked by the patch: {len(hooked)})")
     return names
 
 

@@ -9,6 +9,7 @@
 
 from . import attention  # noqa: F401  (hf_posenc.attention: the attention path's settings and counters)
 from . import families, methods  # noqa: F401  (registers the built-in families and methods)
+from .checkpoints.adapters import load_adapter, save_adapter
 from .checkpoints.hub import push_to_hub
 from .checkpoints.loading import from_pretrained
 from .checkpoints.model_card import make_model_card
@@ -36,7 +37,8 @@ from .version import __version__
 __all__ = [
     # patching, loading, publishing
     "available_methods", "from_pretrained", "get_method", "get_positional_module", "get_posenc_config",
-    "make_model_card", "patch_model", "push_to_hub", "supported_model_types", "unpatch_model", "PosEncError",
+    "load_adapter", "make_model_card", "patch_model", "push_to_hub", "save_adapter", "supported_model_types",
+    "unpatch_model", "PosEncError",
     # every built-in method's config
     "AlibiConfig", "DynamicConfig", "DynamicYarnConfig", "FireConfig", "KerpleConfig", "LearnedConfig",
     "LinearConfig", "Llama3Config", "LongRopeConfig", "NopeConfig", "NtkConfig", "RopeConfig", "RopeScalingConfig",

@@ -12,6 +12,8 @@ import logging
 from torch import nn
 
 from ..engine.install import applied_patch
+from ..errors import PosEncError
+from .adapters import is_adapter_directory, load_adapter
 from .hub import publish_saved
 from .metadata import POSENC_CONFIG_NAME, read_metadata
 from .restore import HUB_KWARGS, config_before_patch, load_saved_patch, method_configs
@@ -30,7 +32,8 @@ def from_pretrained(pretrained_model_name_or_path, **kwargs) -> nn.Module:
 
     `pretrained_model_name_or_path` is a local directory or a Hub repo id; keywords go to
     `AutoModelForCausalLM.from_pretrained` (dtype, device_map, revision, token, ...). A checkpoint without
-    posenc_config.json is loaded as a plain, unpatched model. Code in the checkpoint is never run: the patch
+    posenc_config.json is loaded as a plain, unpatched model. An adapter folder written by hf_posenc.save_adapter
+    gives a PeftModel: its base model, patched as saved, with the adapter (checkpoints/adapters.py: load_adapter). Code in the checkpoint is never run: the patch
     comes from this library (a `trust_remote_code` keyword is ignored for that reason).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -42,6 +45,10 @@ def from_pretrained(pretrained_model_name_or_path, **kwargs) -> nn.Module:
     path = cached_file(pretrained_model_name_or_path, POSENC_CONFIG_NAME,
                        _raise_exceptions_for_missing_entries=False, **hub_kwargs)
     metadata = read_metadata(path) if path is not None else None
+    if is_adapter_directory(metadata):
+        if want_info:
+            raise PosEncError("output_loading_info is not available for an adapter folder.")
+        return load_adapter(pretrained_model_name_or_path, **kwargs)
     if metadata is not None:
         method_configs(metadata)  # unknown methods and options fail before the weights are read
     config = kwargs.pop("config", None) or AutoConfig.from_pretrained(pretrained_model_name_or_path,

@@ -9,7 +9,7 @@ Distribution (DDP, FSDP, DeepSpeed), mixed precision and gradient accumulation c
 packed into blocks of ``--max-length`` tokens (documents joined by the EOS token). ``--train-only``: ``positional``
 (only the patch's own parameters: trainable ALiBi slopes, FIRE, T5, KERPLE, learned tables...), ``all`` (the whole
 model), ``lora`` (PEFT LoRA on the attention projections, plus the positional parameters; merged into the weights
-when saved).
+when saved, or ``--save adapter``: the PEFT adapter alone, carrying the patch and its positional weights).
 
 The output folder is written only at the end, atomically: the patched model (``save_pretrained``; reload with
 ``hf_posenc.from_pretrained(dir)``), its tokenizer, ``training_args.json`` (every setting and what the run saw),
@@ -44,6 +44,7 @@ from .runtime import (DTYPES, UNPATCHED, MethodRequest, UsageError, check_at_lea
 from .text import DataError, add_text_arguments, check_encoding, documents_of, pack_blocks, tokenize_documents
 
 TRAIN_ONLY = ("positional", "all", "lora")
+SAVE_FORMS = ("merged", "adapter")
 STATE_FILE = "trainer_state.json"
 # transformers schedulers that need nothing beyond warm-up and total steps
 LR_SCHEDULERS = ("cosine", "linear", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
@@ -70,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-r", type=int, default=8)
     p.add_argument("--lora-alpha", type=int, default=16)
     p.add_argument("--lora-dropout", type=float, default=0.0)
+    p.add_argument("--save", choices=SAVE_FORMS, default="merged",
+                   help="with --train-only lora: 'merged' writes the whole model with LoRA merged in; 'adapter' "
+                        "writes only the PEFT adapter, with the patch and its positional weights (reload with "
+                        "hf_posenc.from_pretrained(dir) or hf_posenc.load_adapter(dir, base_model=...))")
     add_text_arguments(p, split="train")
     p.add_argument("--max-length", type=int, default=512, help="training context, tokens per block")
     p.add_argument("--max-steps", type=int, default=100, help="optimizer steps")
@@ -134,6 +139,9 @@ def check_args(args: argparse.Namespace) -> MethodRequest | None:
                  hint="warm-up is part of --max-steps")
     if not 0 <= args.lora_dropout < 1:
         raise UsageError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout:g}")
+    if args.save == "adapter" and args.train_only != "lora":
+        raise UsageError(f"--save adapter needs --train-only lora (now {args.train_only}): only LoRA makes an "
+                         "adapter; leave --save at merged")
     if args.lr_scheduler not in LR_SCHEDULERS:
         raise UsageError(f"--lr-scheduler {args.lr_scheduler!r}: choose one of {', '.join(LR_SCHEDULERS)}")
     check_encoding(args.encoding)
@@ -488,10 +496,12 @@ def run_summary(args: argparse.Namespace, training: Training, progress: Progress
 
 def save_output(args: argparse.Namespace, training: Training, tokenizer, posenc, summary: dict,
                 log: list[dict]) -> None:
-    """Write ``--output-dir`` (from the main process): the model (LoRA merged), tokenizer, settings, loss log."""
+    """Write ``--output-dir`` (from the main process): the model (LoRA merged, or the adapter alone with
+    ``--save adapter``), tokenizer, settings, loss log."""
     accelerator = training.accelerator
     unwrapped = accelerator.unwrap_model(training.model)
-    if args.train_only == "lora":
+    adapter_only = args.train_only == "lora" and args.save == "adapter"
+    if args.train_only == "lora" and not adapter_only:
         unwrapped = unwrapped.merge_and_unload()
     state_dict = None
     if accelerator.distributed_type.name in ("FSDP", "DEEPSPEED") and args.train_only != "lora":
@@ -500,7 +510,12 @@ def save_output(args: argparse.Namespace, training: Training, tokenizer, posenc,
     # checked at the start: a --checkpoint-dir or --logging-dir inside --output-dir may have appeared since
     with atomic_output_dir(args.output_dir, "finetune", args.overwrite, enabled=main_process, checked=True) as out:
         if main_process:
-            unwrapped.save_pretrained(out, state_dict=state_dict)
+            if adapter_only and posenc is not None:
+                from hf_posenc import save_adapter
+
+                save_adapter(unwrapped, out)
+            else:
+                unwrapped.save_pretrained(out, state_dict=state_dict)
             tokenizer.save_pretrained(out)
             if posenc is not None and not (out / "posenc_config.json").is_file():
                 write_json(out / "posenc_config.json", posenc.to_dict())  # a save_pretrained without the hook

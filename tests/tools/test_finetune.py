@@ -97,6 +97,24 @@ def test_lora_is_merged_and_positional_parameters_train(tiny_dir, tmp_path):
     assert hf_posenc.get_posenc_config(hf_posenc.from_pretrained(out)).trainable
 
 
+def test_lora_adapter_only_output_reloads_with_its_trained_patch(tiny_dir, tmp_path):
+    """--save adapter writes the PEFT adapter alone (no merged model), with the patch and its trained positional
+    weights; hf_posenc.from_pretrained on it gives the base model patched as trained, with the adapter."""
+    from safetensors import safe_open
+
+    out = tmp_path / "adapter"
+    assert finetune_main(_args(tiny_dir, out, "--max-steps", "2", "--train-only", "lora", "--save", "adapter")) == 0
+    assert not (out / "model.safetensors").exists() and (out / "adapter_config.json").is_file()
+    loaded = hf_posenc.load_adapter(out, base_model=str(tiny_dir))
+    slopes = hf_posenc.get_positional_module(loaded.get_base_model()).state_dict()
+    with safe_open(out / "adapter_model.safetensors", framework="pt") as handle:
+        for name, value in slopes.items():
+            assert torch.equal(handle.get_tensor(f"base_model.model.model.posenc.{name}"), value)
+    fresh = hf_posenc.patch_model(hf_posenc.from_pretrained(tiny_dir), "alibi", trainable=True, slopes="geometric")
+    assert any(not torch.equal(value, fresh_value) for value, fresh_value in
+               zip(slopes.values(), hf_posenc.get_positional_module(fresh).state_dict().values()))  # they trained
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--text-file", "/nonexistent/*.txt"], "matches no file"),
     (["--max-length", "400000"], "need at least 400000 tokens"),
@@ -116,6 +134,7 @@ def test_lora_is_merged_and_positional_parameters_train(tiny_dir, tmp_path):
     (["--seed", "-1"], "--seed must be an integer >= 0"),
     (["--threads", "-2"], "--threads must be an integer >= 1"),
     (["--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
+    (["--save", "adapter"], "--save adapter needs --train-only lora"),
     (["--encoding", "no-such-codec"], "--encoding 'no-such-codec' is not an encoding Python knows"),
     # inputs that ended in tracebacks
     (["--text-file", str(DATA)], "is a folder, not a text file; pass a glob such as"),

@@ -30,6 +30,8 @@ from ..version import __version__
 from .metadata import FORMAT_VERSION, write_metadata
 
 BASE_MODEL_ATTR = "hf_posenc_base_model"
+# On the method module: its state as installed, to tell trained (or loaded) positional weights from initial ones.
+INITIAL_STATE_ATTR = "hf_posenc_initial_state"
 MODEL_FACTS = ("model_type", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size")
 # Config attributes a patch may rewrite so that config.json is native (RoPE scalings on LLaMA-style models).
 NATIVE_CONFIG_KEYS = ("rope_parameters", "max_position_embeddings")
@@ -51,6 +53,18 @@ def attach_save_hook(model: nn.Module, method: PositionalMethod, log, publish: P
     save = PatchedSavePretrained(model, method, model.state_dict(keep_vars=True), model.save_pretrained,
                                  config_before, publish)
     log.set_attr(model, "save_pretrained", save)
+    object.__setattr__(method, INITIAL_STATE_ATTR,
+                       {key: value.detach().clone() for key, value in method.state_dict().items()})
+
+
+def changed_positional_state(method: PositionalMethod) -> list[str]:
+    """Names of the method's weights that no longer hold the values they were installed with: trained, or loaded
+    from a checkpoint (hf_posenc.from_pretrained loads them after installing the patch)."""
+    initial = getattr(method, INITIAL_STATE_ATTR, None)
+    if initial is None:
+        return []
+    return [key for key, value in method.state_dict().items()
+            if key not in initial or not torch.equal(initial[key].to(value.device, value.dtype), value)]
 
 
 class PatchedSavePretrained:

@@ -14,8 +14,8 @@ length) are skipped, so every length is measured on the same documents. The perp
 exp(total NLL / tokens scored) over all documents.
 
 Outputs in ``--output-dir``: ``perplexity.csv`` (a row per model/method, a column per length, YaRN's layout),
-``perplexity.json`` (every number and the settings) and ``perplexity.png`` (log perplexity vs length, a line per
-model, a star at the length it was trained at).
+``perplexity.json`` (every number and the settings) and ``perplexity.png`` (perplexity on a log axis vs length, a
+line per model, a star at the length its weights and positions were trained at; none for an untrained swap).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ class LengthResult:
     stride: int
     seconds: float
     error: str = ""
+    label: str = ""  # the row (row_label): what was evaluated
 
 
 @dataclass
@@ -68,7 +70,7 @@ class EvalRun:
     def table(self) -> report.PerplexityTable:
         out: report.PerplexityTable = {}
         for r in self.results:
-            out.setdefault(row_label(r.model, r.method), {})[r.length] = r.ppl
+            out.setdefault(r.label or row_label(r.model, r.method), {})[r.length] = r.ppl
         return out
 
     def extend(self, other: "EvalRun") -> None:
@@ -89,8 +91,23 @@ class EvalRun:
                 "results": [asdict(r) for r in self.results]}
 
 
-def row_label(model: str, method: str) -> str:
-    return model if method == UNPATCHED else f"{model} + {method}"
+def row_label(model: str, method: str, replaced: str | None = None) -> str:
+    """The row of a model evaluated with a method; ``replaced``: the (trained) patch of a patched checkpoint that the
+    method replaced, so the row says that the checkpoint's own positional weights were not used."""
+    if method == UNPATCHED:
+        return model
+    return f"{model} with its {replaced} replaced by {method}" if replaced else f"{model} + {method}"
+
+
+def keeps_trained_positions(model, request: MethodRequest) -> bool:
+    """Whether the positions the weights were trained with survive the method: the model as loaded, or a RoPE
+    scaling of a model that has RoPE. A swap (ALiBi, KERPLE, ... in place of RoPE) was never trained at any length."""
+    from hf_posenc import RopeScalingConfig, get_method
+
+    if not request.patches:
+        return True
+    return (issubclass(get_method(request.name).config_class, RopeScalingConfig)
+            and get_family(model.config).native_method == "rope")
 
 
 def training_length(model, model_dir: str | None = None) -> int | None:
@@ -215,8 +232,7 @@ def run_eval(args: argparse.Namespace, accelerator=None) -> EvalRun:
     for model_spec in args.model or [SMOLLM2]:
         model, tokenizer = _load(args, model_spec, accelerator)
         if token_docs is None:  # tokenised once, with the first model's tokenizer
-            token_docs = _long_enough(args, tokenize_documents(tokenizer, docs, _token_budget(args, lengths)),
-                                      lengths, min_doc)
+            token_docs = _documents_to_score(args, tokenizer, docs, lengths, min_doc)
         if not args.no_memory_check:
             check_memory(estimate_forward_bytes(model, max(lengths), args.batch_size),
                          f"a forward of {args.batch_size} x {max(lengths)} tokens with {model_spec}")
@@ -245,6 +261,15 @@ def _token_budget(args: argparse.Namespace, lengths: list[int]) -> int | None:
     return None if args.max_windows is None else max(lengths) * args.max_windows
 
 
+def _documents_to_score(args: argparse.Namespace, tokenizer, docs, lengths: list[int],
+                        min_doc: int) -> list[torch.LongTensor]:
+    """The documents of at least ``min_doc`` tokens (``--min-document-tokens``: measured on the whole document),
+    each cut to the tokens the windows can reach (``--max-windows``, ``--truncate``)."""
+    budget = _token_budget(args, lengths)
+    all_docs = tokenize_documents(tokenizer, docs, None if budget is None else max(budget, min_doc))
+    return [ids[:budget] for ids in _long_enough(args, all_docs, lengths, min_doc)]
+
+
 def _long_enough(args: argparse.Namespace, all_docs: list[torch.LongTensor], lengths: list[int],
                  min_doc: int) -> list[torch.LongTensor]:
     token_docs = [ids for ids in all_docs if ids.numel() >= min_doc][: args.samples]
@@ -265,10 +290,18 @@ def _evaluate_model(args: argparse.Namespace, run: EvalRun, model, model_spec: s
     for j, request in enumerate(requests):
         if j and loaded_patched:  # a patched checkpoint: start again from it rather than stack patches
             model, _ = _load(args, model_spec, accelerator)
-        request.apply(model)
-        label = row_label(name, request.label)
-        run.training_lengths[label] = args.training_length or training_length(
-            model, model_spec if Path(model_spec).is_dir() else None)
+        saved = get_posenc_config(model)
+        replaced = saved.method if saved is not None and request.patches else None
+        if replaced and is_main(accelerator):
+            print(f"note: --method {request.label} replaces {name}'s own {replaced} patch (its trained positional "
+                  "weights are not used); the row says so", flush=True)
+        with warnings.catch_warnings():  # the note above says it for the command line
+            warnings.filterwarnings("ignore", message="patch_model replaces")
+            request.apply(model)
+        label = row_label(name, request.label, replaced)
+        trained = keeps_trained_positions(model, request) and not replaced
+        run.training_lengths[label] = (args.training_length or training_length(
+            model, model_spec if Path(model_spec).is_dir() else None)) if trained else None
         for length in lengths:
             stride, max_windows = _protocol(args, length)
             started = time.perf_counter()
@@ -276,7 +309,7 @@ def _evaluate_model(args: argparse.Namespace, run: EvalRun, model, model_spec: s
                 model, token_docs, length, stride, max_windows, args.batch_size, accelerator,
                 _progress(args, accelerator), desc=f"{label} @{length}")
             result = LengthResult(name, request.label, length, ppl, nll, n_scored, n_windows, len(token_docs),
-                                  stride, time.perf_counter() - started)
+                                  stride, time.perf_counter() - started, label=label)
             run.results.append(result)
             if is_main(accelerator):
                 print(f"  {label:<40} {length:>6} tokens: ppl {ppl:.3f} ({n_windows} windows, "
@@ -288,7 +321,7 @@ def _evaluate_model(args: argparse.Namespace, run: EvalRun, model, model_spec: s
 def write_outputs(directory: Path, run: EvalRun, lengths: list[int], title: str = "") -> None:
     report.write_perplexity_csv(directory / "perplexity.csv", lengths, {None: run.table()})
     write_json(directory / "perplexity.json", run.to_json())
-    report.plot_log_perplexity(directory / "perplexity.png", lengths,
+    report.plot_perplexity(directory / "perplexity.png", lengths,
                                {title or "perplexity vs context length": (run.table(), run.training_lengths)})
 
 

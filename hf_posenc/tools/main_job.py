@@ -11,7 +11,7 @@ SmolLM2-135M.
    RoPE extension (``--extension``, YaRN x4 by default), the swap before fine-tuning and the fine-tuned swap, on
    held-out text: the last 20 % of the book and WikiText-2 (test).
 3. ``main_job.csv`` (a row per text and model, a column per length), ``main_job.json`` (every number, timing and
-   setting), ``main_job.png`` (log perplexity vs length, a panel per text) and the printed table.
+   setting), ``main_job.png`` (perplexity on a log axis vs length, a panel per text) and the printed table.
 
 The texts are read from ``--data-dir`` (default: ``$HF_POSENC_DATA``, which ``scripts/main.sh`` sets to
 ``../shared/data`` beside the checkout).
@@ -162,7 +162,7 @@ def write_outputs(out: Path, runs: dict[str, eval_ppl.EvalRun], args: argparse.N
         "perplexity": {name: {k: v for k, v in run.to_json().items() if k != "settings"}
                        for name, run in runs.items()},
     })
-    report.plot_log_perplexity(out / "main_job.png", args.lengths,
+    report.plot_perplexity(out / "main_job.png", args.lengths,
                                {name: (run.table(), run.training_lengths) for name, run in runs.items()}, PLOT_TITLE)
 
 

@@ -142,3 +142,36 @@ def test_unpatchable_model(tmp_path, capsys):
                           "--no-progress"]) == 2
     assert "gpt_neox" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_min_document_tokens_counts_the_whole_document_before_the_window_cut(tiny_dir, tmp_path):
+    """--min-document-tokens with --truncate / --max-windows (YaRN's "minimum length + truncate" protocol): the
+    filter measures each document before it is cut to the tokens the windows reach (issue 19, item 2)."""
+    from hf_posenc.tools import eval_ppl
+
+    for extra in ({"truncate": True}, {"max_windows": 1}):
+        run = eval_ppl.run_eval(eval_ppl.settings(
+            model=[str(tiny_dir)], lengths=[32], min_document_tokens=2000, text_file=[str(BOOK)],
+            no_progress=True, **extra))
+        assert run.results[0].n_documents == 1 and run.results[0].n_windows == 1
+    with pytest.raises(Exception, match="at least 10000000 tokens; the longest of 1 document"):
+        eval_ppl.run_eval(eval_ppl.settings(model=[str(tiny_dir)], lengths=[32], min_document_tokens=10_000_000,
+                                            text_file=[str(BOOK)], truncate=True, no_progress=True))
+
+
+def test_rows_say_what_was_evaluated(tiny_dir, tmp_path):
+    """A --method on a patched checkpoint replaces its trained patch: the row says so (not "kerple-ft + yarn");
+    an untrained swap gets no training-length star; the checkpoint as trained and a RoPE scaling keep theirs
+    (issue 19, items 1 and 10)."""
+    import hf_posenc
+    from hf_posenc.tools import eval_ppl
+
+    finetuned = tmp_path / "kerple-ft"
+    hf_posenc.patch_model(load_model(str(tiny_dir))[0], "kerple").save_pretrained(finetuned)
+    load_model(str(tiny_dir))[1].save_pretrained(finetuned)
+    common = dict(lengths=[32], max_windows=1, text_file=[str(BOOK)], no_progress=True)
+    run = eval_ppl.run_eval(eval_ppl.settings(model=[str(finetuned)], method=["none", "yarn:factor=4"], **common))
+    assert list(run.table()) == ["kerple-ft", "kerple-ft with its kerple replaced by yarn:factor=4"]
+    run = eval_ppl.run_eval(eval_ppl.settings(model=[str(tiny_dir)], method=["none", "alibi", "yarn:factor=2"],
+                                              **common))
+    assert run.training_lengths == {"tiny-llama": 64, "tiny-llama + alibi": None, "tiny-llama + yarn:factor=2": 64}

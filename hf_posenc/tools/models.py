@@ -57,14 +57,31 @@ def _load_checkpoint(spec: str, dtype: torch.dtype):
     from hf_posenc import from_pretrained
 
     path = Path(spec).expanduser()
-    if not path.exists() and (spec.startswith((".", "/", "~")) or spec.count("/") > 1):
-        raise UsageError(f"--model {spec!r}: no such directory (and not a Hub id)")
+    if not path.exists() and (looks_like_path(spec) or hub_offline()):
+        reason = "offline (HF_HUB_OFFLINE), so not tried as a Hub id" if hub_offline() else "and not a Hub id"
+        raise UsageError(f"--model {spec!r}: no such directory ({reason}); check the path")
     if path.exists() and not (path / "config.json").is_file():
         raise UsageError(f"--model {spec!r}: {path} has no config.json (not a transformers checkpoint)")
     try:
         return from_pretrained(str(path) if path.exists() else spec, dtype=dtype)
     except OSError as exc:
         raise UsageError(f"--model {spec!r} could not be loaded: {exc}") from None
+
+
+def looks_like_path(spec: str) -> bool:
+    """Whether a model name that is not an existing folder was meant as a local path rather than a Hub id
+    (`owner/name`): it starts like a path, has more than one separator or a trailing one, or its parent folder exists
+    here (`runs/typo` beside an existing `runs/`)."""
+    if spec.startswith((".", "/", "~")) or spec.endswith(("/", os.sep)) or spec.count("/") > 1 or "\\" in spec:
+        return True
+    parent = Path(spec).expanduser().parent
+    return str(parent) not in ("", ".") and parent.is_dir()
+
+
+def hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
 
 
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32):

@@ -278,3 +278,12 @@ def test_tensorboard_tracker_logs_the_loss_beside_the_output(tiny_dir, tmp_path,
         assert_failed_cleanly(finetune_main(_args(tiny_dir, bad, "--max-steps", "3", "--report-to", "wandb")), capsys,
                               "--report-to wandb: its package is not installed (pip install wandb)", bad)
 
+
+
+def test_a_tracker_that_is_not_installed_is_one_line(tiny_dir, tmp_path, capsys, monkeypatch):
+    """--report-to wandb without wandb: one line and exit code 2 before anything runs (it was a traceback from
+    accelerate's logger, "You must initialize the accelerate state"; issue 19, item 3)."""
+    monkeypatch.setattr("accelerate.tracking._available_trackers", [])  # as on a machine without wandb
+    out = tmp_path / "out"
+    assert_failed_cleanly(finetune_main(_args(tiny_dir, out, "--max-steps", "1", "--report-to", "wandb")), capsys,
+                          "--report-to wandb: its package is not installed (pip install wandb), or leave it out", out)

@@ -13,12 +13,12 @@ patch could add its state, so `save_adapter` calls it and then adds the position
 `adapter_model.safetensors`, under the names they have in the PeftModel (`base_model.model.<base>.posenc.*`), and
 writes `posenc_config.json` (with `"adapter": true`). PEFT's loader passes keys that are not LoRA weights through
 to `load_state_dict`, so `PeftModel.from_pretrained` on a base patched with the same method restores the trained
-positional weights too; on an unpatched base it cannot apply the patch, which is what `load_adapter` adds.
+positional weights too; on an unpatched base it cannot apply the patch, which is what `load_adapter`
+(checkpoints/loading.py, beside from_pretrained, which it uses for the base model) adds.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -26,7 +26,7 @@ from torch import nn
 
 from ..engine.install import applied_patch
 from ..errors import PosEncError
-from .metadata import POSENC_CONFIG_NAME, read_metadata, write_metadata
+from .metadata import write_metadata
 from .saving import posenc_metadata, positional_state
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
@@ -100,42 +100,3 @@ class AdapterTensors:
 
         with safe_open(self.path, framework="pt") as handle:
             return {key: handle.get_tensor(PEFT_PREFIX + key) for key in keys}
-
-
-def load_adapter(adapter_directory, base_model: nn.Module | str | os.PathLike | None = None, **kwargs) -> nn.Module:
-    """A PeftModel from an adapter saved by `save_adapter`: the base model (`base_model`: a loaded model, patched or
-    not, or a path/Hub id for hf_posenc.from_pretrained; default: adapter_config.json's base_model_name_or_path),
-    the saved patch with its trained positional weights, then PEFT's adapter. Keywords go to the base model's
-    from_pretrained when it is loaded here; `is_trainable` goes to PeftModel.from_pretrained."""
-    from peft import PeftConfig, PeftModel
-    from transformers.utils import cached_file
-
-    from .hub import publish_saved
-    from .loading import from_pretrained
-    from .restore import HUB_KWARGS, load_saved_patch, method_configs
-
-    is_trainable = kwargs.pop("is_trainable", False)
-    hub_kwargs = {key: kwargs[key] for key in HUB_KWARGS if key in kwargs}
-    path = cached_file(adapter_directory, POSENC_CONFIG_NAME, _raise_exceptions_for_missing_entries=False,
-                       **hub_kwargs)
-    metadata = read_metadata(path) if path is not None else None
-    if not is_adapter_directory(metadata):
-        raise PosEncError(f"{adapter_directory} is not an adapter saved by hf_posenc.save_adapter (no "
-                          f"{POSENC_CONFIG_NAME} with \"adapter\": true).")
-    configs = method_configs(metadata)
-    if base_model is None:
-        base_model = PeftConfig.from_pretrained(adapter_directory, **hub_kwargs).base_model_name_or_path
-        if not base_model:
-            raise PosEncError(f"{adapter_directory}/{ADAPTER_CONFIG_NAME} names no base model: pass it, "
-                              f"hf_posenc.load_adapter({str(adapter_directory)!r}, base_model=MODEL_OR_PATH).")
-    if not isinstance(base_model, nn.Module):
-        base_model = from_pretrained(base_model, **kwargs)
-    patch = applied_patch(base_model)
-    if patch is None:
-        load_saved_patch(base_model, adapter_directory, metadata, hub_kwargs, publish=publish_saved,
-                         tensors=AdapterTensors(adapter_directory, hub_kwargs))
-    elif patch.config != configs[-1]:
-        raise PosEncError(f"The base model is patched with {patch.config}, the adapter was trained on "
-                          f"{configs[-1]}: pass the unpatched base model (hf_posenc.unpatch_model) or one patched "
-                          "the same way.")
-    return PeftModel.from_pretrained(base_model, adapter_directory, is_trainable=is_trainable, **hub_kwargs)

@@ -8,13 +8,14 @@ standalone code and push to the Hub, as after `patch_model` (checkpoints/hub.py:
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from torch import nn
 
 from ..engine.install import applied_patch
 from ..errors import PosEncError
-from .adapters import is_adapter_directory, load_adapter
+from .adapters import ADAPTER_CONFIG_NAME, AdapterTensors, is_adapter_directory
 from .hub import publish_saved
 from .metadata import POSENC_CONFIG_NAME, read_metadata
 from .restore import HUB_KWARGS, config_before_patch, load_saved_patch, method_configs
@@ -105,3 +106,38 @@ def from_pretrained(pretrained_model_name_or_path, **kwargs) -> nn.Module:
     applied_patch(model).log.set_attr(model, BASE_MODEL_ATTR, {
         "base_model": metadata.get("base_model"), "base_model_revision": metadata.get("base_model_revision")})
     return (model, info) if want_info else model
+
+
+def load_adapter(adapter_directory, base_model: nn.Module | str | os.PathLike | None = None, **kwargs) -> nn.Module:
+    """A PeftModel from an adapter saved by `save_adapter`: the base model (`base_model`: a loaded model, patched or
+    not, or a path/Hub id for hf_posenc.from_pretrained; default: adapter_config.json's base_model_name_or_path),
+    the saved patch with its trained positional weights, then PEFT's adapter. Keywords go to the base model's
+    from_pretrained when it is loaded here; `is_trainable` goes to PeftModel.from_pretrained."""
+    from peft import PeftConfig, PeftModel
+    from transformers.utils import cached_file
+
+    is_trainable = kwargs.pop("is_trainable", False)
+    hub_kwargs = {key: kwargs[key] for key in HUB_KWARGS if key in kwargs}
+    path = cached_file(adapter_directory, POSENC_CONFIG_NAME, _raise_exceptions_for_missing_entries=False,
+                       **hub_kwargs)
+    metadata = read_metadata(path) if path is not None else None
+    if not is_adapter_directory(metadata):
+        raise PosEncError(f"{adapter_directory} is not an adapter saved by hf_posenc.save_adapter (no "
+                          f"{POSENC_CONFIG_NAME} with \"adapter\": true).")
+    configs = method_configs(metadata)
+    if base_model is None:
+        base_model = PeftConfig.from_pretrained(adapter_directory, **hub_kwargs).base_model_name_or_path
+        if not base_model:
+            raise PosEncError(f"{adapter_directory}/{ADAPTER_CONFIG_NAME} names no base model: pass it, "
+                              f"hf_posenc.load_adapter({str(adapter_directory)!r}, base_model=MODEL_OR_PATH).")
+    if not isinstance(base_model, nn.Module):
+        base_model = from_pretrained(base_model, **kwargs)
+    patch = applied_patch(base_model)
+    if patch is None:
+        load_saved_patch(base_model, adapter_directory, metadata, hub_kwargs, publish=publish_saved,
+                         tensors=AdapterTensors(adapter_directory, hub_kwargs))
+    elif patch.config != configs[-1]:
+        raise PosEncError(f"The base model is patched with {patch.config}, the adapter was trained on "
+                          f"{configs[-1]}: pass the unpatched base model (hf_posenc.unpatch_model) or one patched "
+                          "the same way.")
+    return PeftModel.from_pretrained(base_model, adapter_directory, is_trainable=is_trainable, **hub_kwargs)

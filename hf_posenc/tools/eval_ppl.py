@@ -26,9 +26,10 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # annotations only; torch is imported where it is used, so that --help stays fast
+    import torch
 
 from . import report
 from .estimates import check_memory, estimate_forward_bytes
@@ -244,6 +245,8 @@ def run_eval(args: argparse.Namespace, accelerator=None) -> EvalRun:
 
 
 def _load(args: argparse.Namespace, model_spec: str, accelerator):
+    import torch
+
     model, tokenizer = load_model(model_spec, dtype=DTYPES[args.dtype], tokenizer=args.tokenizer,
                                   verbose=_progress(args, accelerator))
     model.to(accelerator.device if accelerator is not None else torch.device("cpu"))

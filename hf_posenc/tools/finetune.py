@@ -31,9 +31,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # annotations only; torch is imported where it is used, so that --help stays fast
+    import torch
 
 from .estimates import check_memory, estimate_training_bytes
 from ..registry import get_family
@@ -78,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_text_arguments(p, split="train")
     p.add_argument("--max-length", type=int, default=512, help="training context, tokens per block")
     p.add_argument("--max-steps", type=int, default=100, help="optimizer steps")
-    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--lr", "--learning-rate", type=float, default=5e-5, help="peak learning rate (AdamW)")
     p.add_argument("--positional-lr", type=float, default=None,
                    help="learning rate of the positional parameters (default: --lr)")
     p.add_argument("--weight-decay", type=float, default=0.0)
@@ -121,6 +122,8 @@ def settings(**overrides) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace) -> MethodRequest | None:
     """Refuse nonsense settings before anything runs; returns the method to patch in (None: none)."""
+    import torch
+
     check_at_least(args, 1, "max_steps", "batch_size", "gradient_accumulation_steps", "lora_r", "lora_alpha",
                    "log_every", "save_total_limit", "threads")
     check_at_least(args, 0, "eval_blocks", "eval_every", "save_every", "weight_decay")
@@ -254,6 +257,7 @@ class Training:
 def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
     """Everything ``finetune`` does, from its settings (``settings(...)`` or parsed options); returns the run
     summary (also written as ``training_args.json``)."""
+    import torch
     from accelerate.utils import set_seed
 
     request = check_args(args)
@@ -292,6 +296,7 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def make_accelerator(args: argparse.Namespace, trackers: list[str], logging_dir: Path):
+    import torch
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
 
@@ -351,6 +356,7 @@ def training_data(args: argparse.Namespace, tokenizer, docs, world: int) -> Trai
 
 def prepare_training(args: argparse.Namespace, accelerator, model, data: TrainingData) -> Training:
     """Choose what trains, check the memory it needs, and build the optimizer, schedule and data loaders."""
+    import torch
     from transformers import get_scheduler
 
     model, positional_ids = select_trainable(model, args.train_only, args)
@@ -537,12 +543,16 @@ def _diverged(args: argparse.Namespace) -> str:
 
 def weights_are_finite(model, accelerator) -> bool:
     """Whether every trainable parameter holds finite values, on every process (one pass over the weights)."""
+    import torch
+
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters() if p.requires_grad)
     return bool(accelerator.gather(torch.tensor([int(finite)], device=accelerator.device)).all())
 
 
 def evaluate_loss(model, loader, accelerator) -> float:
     """Mean token loss over the held-out blocks (every process takes its share; gathered)."""
+    import torch
+
     model.eval()
     losses = []
     with torch.no_grad():

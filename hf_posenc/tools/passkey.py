@@ -22,8 +22,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from . import report
 from .estimates import check_memory, estimate_forward_bytes
 from .models import SMOLLM2, load_model
@@ -89,6 +87,7 @@ def run_trials(model, tokenizer, label_model: str, label_method: str, lengths: l
                trials: int, seed: int, filler_ids: list[int] | None, max_new_tokens: int = 10, accelerator=None,
                progress: bool = True) -> list[Trial]:
     """Every (length, depth, trial), split across processes when ``accelerator`` has several, gathered in order."""
+    import torch
     from tqdm.auto import tqdm
 
     plan = []
@@ -163,6 +162,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def run_passkey(args: argparse.Namespace, accelerator=None) -> tuple[list[Trial], dict, list[int], list[float]]:
+    import torch
+
     check_args(args)
     lengths = parse_numbers(args.lengths, "--lengths", int)
     depths = parse_numbers(args.depths, "--depths")

@@ -27,7 +27,7 @@ from torch import nn
 from ..engine.install import applied_patch
 from ..errors import PosEncError
 from .metadata import write_metadata
-from .saving import posenc_metadata, positional_state
+from .saving import posenc_metadata, positional_state, share_weight_files
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
@@ -67,6 +67,7 @@ def save_adapter(peft_model: nn.Module, save_directory, is_main_process: bool = 
     for key, value in positional_state(base, method).items():
         tensors[PEFT_PREFIX + key] = value.detach().to("cpu").contiguous()
     save_file(tensors, weights_path, metadata={"format": "pt"})
+    share_weight_files(save_directory)
     write_metadata(save_directory, metadata)
 
 

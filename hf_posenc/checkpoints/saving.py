@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -105,10 +106,27 @@ class PatchedSavePretrained:
         self.original_save(save_directory, is_main_process=is_main_process, state_dict=state_dict, **kwargs)
         if not is_main_process:
             return
+        share_weight_files(save_directory)
         write_metadata(save_directory, metadata)
         if standalone or push_to_hub:
             self.publish(save_directory, metadata, standalone=standalone, upload=push_to_hub,
                          token=kwargs.get("token"), **push_options)
+
+
+def share_weight_files(directory) -> None:
+    """Give the weight files the mode any new file gets here (0666 less the umask, 0644 usually), as config.json has.
+    transformers writes them through a private temporary file (mode 0600), so a checkpoint saved for others could
+    not be read by them."""
+    directory = Path(directory)
+    probe = directory / f".hf_posenc-mode-probe-{os.getpid()}"
+    os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+    try:
+        mode = probe.stat().st_mode & 0o777
+    finally:
+        probe.unlink()
+    for weights in directory.glob("*.safetensors"):
+        if weights.stat().st_mode & 0o777 == 0o600:  # as transformers left it; a mode set on purpose is kept
+            weights.chmod(mode)
 
 
 def positional_prefix(model: nn.Module, method: PositionalMethod) -> str:

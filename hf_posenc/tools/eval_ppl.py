@@ -32,11 +32,11 @@ if TYPE_CHECKING:  # annotations only; torch is imported where it is used, so th
     import torch
 
 from . import report
-from .estimates import check_memory, estimate_forward_bytes
+from .estimates import announce_run_time, check_memory, estimate_forward_bytes, model_forward_seconds
 from ..registry import get_family
 from .models import SMOLLM2, load_model
 from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir_on_main, write_json
-from .perplexity import perplexity_at_length
+from .perplexity import perplexity_at_length, window_plan
 from .runtime import (DTYPES, UNPATCHED, MethodRequest, UsageError, accelerator_if_launched, check_at_least, is_main,
                       process_count, set_threads, settings_from, settings_of, versions)
 from .text import DataError, add_text_arguments, check_encoding, documents_of, tokenize_documents
@@ -234,6 +234,10 @@ def run_eval(args: argparse.Namespace, accelerator=None) -> EvalRun:
         model, tokenizer = _load(args, model_spec, accelerator)
         if token_docs is None:  # tokenised once, with the first model's tokenizer
             token_docs = _documents_to_score(args, tokenizer, docs, lengths, min_doc)
+            if is_main(accelerator):
+                seconds = evaluation_seconds(args, model, token_docs, lengths, len(requests)) * len(args.model or [1])
+                announce_run_time(seconds / process_count(accelerator), "this evaluation",
+                                  "--max-windows N, --truncate or fewer --lengths shorten it")
         if not args.no_memory_check:
             check_memory(estimate_forward_bytes(model, max(lengths), args.batch_size),
                          f"a forward of {args.batch_size} x {max(lengths)} tokens with {model_spec}")
@@ -255,6 +259,13 @@ def _load(args: argparse.Namespace, model_spec: str, accelerator):
 
 def _progress(args: argparse.Namespace, accelerator) -> bool:
     return not args.no_progress and is_main(accelerator)
+
+
+def evaluation_seconds(args: argparse.Namespace, model, token_docs: list, lengths: list[int], n_methods: int) -> float:
+    """Estimated run time of every method on one model at every length (one process)."""
+    doc_lengths = [ids.numel() for ids in token_docs]
+    windows = {n: len(window_plan(doc_lengths, n, *_protocol(args, n))) for n in lengths}
+    return n_methods * sum(count * model_forward_seconds(model, n) for n, count in windows.items())
 
 
 def _token_budget(args: argparse.Namespace, lengths: list[int]) -> int | None:

@@ -504,6 +504,8 @@ def save_output(args: argparse.Namespace, training: Training, tokenizer, posenc,
                 log: list[dict]) -> None:
     """Write ``--output-dir`` (from the main process): the model (LoRA merged, or the adapter alone with
     ``--save adapter``), tokenizer, settings, loss log."""
+    from hf_posenc.checkpoints.saving import share_weight_files
+
     accelerator = training.accelerator
     unwrapped = accelerator.unwrap_model(training.model)
     adapter_only = args.train_only == "lora" and args.save == "adapter"
@@ -522,6 +524,7 @@ def save_output(args: argparse.Namespace, training: Training, tokenizer, posenc,
                 save_adapter(unwrapped, out)
             else:
                 unwrapped.save_pretrained(out, state_dict=state_dict)
+            share_weight_files(out)  # also for a model saved without hf_posenc's save_pretrained (no --method)
             tokenizer.save_pretrained(out)
             if posenc is not None and not (out / "posenc_config.json").is_file():
                 write_json(out / "posenc_config.json", posenc.to_dict())  # a save_pretrained without the hook

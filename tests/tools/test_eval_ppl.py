@@ -175,3 +175,16 @@ def test_rows_say_what_was_evaluated(tiny_dir, tmp_path):
     run = eval_ppl.run_eval(eval_ppl.settings(model=[str(tiny_dir)], method=["none", "alibi", "yarn:factor=2"],
                                               **common))
     assert run.training_lengths == {"tiny-llama": 64, "tiny-llama + alibi": None, "tiny-llama + yarn:factor=2": 64}
+
+
+def test_a_long_evaluation_is_announced_with_its_estimate(tiny_dir, tmp_path, capsys, monkeypatch):
+    """Before the first window: the estimated run time, as a warning saying how to shorten it when it is long
+    (a 4-hour evaluation started without a word; issue 19, item 10)."""
+    argv = ["--model", str(tiny_dir), "--lengths", "32", "--max-windows", "1", "--text-file", str(BOOK),
+            "--no-progress"]
+    assert eval_ppl_main([*argv, "--output-dir", str(tmp_path / "short")]) == 0
+    assert "this evaluation: about 0 min by estimate" in capsys.readouterr().err
+    monkeypatch.setattr("hf_posenc.tools.eval_ppl.model_forward_seconds", lambda model, window: 3600.0)  # slow
+    assert eval_ppl_main([*argv, "--output-dir", str(tmp_path / "long")]) == 0
+    assert ("warning: this evaluation will take about 1.0 h by estimate (2 idle CPU cores; a loaded machine is "
+            "slower); --max-windows N, --truncate or fewer --lengths shorten it") in capsys.readouterr().err

@@ -37,7 +37,8 @@ PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the base model's
 def _patched_base(peft_model: nn.Module) -> nn.Module:
     get_base = getattr(peft_model, "get_base_model", None)
     if get_base is None:
-        raise PosEncError(f"save_adapter needs a PEFT model (from peft.get_peft_model), got {type(peft_model).__name__}.")
+        raise PosEncError("save_adapter needs a PEFT model (from peft.get_peft_model), got "
+                          f"{type(peft_model).__name__}.")
     base = get_base()
     if applied_patch(base) is None:
         raise PosEncError("The PEFT model's base model is not patched by hf_posenc: save it with its own "

@@ -54,8 +54,9 @@ def from_pretrained(pretrained_model_name_or_path, **kwargs) -> nn.Module:
     `pretrained_model_name_or_path` is a local directory or a Hub repo id; keywords go to
     `AutoModelForCausalLM.from_pretrained` (dtype, device_map, revision, token, ...). A checkpoint without
     posenc_config.json is loaded as a plain, unpatched model. An adapter folder written by hf_posenc.save_adapter
-    gives a PeftModel: its base model, patched as saved, with the adapter (checkpoints/adapters.py: load_adapter). Code in the checkpoint is never run: the patch
-    comes from this library (a `trust_remote_code` keyword is ignored for that reason).
+    gives a PeftModel: its base model, patched as saved, with the adapter (`load_adapter` below). Code in the
+    checkpoint is never run: the patch comes from this library (a `trust_remote_code` keyword is ignored for that
+    reason).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import cached_file

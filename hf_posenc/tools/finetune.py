@@ -47,6 +47,12 @@ from .text import DataError, add_text_arguments, check_encoding, documents_of, p
 TRAIN_ONLY = ("positional", "all", "lora")
 SAVE_FORMS = ("merged", "adapter")
 STATE_FILE = "trainer_state.json"
+# What a resumed run must share with the run that saved the checkpoint: the model, what trains, the data, the schedule.
+# (--method is compared as the method and options it resolves to, whichever way it was spelled.)
+RESUME_SETTINGS = ("model", "dtype", "train_only", "lora_r", "lora_alpha", "lora_dropout", "text_file", "encoding",
+                   "dataset", "dataset_config", "split", "text_column", "text_fraction", "start_text", "max_length",
+                   "batch_size", "gradient_accumulation_steps", "eval_blocks", "seed", "max_steps", "lr",
+                   "positional_lr", "weight_decay", "lr_scheduler", "warmup_steps")
 # transformers schedulers that need nothing beyond warm-up and total steps
 LR_SCHEDULERS = ("cosine", "linear", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")
@@ -270,7 +276,8 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
     check_output_dir_on_main(accelerator, output_dir, "finetune", args.overwrite)
     set_seed(args.seed)
     checkpoint_dir = args.checkpoint_dir or _beside(output_dir, "-checkpoints")
-    resume = resume_point(args, checkpoint_dir)
+    run_settings = resume_settings(args, request)
+    resume = resume_point(args, checkpoint_dir, run_settings)
 
     docs = documents_of(args)  # text first: a missing or too-short corpus fails before the model is loaded
     model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype], tokenizer=args.tokenizer,
@@ -286,7 +293,7 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
     if trackers:
         accelerator.init_trackers("hf_posenc_finetune", config=_flat_config(args))
     progress = resume_progress(accelerator, resume)
-    train(args, training, progress, checkpoint_dir, started, bool(trackers))
+    train(args, training, progress, checkpoint_dir, started, bool(trackers), run_settings)
 
     summary = run_summary(args, training, progress, request, posenc, data, started)
     save_output(args, training, tokenizer, posenc, summary, progress.log)
@@ -315,15 +322,44 @@ def make_accelerator(args: argparse.Namespace, trackers: list[str], logging_dir:
                          "scripts/accelerate_configs/ddp.yaml (several CPU processes) or cpu_single.yaml") from None
 
 
-def resume_point(args: argparse.Namespace, checkpoint_dir: Path) -> Path | None:
-    """The checkpoint ``--resume-from`` names (a folder, or ``latest`` in ``checkpoint_dir``), or None."""
+def resume_settings(args: argparse.Namespace, request: MethodRequest | None) -> dict[str, Any]:
+    """The settings a resumed run must share with the one that saved the checkpoint (RESUME_SETTINGS), as JSON."""
+    settings = {name: getattr(args, name) for name in RESUME_SETTINGS}
+    settings["method"] = None if request is None else request.config().to_dict()  # every option, defaults included
+    return json.loads(json.dumps(settings, default=str))
+
+
+def resume_point(args: argparse.Namespace, checkpoint_dir: Path, run_settings: dict[str, Any]) -> Path | None:
+    """The checkpoint ``--resume-from`` names (a folder, or ``latest`` in ``checkpoint_dir``), or None; refused when
+    it was saved with other settings (another --method would fail on loading, another --max-length would go on
+    silently with other data)."""
     if not args.resume_from:
         return None
     resume = _latest_checkpoint(checkpoint_dir) if args.resume_from == "latest" else Path(args.resume_from)
     if resume is None or not (resume / STATE_FILE).is_file():
         raise UsageError(f"--resume-from {args.resume_from}: no checkpoint there "
                          f"(looked for {STATE_FILE} in {resume or checkpoint_dir})")
+    saved = json.loads((resume / STATE_FILE).read_text()).get("settings")
+    if saved is None:
+        return resume  # written before the settings were recorded
+    differ = [name for name in run_settings if saved.get(name) != run_settings[name]]
+    if differ:
+        shown = "; ".join(f"{_resume_option(name)} {_shown(saved.get(name))} there, {_shown(run_settings[name])} now"
+                          for name in differ)
+        raise UsageError(f"--resume-from {resume} was saved with other settings ({shown}); resume with the settings "
+                         "it was saved with, or start a new run without --resume-from")
     return resume
+
+
+def _resume_option(name: str) -> str:
+    return "--method" if name == "method" else "--" + name.replace("_", "-")
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, dict) and "method" in value:  # a method's config
+        options = {key: option for key, option in value.items() if key != "method"}
+        return value["method"] + (f" {json.dumps(options)}" if options else "")
+    return "unset" if value is None else str(value)
 
 
 def _checkpoints(directory: Path) -> list[tuple[int, Path]]:
@@ -396,7 +432,7 @@ def resume_progress(accelerator, resume: Path | None) -> Progress:
 
 
 def train(args: argparse.Namespace, training: Training, progress: Progress, checkpoint_dir: Path, started: float,
-          log_to_trackers: bool) -> None:
+          log_to_trackers: bool, run_settings: dict[str, Any]) -> None:
     """The training loop, from ``progress`` to ``--max-steps``: the loss (the mean over processes) is checked at
     every micro-step, logged every ``--log-every`` steps, and resumable checkpoints saved every ``--save-every``."""
     from tqdm.auto import tqdm
@@ -428,7 +464,7 @@ def train(args: argparse.Namespace, training: Training, progress: Progress, chec
                     accelerator.log({k: v for k, v in entry.items() if k != "step"}, step=progress.step)
             if args.save_every and progress.step % args.save_every == 0 and progress.step < args.max_steps:
                 progress.batches_in_epoch = batch_index + 1
-                save_checkpoint(accelerator, checkpoint_dir, progress, args.save_total_limit)
+                save_checkpoint(accelerator, checkpoint_dir, progress, args.save_total_limit, run_settings)
             if progress.step >= args.max_steps:
                 break
         else:
@@ -564,14 +600,15 @@ def evaluate_loss(model, loader, accelerator) -> float:
     return float(torch.cat(losses).float().mean()) if losses else float("nan")
 
 
-def save_checkpoint(accelerator, directory: Path, progress: Progress, limit: int) -> None:
-    """A resumable checkpoint ``step-N`` in ``directory``; only the newest ``limit`` of ours are kept."""
+def save_checkpoint(accelerator, directory: Path, progress: Progress, limit: int, run_settings: dict[str, Any]) -> None:
+    """A resumable checkpoint ``step-N`` in ``directory`` (with the settings a resumed run must share); only the newest
+    ``limit`` of ours are kept."""
     path = directory / f"step-{progress.step}"
     accelerator.save_state(str(path))
     if accelerator.is_main_process:
         (path / STATE_FILE).write_text(json.dumps({"step": progress.step, "epoch": progress.epoch,
                                                    "batches_in_epoch": progress.batches_in_epoch,
-                                                   "log": progress.log}, indent=2))
+                                                   "log": progress.log, "settings": run_settings}, indent=2))
         old = _checkpoints(directory)
         for _, stale in old[: max(0, len(old) - limit)]:
             shutil.rmtree(stale, ignore_errors=True)

@@ -191,6 +191,12 @@ class MethodRequest:
 
         get_method(self.name).config_class.from_options(**self.options)
 
+    def config(self):
+        """The method's validated config (refusing unknown methods and options); only for a method that patches."""
+        from hf_posenc import get_method
+
+        return get_method(self.name).config_class.from_options(**self.options)
+
     def check_patchable(self, model) -> None:
         """Patch and unpatch once, so an unpatchable model fails before any long work (or output) starts."""
         from hf_posenc import get_posenc_config, patch_model, unpatch_model

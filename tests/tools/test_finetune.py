@@ -82,6 +82,28 @@ def test_resume_gives_the_same_weights(tiny_dir, tmp_path):
     assert [e["loss"] for e in resumed] == pytest.approx([e["loss"] for e in straight], rel=1e-5)
 
 
+def test_resume_refuses_other_settings(tiny_dir, tmp_path, capsys):
+    """Another --method (was a raw "RuntimeError: Unexpected key(s)") or --max-length (went ahead silently) than
+    the checkpoint was saved with is refused before anything loads; the same method spelled the other way resumes
+    (issue 19, item 8)."""
+    def argv(out, method, *extra):
+        return ["--model", str(tiny_dir), "--method", method, "--text-file", str(BOOK), "--text-fraction", "0:0.8",
+                "--lr", "3e-3", "--max-steps", "3", "--train-only", "positional", "--save-every", "2",
+                "--no-progress", "--output-dir", str(out), *extra]
+
+    assert finetune_main(argv(tmp_path / "cut", "kerple", "--max-length", "64")) == 0
+    step = str(tmp_path / "cut-checkpoints" / "step-2")
+    kerple = '--method kerple {"variant": "log", "init": "alibi"} there, fire'
+    for method, extra, shown in (("fire", ["--max-length", "64"], kerple),
+                                 ("kerple", ["--max-length", "32"], "--max-length 64 there, 32 now")):
+        out = tmp_path / "other"
+        assert_failed_cleanly(finetune_main(argv(out, method, *extra, "--resume-from", step)), capsys,
+                              f"--resume-from {step} was saved with other settings ({shown}", out)
+    respelled = argv(tmp_path / "respelled", "kerple:variant=\"log\"", "--max-length", "64", "--resume-from", step)
+    assert finetune_main(respelled) == 0
+
+
+
 def test_lora_is_merged_and_positional_parameters_train(tiny_dir, tmp_path):
     out = tmp_path / "lora"
     assert finetune_main(_args(tiny_dir, out, "--max-steps", "3", "--train-only", "lora", "--eval-blocks", "2",

@@ -19,7 +19,7 @@ from .adapters import ADAPTER_CONFIG_NAME, AdapterTensors, is_adapter_directory
 from .hub import publish_saved
 from .metadata import POSENC_CONFIG_NAME, read_metadata
 from .restore import HUB_KWARGS, config_before_patch, load_saved_patch, method_configs
-from .saving import BASE_MODEL_ATTR
+from .saving import BASE_MODEL_ATTR, BASE_MODEL_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def from_pretrained(pretrained_model_name_or_path, **kwargs) -> nn.Module:
                        sorted(info.get("missing_keys", ())))
     load_saved_patch(model, pretrained_model_name_or_path, metadata, hub_kwargs, publish=publish_saved)
     applied_patch(model).log.set_attr(model, BASE_MODEL_ATTR, {
-        "base_model": metadata.get("base_model"), "base_model_revision": metadata.get("base_model_revision")})
+        key: metadata.get(key) for key in BASE_MODEL_KEYS if metadata.get(key) is not None})
     return (model, info) if want_info else model
 
 

@@ -31,6 +31,7 @@ from ..version import __version__
 from .metadata import FORMAT_VERSION, write_metadata
 
 BASE_MODEL_ATTR = "hf_posenc_base_model"
+BASE_MODEL_KEYS = ("base_model", "base_model_revision", "base_model_license", "base_model_note")
 # On the method module: its state as installed, to tell trained (or loaded) positional weights from initial ones.
 INITIAL_STATE_ATTR = "hf_posenc_initial_state"
 MODEL_FACTS = ("model_type", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size")
@@ -152,16 +153,17 @@ def checkpoint_state_dict(model: nn.Module, method: PositionalMethod,
     return state
 
 
-def base_model_reference(model: nn.Module) -> tuple[str | None, str | None]:
-    """(base model, revision): what from_pretrained recorded, else what the model was loaded from when that
-    is not a local path."""
+def base_model_reference(model: nn.Module) -> dict[str, Any]:
+    """{"base_model", "base_model_revision"}: what from_pretrained (or a loader such as the tools' bundled SmolLM2)
+    recorded in BASE_MODEL_ATTR, with "base_model_license" and "base_model_note" where it knows them; else what the
+    model was loaded from when that is not a local path."""
     recorded = getattr(model, BASE_MODEL_ATTR, None)
     if recorded:
-        return recorded.get("base_model"), recorded.get("base_model_revision")
+        return {key: value for key, value in recorded.items() if key in BASE_MODEL_KEYS}
     name = getattr(model.config, "_name_or_path", "") or None
     if name and (os.path.isabs(name) or os.path.exists(name) or name.startswith(".")):
         name = None
-    return name, None
+    return {"base_model": name, "base_model_revision": None}
 
 
 def posenc_metadata(model: nn.Module, method: PositionalMethod, base_model: str | None = None,
@@ -170,7 +172,11 @@ def posenc_metadata(model: nn.Module, method: PositionalMethod, base_model: str 
     before the patch; those it changed are recorded, because loading must start from the original model."""
     family = get_family(model.config)
     info = family.model_info(model)
-    recorded_base, recorded_revision = base_model_reference(model)
+    recorded = base_model_reference(model)
+    recorded_base, recorded_revision = recorded.get("base_model"), recorded.get("base_model_revision")
+    # what is known about the recorded base (its license, how its weights were made), when it is the base named
+    about_base = {key: recorded[key] for key in ("base_model_license", "base_model_note")
+                  if recorded.get(key) and base_model in (None, recorded_base)}
     state = positional_state(model, method)
     return {
         "format": "hf_posenc",
@@ -181,6 +187,7 @@ def posenc_metadata(model: nn.Module, method: PositionalMethod, base_model: str 
         "applied_after": [{"method": c.method, "options": _options(c)} for c in method.builds_on()],
         "base_model": base_model or recorded_base,
         "base_model_revision": base_model_revision if base_model else (base_model_revision or recorded_revision),
+        **about_base,
         "model": {"architecture": type(model).__name__, "family": family.name,
                   **{fact: getattr(info, fact) for fact in MODEL_FACTS}},
         "positional_state": {key: {"shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", "")}

@@ -1,5 +1,5 @@
-"""``hf-posenc demo``: swap the positional mechanism of the real SmolLM2-135M with each method and measure what it
-does.
+"""``hf-posenc demo``: swap the positional mechanism of the real SmolLM2-135M-Instruct (de-quantised from Q4_1) with
+each method and measure what it does.
 
 For each method: patch, measure perplexity on real text, generate a short greedy continuation, unpatch, and check
 that the model is back to its original logits.
@@ -61,7 +61,8 @@ class MethodResult:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-posenc demo",
-        description="Patch SmolLM2-135M with each positional method; report perplexity and a continuation.",
+        description="Patch SmolLM2-135M-Instruct (de-quantised from Q4_1) with each positional method; report "
+                    "perplexity and a continuation.",
     )
     parser.add_argument("--methods", nargs="+", default=None,
                         help=f"method names ('{UNPATCHED}' = unpatched); default: '{UNPATCHED}' then every "

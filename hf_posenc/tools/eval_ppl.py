@@ -126,8 +126,8 @@ def training_length(model, model_dir: str | None = None) -> int | None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hf-posenc eval-ppl", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", action="append", default=None,
-                   help="local checkpoint, Hub id, .gguf file, or 'smollm2' (the bundled SmolLM2-135M); repeatable "
-                        "(default: smollm2)")
+                   help="local checkpoint, Hub id, .gguf file, or 'smollm2' (the bundled SmolLM2-135M-Instruct, "
+                        "de-quantised from Q4_1); repeatable (default: smollm2)")
     p.add_argument("--tokenizer", default=None, help="tokenizer to use instead of the model's own")
     p.add_argument("--method", action="append", default=None,
                    help="'none' (the model as loaded) or NAME[:KEY=VALUE,...], e.g. yarn:factor=4; repeatable "

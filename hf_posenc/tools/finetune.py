@@ -66,7 +66,8 @@ class NonFiniteLoss(UsageError):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hf-posenc finetune", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=SMOLLM2,
-                   help="local checkpoint, Hub id, .gguf file, or 'smollm2' (the bundled SmolLM2-135M; default)")
+                   help="local checkpoint, Hub id, .gguf file, or 'smollm2' (the bundled SmolLM2-135M-Instruct, "
+                        "de-quantised from Q4_1; default)")
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--method", default=None,
                    help="positional method to patch in before training, NAME[:KEY=VALUE,...] (default: none, train "

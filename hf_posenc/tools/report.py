@@ -54,6 +54,14 @@ def plot_perplexity(path: Path, lengths: list[int],
     """Perplexity (log axis) vs length, a line per model and a star at the length it was trained at; a panel per
     entry of ``panels`` (panel title -> (table, training length per row label))."""
     plt = _pyplot()
+    fig = perplexity_figure(lengths, panels, title)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def perplexity_figure(lengths: list[int], panels: dict[str, tuple[PerplexityTable, dict[str, int | None]]],
+                      title: str = ""):
+    plt = _pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(1.2 + 5.2 * len(panels), 4.2), squeeze=False)
     for ax, (panel_title, (table, trained_at)) in zip(axes[0], panels.items()):
         for label, row in table.items():
@@ -76,8 +84,7 @@ def plot_perplexity(path: Path, lengths: list[int],
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 def _interpolate_log_log(x: float, xs: list[int], ys: list[float]) -> float:

@@ -188,3 +188,17 @@ def test_a_long_evaluation_is_announced_with_its_estimate(tiny_dir, tmp_path, ca
     assert eval_ppl_main([*argv, "--output-dir", str(tmp_path / "long")]) == 0
     assert ("warning: this evaluation will take about 1.0 h by estimate (2 idle CPU cores; a loaded machine is "
             "slower); --max-windows N, --truncate or fewer --lengths shorten it") in capsys.readouterr().err
+
+
+def test_plot_shows_perplexity_on_a_log_axis_and_stars_only_trained_rows():
+    """Perplexity on a log axis (was log perplexity on a linear one); "trained at N" only where a length is known
+    (an untrained swap has none; issue 19, item 10)."""
+    from hf_posenc.tools import report
+
+    table = {"smollm2": {256: 30.0, 512: 25.0}, "smollm2 + kerple": {256: 180.0, 512: 190.0}}
+    fig = report.perplexity_figure([256, 512], {"text": (table, {"smollm2": 512, "smollm2 + kerple": None})})
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "log" and ax.get_ylabel().startswith("perplexity")
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == ["smollm2 (trained at 512)",
+                                                                         "smollm2 + kerple"]
+    assert list(ax.lines[0].get_ydata()) == [30.0, 25.0]  # the perplexity itself, not its log

@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # annotations only; torch is imported where it is used, so th
     import torch
 
 from . import report
+from .report import row_label
 from .estimates import announce_run_time, check_memory, estimate_forward_bytes, model_forward_seconds
 from ..registry import get_family
 from .models import SMOLLM2, load_model
@@ -90,14 +91,6 @@ class EvalRun:
         return {"settings": self.settings, "training_lengths": self.training_lengths,
                 "table": {label: {str(n): v for n, v in row.items()} for label, row in self.table().items()},
                 "results": [asdict(r) for r in self.results]}
-
-
-def row_label(model: str, method: str, replaced: str | None = None) -> str:
-    """The row of a model evaluated with a method; ``replaced``: the (trained) patch of a patched checkpoint that the
-    method replaced, so the row says that the checkpoint's own positional weights were not used."""
-    if method == UNPATCHED:
-        return model
-    return f"{model} with its {replaced} replaced by {method}" if replaced else f"{model} + {method}"
 
 
 def keeps_trained_positions(model, request: MethodRequest) -> bool:

@@ -8,6 +8,8 @@ import math
 from pathlib import Path
 from typing import Iterable
 
+from .runtime import UNPATCHED
+
 PerplexityTable = dict[str, dict[int, float | None]]  # row label (model + method) -> length -> perplexity
 AccuracyTable = dict[tuple[str, int, float], tuple[float, int]]  # (label, length, depth) -> (accuracy, trials)
 
@@ -25,6 +27,14 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def row_label(model: str, method: str, replaced: str | None = None) -> str:
+    """The row of a model evaluated with a method; ``replaced``: the (trained) patch of a patched checkpoint that the
+    method replaced, so the row says that the checkpoint's own positional weights were not used."""
+    if method == UNPATCHED:
+        return model
+    return f"{model} with its {replaced} replaced by {method}" if replaced else f"{model} + {method}"
 
 
 # --- perplexity vs context length -----------------------------------------------------------------------------

@@ -19,10 +19,9 @@ import argparse
 import random
 import re
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import torch
 
 from . import report
 from .estimates import check_memory, estimate_forward_bytes
@@ -52,6 +51,7 @@ class Trial:
     passkey: int
     answer: str
     correct: bool
+    replaced: str = ""  # the patch of a patched checkpoint that the method replaced (report.row_label)
 
 
 def _ids(tokenizer, text: str) -> list[int]:
@@ -89,6 +89,7 @@ def run_trials(model, tokenizer, label_model: str, label_method: str, lengths: l
                trials: int, seed: int, filler_ids: list[int] | None, max_new_tokens: int = 10, accelerator=None,
                progress: bool = True) -> list[Trial]:
     """Every (length, depth, trial), split across processes when ``accelerator`` has several, gathered in order."""
+    import torch
     from tqdm.auto import tqdm
 
     plan = []
@@ -116,7 +117,7 @@ def run_trials(model, tokenizer, label_model: str, label_method: str, lengths: l
 def accuracy_table(trials: list[Trial]) -> dict[tuple[str, int, float], tuple[float, int]]:
     counts: dict[tuple[str, int, float], list[int]] = {}
     for t in trials:
-        key = (t.model if t.method == UNPATCHED else f"{t.model} + {t.method}", t.length, t.depth)
+        key = (report.row_label(t.model, t.method, t.replaced or None), t.length, t.depth)
         c = counts.setdefault(key, [0, 0])
         c[0] += int(t.correct)
         c[1] += 1
@@ -163,6 +164,10 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def run_passkey(args: argparse.Namespace, accelerator=None) -> tuple[list[Trial], dict, list[int], list[float]]:
+    import torch
+
+    from hf_posenc import get_posenc_config
+
     check_args(args)
     lengths = parse_numbers(args.lengths, "--lengths", int)
     depths = parse_numbers(args.depths, "--depths")
@@ -190,17 +195,27 @@ def run_passkey(args: argparse.Namespace, accelerator=None) -> tuple[list[Trial]
         for request in requests:
             request.check_patchable(model)
         name = Path(model_spec).name if Path(model_spec).exists() else model_spec
-        for request in requests:
-            request.apply(model)
+        saved = get_posenc_config(model)  # a patched checkpoint: each method replaces its patch, on a fresh copy
+        for j, request in enumerate(requests):
+            if j and saved is not None:
+                model = load_model(model_spec, dtype=DTYPES[args.dtype], tokenizer=args.tokenizer, verbose=False)[0]
+                model.to(device)
+            replaced = saved.method if saved is not None and request.patches else ""
+            with warnings.catch_warnings():  # the row label says it
+                warnings.filterwarnings("ignore", message="patch_model replaces")
+                request.apply(model)
             t0 = time.perf_counter()
             got = run_trials(model, tokenizer, name, request.label, lengths, depths, args.trials, args.seed, filler_ids,
                              args.max_new_tokens, accelerator, not args.no_progress)
+            for trial in got:
+                trial.replaced = replaced
             trials.extend(got)
             if main_process:
                 acc = sum(t.correct for t in got) / len(got)
-                print(f"  {name} + {request.label}: accuracy {acc:.0%} over {len(got)} trials "
-                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
-            request.remove(model)
+                print(f"  {report.row_label(name, request.label, replaced or None)}: accuracy {acc:.0%} over "
+                      f"{len(got)} trials ({time.perf_counter() - t0:.0f} s)", flush=True)
+            if saved is None:
+                request.remove(model)
     settings = {**settings_of(args),
                 "lengths": lengths, "depths": depths, "prompt": {"task": TASK, "garbage": GARBAGE,
                                                                   "question": QUESTION, "info": info_line(12345)},

@@ -9,13 +9,32 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, Callable
 
-import torch
-
 UNPATCHED = "none"  # the method name that means "the model as loaded"
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+
+
+class TorchDtypes(Mapping):
+    """``--dtype`` names -> torch dtypes. torch is imported on the first look-up, not when a command builds its
+    options (``--help`` stays fast)."""
+
+    NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+             "float16": "float16", "fp16": "float16"}
+
+    def __getitem__(self, name: str):
+        import torch
+
+        return getattr(torch, self.NAMES[name])
+
+    def __iter__(self):
+        return iter(self.NAMES)
+
+    def __len__(self) -> int:
+        return len(self.NAMES)
+
+
+DTYPES = TorchDtypes()
 
 
 class UsageError(ValueError):
@@ -86,11 +105,14 @@ def set_threads(threads: int | None) -> None:
     """``--threads``: torch's intra-op threads of this process (unset: torch's own choice)."""
     check_number("--threads", threads, 1)
     if threads:
+        import torch
+
         torch.set_num_threads(threads)
 
 
 def versions() -> dict[str, str]:
     import accelerate
+    import torch
     import transformers
 
     from hf_posenc import __version__
@@ -169,6 +191,12 @@ class MethodRequest:
 
         get_method(self.name).config_class.from_options(**self.options)
 
+    def config(self):
+        """The method's validated config (refusing unknown methods and options); only for a method that patches."""
+        from hf_posenc import get_method
+
+        return get_method(self.name).config_class.from_options(**self.options)
+
     def check_patchable(self, model) -> None:
         """Patch and unpatch once, so an unpatchable model fails before any long work (or output) starts."""
         from hf_posenc import get_posenc_config, patch_model, unpatch_model
@@ -201,6 +229,7 @@ def accelerator_if_launched():
     """An ``accelerate.Accelerator`` when ``accelerate launch`` started this process, else None (one process)."""
     if not launched_by_accelerate():
         return None
+    import torch
     from accelerate import Accelerator
 
     return Accelerator(cpu=not torch.cuda.is_available())

@@ -16,12 +16,16 @@ from .config import PosEncConfig
 from .errors import PosEncError
 from .families.base import ModelFamily
 from .methods.alibi import AlibiConfig
+from .methods.comrope import ComRopeApConfig, ComRopeConfig, ComRopeLdConfig
 from .methods.base import AbsolutePositionMethod, AttentionBiasMethod, PositionalMethod, RotaryMethod
 from .methods.fire import FireConfig
+from .methods.fope import FopeConfig
 from .methods.kerple import KerpleConfig
 from .methods.learned import LearnedConfig
+from .methods.liere import LiereConfig
 from .methods.nope import NopeConfig
 from .methods.rope import RopeConfig
+from .methods.rope_2d import Rope2dConfig
 from .methods.rope_scaling import (DynamicConfig, DynamicYarnConfig, LinearConfig, Llama3Config, LongRopeConfig,
                                    NtkConfig, RopeScalingConfig, YarnConfig)
 from .methods.sandwich import SandwichConfig
@@ -38,7 +42,8 @@ __all__ = [
     "available_methods", "from_pretrained", "get_method", "get_positional_module", "get_posenc_config",
     "make_model_card", "patch_model", "push_to_hub", "supported_model_types", "unpatch_model", "PosEncError",
     # every built-in method's config
-    "AlibiConfig", "DynamicConfig", "DynamicYarnConfig", "FireConfig", "KerpleConfig", "LearnedConfig",
+    "AlibiConfig", "ComRopeApConfig", "ComRopeConfig", "ComRopeLdConfig", "FopeConfig", "LiereConfig",
+    "Rope2dConfig", "DynamicConfig", "DynamicYarnConfig", "FireConfig", "KerpleConfig", "LearnedConfig",
     "LinearConfig", "Llama3Config", "LongRopeConfig", "NopeConfig", "NtkConfig", "RopeConfig", "RopeScalingConfig",
     "SandwichConfig", "SinusoidalConfig", "T5Config", "XposConfig", "YarnConfig",
     # extending: methods and families

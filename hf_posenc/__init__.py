@@ -26,6 +26,10 @@ _EXPORTS = {
     "PosEncError": "errors",
     "ModelFamily": "families.base",
     "AlibiConfig": "methods.alibi",
+    **dict.fromkeys(("ComRopeApConfig", "ComRopeConfig", "ComRopeLdConfig"), "methods.comrope"),
+    "FopeConfig": "methods.fope",
+    "LiereConfig": "methods.liere",
+    "Rope2dConfig": "methods.rope_2d",
     **dict.fromkeys(("AbsolutePositionMethod", "AttentionBiasMethod", "PositionalMethod", "RotaryMethod"),
                     "methods.base"),
     "FireConfig": "methods.fire",
@@ -51,7 +55,8 @@ __all__ = [
     "load_adapter", "make_model_card", "patch_model", "push_to_hub", "save_adapter", "supported_model_types",
     "unpatch_model", "PosEncError",
     # every built-in method's config
-    "AlibiConfig", "DynamicConfig", "DynamicYarnConfig", "FireConfig", "KerpleConfig", "LearnedConfig",
+    "AlibiConfig", "ComRopeApConfig", "ComRopeConfig", "ComRopeLdConfig", "FopeConfig", "LiereConfig",
+    "Rope2dConfig", "DynamicConfig", "DynamicYarnConfig", "FireConfig", "KerpleConfig", "LearnedConfig",
     "LinearConfig", "Llama3Config", "LongRopeConfig", "NopeConfig", "NtkConfig", "RopeConfig", "RopeScalingConfig",
     "SandwichConfig", "SinusoidalConfig", "T5Config", "XposConfig", "YarnConfig",
     # extending: methods and families

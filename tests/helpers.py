@@ -51,6 +51,15 @@ CONTRACT = {
     "kerple": ContractCase(),
     "sandwich": ContractCase(),
     "xpos": ContractCase(),
+    "comrope-ap": ContractCase(),
+    "comrope-ld": ContractCase(),
+    "liere": ContractCase(),
+    "fope": ContractCase(),
+    "rope-2d": ContractCase(unsupported={
+        "left_padding": "it takes 2-D position_ids [B, L, 2] and refuses the 1-D ones this check (and generate) pass; "
+                        "test_rotations.py checks padding with 2-D positions",
+        "gradients": "on the 1 x L grid a call without position_ids gets, every row is 0, so the row rates get no "
+                     "gradient; test_rotations.py checks gradients on a 2-D grid"}),
     "linear": ContractCase(options={"factor": 2.0}, scales_rope=True),
     "ntk": ContractCase(options={"factor": 4.0}, scales_rope=True),
     "dynamic": ContractCase(options={"factor": 4.0}, scales_rope=True),

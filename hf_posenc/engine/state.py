@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..errors import PosEncError
 from ..methods.base import AbsolutePositionMethod, PositionalMethod, RotaryMethod
 
 STATE_ATTR = "hf_posenc_state"
@@ -42,7 +43,7 @@ class CallPositions:
     slot_offset: int
     shift: torch.Tensor | None
     seq_len: int = 0  # highest position + 1: what length-dependent rotary scalings depend on
-    cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None  # rotary cos/sin of the queries
+    rotation: Any = None  # a rotary method's rotation of the queries (its `rotation()`: by default cos/sin)
 
 
 class PositionState:
@@ -70,10 +71,11 @@ class PositionState:
         return call
 
     def update(self, query_positions: torch.Tensor, slot_offset: int, past_positions: torch.Tensor | None = None,
-               attended: torch.Tensor | None = None) -> CallPositions:
+               attended: torch.Tensor | None = None, coordinates: torch.Tensor | None = None) -> CallPositions:
         """Record the positions of a forward: `query_positions` [B or 1, q]; `past_positions` [B or 1, >= offset],
         those of the cached tokens (None: consecutive before the first query, as a cache filled outside hf_posenc's
-        view would be); `attended` [B, offset + q] bool, the tokens that are not padding (None: all)."""
+        view would be); `attended` [B, offset + q] bool, the tokens that are not padding (None: all);
+        `coordinates` [B or 1, q, axes], the queries' positions for a method over several axes (rope-2d)."""
         q = query_positions.shape[-1]
         if slot_offset == 0:
             key_positions = query_positions
@@ -88,7 +90,7 @@ class PositionState:
         call = CallPositions(query_positions, key_positions, slot_offset, uniform_shift(key_positions, attended))
         if isinstance(self.method, RotaryMethod):
             call.seq_len = int(query_positions.max()) + 1 if self.method.length_dependent else 0
-            call.cos_sin = self.method.cos_sin(query_positions, call.seq_len)
+            call.rotation = self.method.rotation(query_positions if coordinates is None else coordinates, call.seq_len)
         self._calls.current = call
         return call
 
@@ -158,21 +160,48 @@ class PositionCapture:
         positions = arguments.get("position_ids")
         if positions is None:
             positions = self.default_positions(arguments, q, offset, source.device)
-        positions = positions.reshape(-1, q).long()
+        positions, coordinates = self.split_coordinates(arguments, positions, q, offset, source.device)
         embed_tokens = module.get_input_embeddings()
         if self.replay is not None:
             arguments, positions, offset = self.replay.prepare(arguments, positions, offset, cache, embed_tokens)
         past = getattr(cache, KEY_POSITIONS_ATTR, None) if offset else None
-        self.state.update(positions, offset, past, attended_tokens(arguments.get("attention_mask"), offset + q))
+        self.state.update(positions, offset, past, attended_tokens(arguments.get("attention_mask"), offset + q),
+                          coordinates)
 
         if not isinstance(self.state.method, AbsolutePositionMethod):
-            return ((), arguments) if self.replay is not None else None
+            return ((), arguments) if self.replay is not None or coordinates is not None else None
         if inputs_embeds is None:
             inputs_embeds = embed_tokens(input_ids)
         inputs_embeds = inputs_embeds + self.state.method.embed(positions).to(inputs_embeds.dtype)
         # Everything as keywords: transformers' forward decorators look arguments up by name.
         arguments.update(input_ids=None, inputs_embeds=inputs_embeds)
         return (), arguments
+
+
+    def split_coordinates(self, arguments: dict, positions: torch.Tensor, q: int, offset: int, device):
+        """(token positions [B or 1, q], coordinates [B or 1, q, axes] or None). For a method over several position
+        axes (`position_axes` > 1) the caller's position_ids [B, q, axes] are its coordinates, and the model itself
+        gets token positions in their place (what it would use with none given: masks and caches see 1-D ids)."""
+        method = self.state.method
+        axes = method.position_axes if isinstance(method, RotaryMethod) else 1
+        given = arguments.get("position_ids")
+        if axes == 1:
+            if positions.dim() == 3 and positions.shape[-1] != q:
+                raise PosEncError(f"position_ids of shape {list(positions.shape)} hold several coordinates per token, "
+                                  f"but {type(method).__name__} takes one: pass position_ids of shape [B, {q}] (or "
+                                  "patch with a method over 2-D positions, such as 'rope-2d').")
+            return positions.reshape(-1, q).long(), None
+        if given is not None and not (given.dim() == 3 and given.shape[-2:] == (q, axes)):
+            raise PosEncError(f"{type(method).__name__} takes {axes}-D positions, and position_ids of shape "
+                              f"{list(given.shape)} were given: pass position_ids of shape [B, {q}, {axes}] (row, column "
+                              "of each token), or none for a 1 x L grid.")
+        tokens = self.default_positions(arguments, q, offset, device).reshape(-1, q).long()
+        coordinates = method.default_coordinates(tokens) if given is None else given.long()
+        if given is not None and "position_ids" in self.parameter_names:
+            arguments["position_ids"] = tokens
+        elif given is not None:
+            del arguments["position_ids"]
+        return tokens, coordinates
 
 
 class RecordKeyPositions:

@@ -20,7 +20,7 @@ from ..engine.replay import PrefixReplay
 from ..engine.state import (STATE_ATTR, PositionCapture, PositionState, RecordKeyPositions, forward_parameter_names,
                             positions_after_offset)
 from ..engine.undo import UndoLog
-from ..methods.base import AttentionBiasMethod, PositionalMethod, RotaryMethod, rotate
+from ..methods.base import AttentionBiasMethod, PositionalMethod, RotaryMethod
 from ..model_info import ModelInfo
 
 
@@ -127,6 +127,5 @@ class RotateProjectionOutput:
         raise NotImplementedError
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.state.call.cos_sin
-        cos, sin = cos[:, :, None].to(output.dtype), sin[:, :, None].to(output.dtype)
-        return self.rotate_qk(output, lambda x: rotate(x, cos, sin))
+        method, rotation = self.state.method, self.state.call.rotation
+        return self.rotate_qk(output, lambda x: method.rotate_heads(x.transpose(1, 2), rotation).transpose(1, 2))

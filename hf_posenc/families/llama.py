@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..methods.base import RotaryMethod
+from ..engine.state import PositionState
 from ..model_info import ModelInfo
 from ..registry import register_family
 from .base import ModelFamily
@@ -26,14 +26,15 @@ class NoRotation(nn.Module):
 
 
 class MethodRotation(nn.Module):
-    """Stands in for `rotary_emb` with a rotary method's cos/sin (cast to the activations' dtype, as native)."""
+    """Stands in for `rotary_emb` with a rotary method's cos/sin of this forward (computed once by the position
+    state from the forward's positions, which may be 2-D coordinates), cast to the activations' dtype as native."""
 
-    def __init__(self, method: RotaryMethod):
+    def __init__(self, state: PositionState):
         super().__init__()
-        self.method = [method]  # a list, so the method is not registered twice in the module tree
+        self.state = state
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
-        cos, sin = self.method[0].cos_sin(position_ids)
+        cos, sin = self.state.call.rotation
         return cos.to(x.dtype), sin.to(x.dtype)
 
 
@@ -100,4 +101,4 @@ class LlamaFamily(ModelFamily):
 
     def add_rotary(self, model, method, state, log):
         # The layers already rotate with whatever rotary_emb returns: give them this method's cos/sin.
-        log.set_attr(self.base_model(model), "rotary_emb", MethodRotation(method))
+        log.set_attr(self.base_model(model), "rotary_emb", MethodRotation(state))

@@ -1,16 +1,21 @@
 """Positional methods: importing this package registers the built-in ones."""
 
 from .alibi import Alibi, AlibiConfig
+from .comrope import ComRopeAp, ComRopeApConfig, ComRopeConfig, ComRopeLd, ComRopeLdConfig
+from .fope import Fope, FopeConfig
 from .learned import LearnedConfig, LearnedPositions
+from .liere import Liere, LiereConfig
 from .nope import NoPositions, NopeConfig
 from .rope import Rope, RopeConfig
+from .rope_2d import Rope2d, Rope2dConfig
 from .rope_scaling import (DynamicConfig, DynamicYarnConfig, Llama3Config, LinearConfig, LongRopeConfig, NtkConfig,
                            RopeScalingConfig, ScaledRope, YarnConfig)
 from .sinusoidal import Sinusoidal, SinusoidalConfig
 from .relative_biases import *  # noqa: F401,F403  (fire, t5, kerple, sandwich, xpos)
 
 __all__ = [
-    "Alibi", "AlibiConfig", "LearnedConfig", "LearnedPositions", "NoPositions", "NopeConfig",
+    "Alibi", "AlibiConfig", "ComRopeAp", "ComRopeApConfig", "ComRopeConfig", "ComRopeLd", "ComRopeLdConfig",
+    "Fope", "FopeConfig", "Liere", "LiereConfig", "Rope2d", "Rope2dConfig", "LearnedConfig", "LearnedPositions", "NoPositions", "NopeConfig",
     "Rope", "RopeConfig", "Sinusoidal", "SinusoidalConfig",
     "DynamicConfig", "DynamicYarnConfig", "Llama3Config", "LinearConfig", "LongRopeConfig", "NtkConfig",
     "RopeScalingConfig", "ScaledRope", "YarnConfig",

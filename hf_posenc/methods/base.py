@@ -4,7 +4,9 @@ subclass of exactly one of the four classes below, which says where it acts (tes
 - PositionalMethod itself: nowhere (NoPE);
 - AbsolutePositionMethod: `embed(positions)` is added to the input embeddings;
 - AttentionBiasMethod: `bias(layer_idx, query_positions, key_positions)` is added to attention scores;
-- RotaryMethod: `cos_sin(positions)` rotates queries and keys.
+- RotaryMethod: `rotation(positions)` (by default `cos_sin(positions)`) rotates queries and keys, applied by
+  `rotate_heads`; a method whose rotation is not a cos/sin pair per dimension (a b x b matrix per block) overrides
+  both and rotates inside the shared attention path (`rotates_in_attention`).
 
 Every capability the engine (families, per-forward state, attention path, checkpoints) reads from a method is
 declared here, once, with its default: a class attribute or a method that a subclass overrides in its class body.
@@ -117,6 +119,10 @@ class RotaryMethod(PositionalMethod):
     max_query_spread: float = float("inf")
     # The RoPE base theta: what a RoPE scaling patched over this method scales (on a model without RoPE of its own).
     theta: float | None = None
+    # Coordinates per position: 1 for token positions; more (rope-2d: 2, row and column) when the method takes
+    # `position_ids` of shape [B, L, position_axes]. Such a method is refused 1-D position_ids; with none given it
+    # gets `default_coordinates` of the token positions.
+    position_axes: int = 1
 
     def scale_key(self, seq_len: int):
         """Equal for two lengths exactly when they give the same frequencies."""
@@ -133,13 +139,27 @@ class RotaryMethod(PositionalMethod):
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos() * attention_scaling, angles.sin() * attention_scaling
 
+    def default_coordinates(self, positions: torch.Tensor) -> torch.Tensor:
+        """For a method with position_axes > 1: token positions [B or 1, q] -> coordinates [B or 1, q, position_axes]
+        used when the caller passes no position_ids."""
+        raise NotImplementedError
+
+    def rotation(self, positions: torch.Tensor, seq_len: int = 0):
+        """What rotates the tokens at `positions` ([B or 1, q], or [B or 1, q, position_axes]), in float32; computed
+        once per forward and handed to `rotate_heads`. By default the (cos, sin) pair of `cos_sin`, which is also
+        what LLaMA-family layers apply themselves."""
+        return self.cos_sin(positions, seq_len)
+
+    def rotate_heads(self, x: torch.Tensor, rotation) -> torch.Tensor:
+        """x [B, heads, q, D] -> x rotated by `rotation` (from `rotation()` for its q positions), in x's dtype."""
+        cos, sin = rotation
+        return rotate(x, cos[:, None].to(x.dtype), sin[:, None].to(x.dtype))
+
     def rotate_query_key(self, query: torch.Tensor, key: torch.Tensor, query_positions: torch.Tensor,
                          key_positions: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """query [B, H, q, D], key [B, H_kv, kv, D] -> both rotated (used by the shared attention path)."""
-        cos_q, sin_q = self.cos_sin(query_positions, seq_len)
-        cos_k, sin_k = self.cos_sin(key_positions, seq_len)
-        return (rotate(query, cos_q[:, None].to(query.dtype), sin_q[:, None].to(query.dtype)),
-                rotate(key, cos_k[:, None].to(key.dtype), sin_k[:, None].to(key.dtype)))
+        return (self.rotate_heads(query, self.rotation(query_positions, seq_len)),
+                self.rotate_heads(key, self.rotation(key_positions, seq_len)))
 
 
 KINDS = (AbsolutePositionMethod, AttentionBiasMethod, RotaryMethod)

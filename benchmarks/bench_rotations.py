@@ -1,0 +1,61 @@
+"""Rotation benchmark (issue 13): the learned and generalised rotations beside native RoPE on the same LLaMA-style
+layer stack as bench_attention.py (8 heads x 64, batch 1), at several lengths: forward and forward+backward time and
+peak memory, as ratios to native RoPE in the same run. Reuses bench_attention's model and measurement.
+
+    .venv/bin/python benchmarks/bench_rotations.py --lengths 1024,4096 --output benchmarks/bench_rotations.json
+
+ComRoPE and LieRE rotate inside the shared attention path (a b x b matrix per block and position: matrix_exp once
+per layer and call, float32); FoPE and 2-D RoPE are cos/sin pairs that the layers apply as native RoPE does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import _fix_mmap_threshold, build_model, measure  # noqa: E402
+
+from hf_posenc import patch_model, unpatch_model  # noqa: E402
+
+CASES = [("comrope-ap", {"block_size": 2}), ("comrope-ap", {"block_size": 4}), ("comrope-ld", {"block_size": 8}),
+         ("liere", {"block_size": 16}), ("liere", {}), ("fope", {}), ("rope-2d", {})]
+
+
+def run(lengths, layers=2, heads=8, head_dim=64, repeats=3, backward_repeats=2):
+    _fix_mmap_threshold()
+    model = build_model(layers, heads, head_dim, max(lengths))
+    rows = []
+    for length in lengths:
+        ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(0))
+        native = measure(model, ids, repeats, backward_repeats)
+        rows.append({"method": "native RoPE", "length": length, "forward_s": native[0],
+                     "forward_backward_s": native[1], "forward_peak_mib": native[2]})
+        for method, options in CASES:
+            patch_model(model, method, **options)
+            forward, backward, peak, _ = measure(model, ids, repeats, backward_repeats)
+            unpatch_model(model)
+            rows.append({"method": method, "options": options, "length": length, "forward_s": forward,
+                         "forward_backward_s": backward, "forward_peak_mib": peak,
+                         "forward_ratio": forward / native[0], "forward_backward_ratio": backward / native[1],
+                         "extra_forward_mib": peak - native[2]})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="1024,4096")
+    parser.add_argument("--output", type=Path, default=None)
+    args = parser.parse_args(argv)
+    rows = run([int(n) for n in args.lengths.split(",")])
+    if args.output:
+        args.output.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Rotations by b x b blocks, R(p) = exp(p A) with A block-diagonal and skew-symmetric: the common part of ComRoPE
+and LieRE (methods/comrope.py, methods/liere.py).
+
+Layout: LLaMA checkpoints rotate dimension k together with dimension k + d/2 (the half-split layout). Here the rotary
+dimensions are reordered so that those pairs are neighbours, (0, d/2, 1, d/2 + 1, ...), then cut into blocks of b
+consecutive dimensions (b/2 RoPE pairs each). RoPE is the special case where each block of A holds 2 x 2 blocks
+[[0, -w_k], [w_k, 0]] with the model's frequencies w_k on its diagonal (`rope_generators`).
+
+The rotation of every position is exp(p A) in float32: closed form (cos, sin) for b = 2, torch.linalg.matrix_exp
+otherwise. LLaMA-family layers can only apply cos/sin pairs themselves, so these methods rotate queries and the
+(un-rotated) key cache inside the shared attention path, on every family alike.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import PosEncConfig
+from ..errors import PosEncError
+from ..model_info import ModelInfo
+from .base import RotaryMethod
+from .rope import DEFAULT_THETA, default_inv_freq
+
+# Options shared by the configs of these methods.
+INIT_CHOICES = ("rope", "random")
+INIT_STD_MAX = 1.0  # random generator entries: angles per position of order 1 already alias at distance ~ 3
+
+
+def upper_size(block_size: int) -> int:
+    """The number of free entries of a skew-symmetric block (its strict upper triangle)."""
+    return block_size * (block_size - 1) // 2
+
+
+def skew_from_upper(upper: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[..., upper_size(b)] strict-upper-triangle entries -> skew-symmetric [..., b, b]."""
+    rows, cols = torch.triu_indices(block_size, block_size, offset=1, device=upper.device)
+    matrix = upper.new_zeros((*upper.shape[:-1], block_size, block_size))
+    matrix[..., rows, cols] = upper
+    return matrix - matrix.transpose(-1, -2)
+
+
+def rope_generators(inv_freq: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The strict-upper entries [num_blocks, upper_size(b)] of RoPE's generator in the pair-neighbour layout: the
+    entry (2i, 2i + 1) of pair k's block is -w_k, so exp(p A) rotates the pair by the angle p * w_k as RoPE does."""
+    pair_starts = 2 * torch.arange(inv_freq.shape[0])  # pair k occupies dimensions 2k, 2k + 1
+    block, row = pair_starts // block_size, pair_starts % block_size
+    full = torch.zeros(pair_starts.shape[0] * 2 // block_size, block_size, block_size)
+    full[block, row, row + 1] = -inv_freq  # (tensor ops only: methods are also built on the meta device)
+    rows, cols = torch.triu_indices(block_size, block_size, offset=1)
+    return full[:, rows, cols]
+
+
+def block_exponentials(generators: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """generators [num_blocks, b, b] (skew), positions [B or 1, q] -> exp(p A) float32 [B or 1, q, num_blocks, b, b]."""
+    angles = positions[..., None, None, None].float() * generators.float()
+    if generators.shape[-1] == 2:  # closed form: a plane rotation by the angle in entry (1, 0)
+        angle = angles[..., 1, 0]
+        cos, sin = angle.cos(), angle.sin()
+        return torch.stack((torch.stack((cos, -sin), -1), torch.stack((sin, cos), -1)), -2)
+    return torch.linalg.matrix_exp(angles)
+
+
+def to_pair_neighbours(x: torch.Tensor) -> torch.Tensor:
+    """[..., d] in the half-split layout -> [..., d] with dimension k next to k + d/2."""
+    return x.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
+
+
+def to_half_split(x: torch.Tensor) -> torch.Tensor:
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+class BlockRotationMethod(RotaryMethod):
+    """A rotary method whose rotation is exp(p A) by blocks; a subclass says what A is (`generators`)."""
+
+    rotates_in_attention = True
+
+    def __init__(self, config: PosEncConfig, info: ModelInfo, block_size: int):
+        super().__init__(config, info)
+        dim = info.rotary_dim
+        if block_size % 2 or dim % block_size:
+            raise PosEncError(f"{type(self).__name__}: block_size={block_size} must be even and divide the rotary "
+                              f"dimension {dim} of this model; pass one of "
+                              f"{[b for b in range(2, dim + 1, 2) if dim % b == 0]}.")
+        self.rotary_dim, self.block_size, self.num_blocks = dim, block_size, dim // block_size
+        # The frequencies init="rope" starts from: the model's own RoPE, else the `rope` patch's (theta 10000).
+        self.initial_theta = float(getattr(config, "theta", None) or info.rope_theta or info.patched_rope_theta
+                                   or DEFAULT_THETA)
+        self.rope_inv_freq = default_inv_freq(self.initial_theta, dim)
+
+    def initial_upper(self, init: str, init_std: float) -> torch.Tensor:
+        """Strict-upper entries [num_blocks, upper_size(b)] of the starting generator."""
+        if init == "rope":
+            return rope_generators(self.rope_inv_freq, self.block_size)
+        return torch.randn(self.num_blocks, upper_size(self.block_size)) * init_std
+
+    def generators(self) -> torch.Tensor:
+        """The skew-symmetric blocks [num_blocks, b, b] of A (float32)."""
+        raise NotImplementedError
+
+    def rotation(self, positions, seq_len=0):
+        return block_exponentials(self.generators(), positions)
+
+    def rotate_heads(self, x, rotation):
+        dim = self.rotary_dim
+        rotary, rest = x[..., :dim], x[..., dim:]
+        blocks = to_pair_neighbours(rotary).unflatten(-1, (self.num_blocks, self.block_size))  # [B, H, q, n, b]
+        matrices = rotation.to(x.dtype).expand(x.shape[0], -1, -1, -1, -1)  # [B, q, n, b, b]
+        rotated = torch.einsum("zqnij,zhqnj->zhqni", matrices, blocks)  # no copy of the matrices per head
+        rotated = to_half_split(rotated.flatten(-2))
+        return rotated if rest.shape[-1] == 0 else torch.cat((rotated, rest), dim=-1)

@@ -24,7 +24,9 @@ from .methods.nope import NopeConfig
 from .methods.rope import RopeConfig
 from .methods.rope_scaling import (DynamicConfig, DynamicYarnConfig, LinearConfig, Llama3Config, LongRopeConfig,
                                    NtkConfig, RopeScalingConfig, YarnConfig)
+from .methods.rerope import ReropeConfig
 from .methods.sandwich import SandwichConfig
+from .methods.self_extend import SelfExtendConfig
 from .methods.sinusoidal import SinusoidalConfig
 from .methods.t5 import T5Config
 from .methods.xpos import XposConfig
@@ -40,7 +42,7 @@ __all__ = [
     # every built-in method's config
     "AlibiConfig", "DynamicConfig", "DynamicYarnConfig", "FireConfig", "KerpleConfig", "LearnedConfig",
     "LinearConfig", "Llama3Config", "LongRopeConfig", "NopeConfig", "NtkConfig", "RopeConfig", "RopeScalingConfig",
-    "SandwichConfig", "SinusoidalConfig", "T5Config", "XposConfig", "YarnConfig",
+    "ReropeConfig", "SandwichConfig", "SelfExtendConfig", "SinusoidalConfig", "T5Config", "XposConfig", "YarnConfig",
     # extending: methods and families
     "AbsolutePositionMethod", "AttentionBiasMethod", "ModelFamily", "ModelInfo", "PosEncConfig", "PositionalMethod",
     "RotaryMethod", "register_family", "register_method",

@@ -3,9 +3,11 @@
 from .alibi import Alibi, AlibiConfig
 from .learned import LearnedConfig, LearnedPositions
 from .nope import NoPositions, NopeConfig
+from .rerope import Rerope, ReropeConfig
 from .rope import Rope, RopeConfig
 from .rope_scaling import (DynamicConfig, DynamicYarnConfig, Llama3Config, LinearConfig, LongRopeConfig, NtkConfig,
                            RopeScalingConfig, ScaledRope, YarnConfig)
+from .self_extend import SelfExtend, SelfExtendConfig
 from .sinusoidal import Sinusoidal, SinusoidalConfig
 from .relative_biases import *  # noqa: F401,F403  (fire, t5, kerple, sandwich, xpos)
 
@@ -13,5 +15,5 @@ __all__ = [
     "Alibi", "AlibiConfig", "LearnedConfig", "LearnedPositions", "NoPositions", "NopeConfig",
     "Rope", "RopeConfig", "Sinusoidal", "SinusoidalConfig",
     "DynamicConfig", "DynamicYarnConfig", "Llama3Config", "LinearConfig", "LongRopeConfig", "NtkConfig",
-    "RopeScalingConfig", "ScaledRope", "YarnConfig",
+    "RopeScalingConfig", "ScaledRope", "YarnConfig", "Rerope", "ReropeConfig", "SelfExtend", "SelfExtendConfig",
 ]

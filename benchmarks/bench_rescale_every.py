@@ -48,7 +48,8 @@ def count_replays(cache) -> list[int]:
 def decode(model, prompt: int, new_tokens: int) -> tuple[float, int]:
     """(seconds per decoded token, replays) for `new_tokens` tokens decoded one by one after a `prompt`-token
     prompt."""
-    ids = torch.randint(0, model.config.vocab_size, (1, prompt + new_tokens), generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt + new_tokens), generator=generator)
     cache = DynamicCache(config=model.config)
     replays = count_replays(cache)
     model(ids[:, :prompt], past_key_values=cache, use_cache=True)

@@ -43,9 +43,8 @@ def reference_attention(method: str, options: dict, query, key, value, query_pos
     else:
         far_query, far_key = torch.full_like(query_positions, window), torch.zeros_like(key_positions)
         if options.get("log_scaling"):
-            trained = options["original_max_position_embeddings"]
-            query = query.double() * ((query_positions + 1).double().log() / math.log(trained)).clamp(min=1)[:, None,
-                                                                                                              :, None]
+            log_n = (query_positions + 1).double().log() / math.log(options["original_max_position_embeddings"])
+            query = query.double() * log_n.clamp(min=1)[:, None, :, None]
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, 1).double(), value.repeat_interleave(groups, 1).double()
     near = rotate_float64(query, query_positions) @ rotate_float64(key, key_positions).transpose(-1, -2)

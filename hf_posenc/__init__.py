@@ -37,6 +37,8 @@ _EXPORTS = {
     "LearnedConfig": "methods.learned",
     "NopeConfig": "methods.nope",
     "RopeConfig": "methods.rope",
+    "ReropeConfig": "methods.rerope",
+    "SelfExtendConfig": "methods.self_extend",
     **dict.fromkeys(("DynamicConfig", "DynamicYarnConfig", "LinearConfig", "Llama3Config", "LongRopeConfig",
                      "NtkConfig", "RopeScalingConfig", "YarnConfig"), "methods.rope_scaling"),
     "SandwichConfig": "methods.sandwich",
@@ -58,7 +60,7 @@ __all__ = [
     "AlibiConfig", "ComRopeApConfig", "ComRopeConfig", "ComRopeLdConfig", "FopeConfig", "LiereConfig",
     "Rope2dConfig", "DynamicConfig", "DynamicYarnConfig", "FireConfig", "KerpleConfig", "LearnedConfig",
     "LinearConfig", "Llama3Config", "LongRopeConfig", "NopeConfig", "NtkConfig", "RopeConfig", "RopeScalingConfig",
-    "SandwichConfig", "SinusoidalConfig", "T5Config", "XposConfig", "YarnConfig",
+    "ReropeConfig", "SandwichConfig", "SelfExtendConfig", "SinusoidalConfig", "T5Config", "XposConfig", "YarnConfig",
     # extending: methods and families
     "AbsolutePositionMethod", "AttentionBiasMethod", "ModelFamily", "ModelInfo", "PosEncConfig", "PositionalMethod",
     "RotaryMethod", "register_family", "register_method",

@@ -68,6 +68,9 @@ CONTRACT = {
     "llama3": ContractCase(options={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}, scales_rope=True),
     "longrope": ContractCase(options={"factor": 4.0, "short_factor": [1.0 + 0.1 * i for i in range(HALF)],
                                       "long_factor": [1.0 + 0.5 * i for i in range(HALF)]}, scales_rope=True),
+    # A window shorter than the contract's texts, so that the remapped positions are exercised.
+    "self-extend": ContractCase(options={"window": 4, "group": 2}, scales_rope=True),
+    "rerope": ContractCase(options={"window": 4, "log_scaling": True}, scales_rope=True),
 }
 
 

@@ -304,3 +304,63 @@ def test_repatching_rope_on_gpt2_keeps_rotating():
         once = model(ids).logits
         hf_posenc.patch_model(model, "rope")  # the previous rope patch must not make RoPE look native
         assert torch.equal(model(ids).logits, once)
+
+
+def count_replays(cache) -> list[int]:
+    """Counts how often exact mode empties `cache` to replay the text (PrefixReplay resets the cache to replay)."""
+    replays = [0]
+    reset = cache.reset
+
+    def counting_reset():
+        replays[0] += 1
+        reset()
+    cache.reset = counting_reset
+    return replays
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+@pytest.mark.parametrize("method", ["dynamic", "dynamic-yarn"])
+def test_rescale_every_decodes_exactly_at_the_quantised_scale_with_one_replay_per_bucket(model_type, method):
+    """With rescale_every=N the scale follows the length rounded up to a multiple of N: each cached step equals a
+    fresh forward at that scale, which is (causally) the unquantised model's forward over the text up to the end of
+    the step's bucket; exact mode replays once per bucket, not once per step."""
+    every = 8
+    model = scaled_model(model_type, method, rescale_every=every)
+    per_step = scaled_model(model_type, method)
+    window = WINDOW[model_type]
+    ids = random_ids(1, window + 3 * every)  # ends on a bucket boundary, so every bucket is whole
+    cache = DynamicCache(config=model.config)
+    replays = count_replays(cache)
+    start = window - 4
+    with torch.no_grad():
+        model(ids[:, :start], past_key_values=cache, use_cache=True)
+        for t in range(start, ids.shape[1]):
+            step = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[0, -1]
+            fresh = model(ids[:, :t + 1]).logits[0, -1]
+            assert max_diff(step, fresh) <= 1e-4, (t, max_diff(step, fresh))
+            bucket_end = max(t + 1, -(-(t + 1) // every) * every)
+            unquantised = per_step(ids[:, :bucket_end]).logits[0, t]
+            assert max_diff(fresh, unquantised) <= 1e-4, (t, max_diff(fresh, unquantised))
+    buckets_past_window = -(-(ids.shape[1] - window) // every)
+    assert replays[0] == buckets_past_window  # one replay per bucket entered past the window (a multiple of 8)
+
+
+def test_rescale_every_one_replays_at_every_step_past_the_window():
+    model = scaled_model("llama", "dynamic")
+    ids = random_ids(1, 80)
+    cache = DynamicCache(config=model.config)
+    replays = count_replays(cache)
+    with torch.no_grad():
+        model(ids[:, :60], past_key_values=cache, use_cache=True)
+        decode_token_by_token(model, ids[:, 60:], cache)
+    assert replays[0] == 80 - 64
+
+
+@pytest.mark.parametrize("method", ["dynamic", "dynamic-yarn"])
+def test_rescale_every_is_validated_and_only_1_is_written_natively(method):
+    for bad in (0, 2.5, True):
+        with pytest.raises(PosEncError, match=rf"rescale_every={bad!r} .*pass an integer"):
+            scaled_model("llama", method, rescale_every=bad)
+    model = scaled_model("llama", method, rescale_every=64)
+    assert hf_posenc.get_posenc_config(model).rescale_every == 64
+    assert model.config.rope_parameters["rope_type"] == "default"  # no transformers type rounds the length

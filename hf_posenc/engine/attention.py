@@ -183,6 +183,9 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     query_slots, key_slots, query_positions, key_positions = state.relative_positions(q, kv, query.device)
     rotary = isinstance(state.method, RotaryMethod)
     has_bias = isinstance(state.method, AttentionBiasMethod)
+    if rotary and state.method.scores_per_query_block:
+        return _scored_blocks(module, state, query, key, value, attention_mask, scaling, dropout, query_slots,
+                              key_slots, query_positions, key_positions)
     if rotary and not state.method.rotates_per_query_block:
         # Keys are cached un-rotated; rotating the whole cache here costs O(kv * D) per layer and step, the same
         # order as attention itself, and is what keeps length-dependent scalings exact under a KV cache.
@@ -278,6 +281,43 @@ def _blocked(module, state, layer_idx, query, key, value, attention_mask, scalin
     output = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
     attn_weights = (torch.cat(weights, dim=2) if len(weights) > 1 else weights[0]) if eager else None
     return output.transpose(1, 2).contiguous(), attn_weights
+
+
+def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dropout, query_slots, key_slots,
+                   query_positions, key_positions):
+    """Attention for methods whose scores the method computes per query block from un-rotated queries and keys
+    (`scores_per_query_block`: Self-Extend, ReRoPE, which merge two position assignments per query). Each block
+    holds a few [B, H, rows, keys] tensors (the method's `block_cost`), never [L, L] for the whole sequence.
+    Returns (output [B, q, H, D], attention weights [B, H, q, kv] in eager mode, else None)."""
+    last_paths["scored"] += 1
+    batch, heads, q, _ = query.shape
+    kv = key.shape[2]
+    groups = heads // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    eager = state.backend == "eager"
+    dropout = dropout if module.training else 0.0
+    query_offset = int(query_slots[0]) - (int(key_slots[0]) if kv else 0)
+    low = torch.finfo(torch.float32).min
+    outputs, weights = [], []
+    step = block_rows(batch, heads, kv, state.method.block_cost)
+    for start in range(0, q, step):
+        rows = slice(start, min(q, start + step))
+        # Keys past the block's last query slot are masked for all its rows (eager keeps them: full-width weights).
+        columns = slice(0, kv if eager else max(1, min(kv, query_offset + rows.stop)))
+        scores = state.method.block_scores(query[:, :, rows], key[:, :, columns], query_positions[:, rows],
+                                           key_positions[:, columns]) * scaling
+        allowed = key_slots[None, columns] <= query_slots[rows, None]
+        given = attention_mask[..., rows, columns] if attention_mask is not None else None
+        mask = _combine(state, allowed, None, given, query_positions[:, rows], key_positions[:, columns],
+                        torch.float32)
+        scores = scores.masked_fill(~mask, low) if mask.dtype == torch.bool else scores + mask
+        probs = F.dropout(F.softmax(scores, dim=-1), p=dropout, training=module.training).to(value.dtype)
+        outputs.append(torch.matmul(probs, value[:, :, columns]))
+        if eager:
+            weights.append(probs)
+    output = torch.cat(outputs, dim=2)
+    return output.transpose(1, 2).contiguous(), torch.cat(weights, dim=2) if eager else None
 
 
 def query_blocks(query_positions: torch.Tensor, step: int, max_spread: float | None = None) -> list[slice]:

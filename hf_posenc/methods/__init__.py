@@ -6,10 +6,12 @@ from .fope import Fope, FopeConfig
 from .learned import LearnedConfig, LearnedPositions
 from .liere import Liere, LiereConfig
 from .nope import NoPositions, NopeConfig
+from .rerope import Rerope, ReropeConfig
 from .rope import Rope, RopeConfig
 from .rope_2d import Rope2d, Rope2dConfig
 from .rope_scaling import (DynamicConfig, DynamicYarnConfig, Llama3Config, LinearConfig, LongRopeConfig, NtkConfig,
                            RopeScalingConfig, ScaledRope, YarnConfig)
+from .self_extend import SelfExtend, SelfExtendConfig
 from .sinusoidal import Sinusoidal, SinusoidalConfig
 from .relative_biases import *  # noqa: F401,F403  (fire, t5, kerple, sandwich, xpos)
 
@@ -18,5 +20,5 @@ __all__ = [
     "Fope", "FopeConfig", "Liere", "LiereConfig", "Rope2d", "Rope2dConfig", "LearnedConfig", "LearnedPositions", "NoPositions", "NopeConfig",
     "Rope", "RopeConfig", "Sinusoidal", "SinusoidalConfig",
     "DynamicConfig", "DynamicYarnConfig", "Llama3Config", "LinearConfig", "LongRopeConfig", "NtkConfig",
-    "RopeScalingConfig", "ScaledRope", "YarnConfig",
+    "RopeScalingConfig", "ScaledRope", "YarnConfig", "Rerope", "ReropeConfig", "SelfExtend", "SelfExtendConfig",
 ]

@@ -117,6 +117,11 @@ class RotaryMethod(PositionalMethod):
     # positions of a block's queries then lie within `max_query_spread` of each other.
     rotates_per_query_block: ClassVar[bool] = False
     max_query_spread: float = float("inf")
+    # Compute each query block's attention scores with `block_scores` from un-rotated queries and keys (needs
+    # rotates_in_attention): for methods that give a query two position assignments, one for the keys near it and
+    # one for those beyond, merged per query (Self-Extend, ReRoPE). The attention path masks, softmaxes and applies
+    # the values.
+    scores_per_query_block: ClassVar[bool] = False
     # The RoPE base theta: what a RoPE scaling patched over this method scales (on a model without RoPE of its own).
     theta: float | None = None
     # Coordinates per position: 1 for token positions; more (rope-2d: 2, row and column) when the method takes
@@ -160,6 +165,13 @@ class RotaryMethod(PositionalMethod):
         """query [B, H, q, D], key [B, H_kv, kv, D] -> both rotated (used by the shared attention path)."""
         return (self.rotate_heads(query, self.rotation(query_positions, seq_len)),
                 self.rotate_heads(key, self.rotation(key_positions, seq_len)))
+
+    def block_scores(self, query: torch.Tensor, key: torch.Tensor, query_positions: torch.Tensor,
+                     key_positions: torch.Tensor) -> torch.Tensor:
+        """For `scores_per_query_block` methods: un-rotated query [B, H, r, D] and key [B, H, k, D] (heads already
+        matched), positions [B or 1, r] and [B or 1, k] -> float32 scores q.k [B, H, r, k] before the softmax scaling
+        and any mask."""
+        raise NotImplementedError
 
 
 KINDS = (AbsolutePositionMethod, AttentionBiasMethod, RotaryMethod)

@@ -29,6 +29,7 @@ from .base import RotaryMethod
 from .rope import RopeConfig, default_inv_freq
 
 
+RESCALE_EVERY_WHY = "the scale follows the length rounded up to a multiple of it; 1 follows the length exactly"
 ATTENTION_FACTOR_WHY = ("cos and sin are multiplied by it, so the scores by its square, which must stay finite in "
                         "float32")
 
@@ -80,10 +81,14 @@ class DynamicConfig(RopeScalingConfig):
     # True: when the scale changes, run the text so far again, so each decoding step equals a fresh full forward
     # (see hf_posenc/engine/replay.py for the cost). False: only rotate the un-rotated key cache inside attention.
     exact_cache: bool = True
+    # The scale follows the length rounded up to a multiple of this: it changes (and exact mode replays the text)
+    # once per `rescale_every` tokens past the window instead of at every step. 1: the exact current length.
+    rescale_every: int = 1
 
     def validate(self) -> None:
         super().validate()
         self.require_bool("exact_cache")
+        self.require_int("rescale_every", 1, why=RESCALE_EVERY_WHY)
 
 
 @dataclass
@@ -116,6 +121,7 @@ class YarnConfig(RopeScalingConfig):
 @dataclass
 class DynamicYarnConfig(YarnConfig):
     exact_cache: bool = True  # as DynamicConfig.exact_cache
+    rescale_every: int = 1  # as DynamicConfig.rescale_every
 
     factor_required: ClassVar[bool] = False
     factor_none_means: ClassVar[str | None] = "no upper bound on the dynamic factor"
@@ -123,6 +129,7 @@ class DynamicYarnConfig(YarnConfig):
     def validate(self) -> None:
         super().validate()
         self.require_bool("exact_cache")
+        self.require_int("rescale_every", 1, why=RESCALE_EVERY_WHY)
 
 
 @dataclass
@@ -264,6 +271,24 @@ class LengthDependentRope(ScaledRope):
         return self.config.exact_cache
 
 
+class DynamicRope(LengthDependentRope):
+    """A type whose scale grows with the length past the original window (`dynamic`, `dynamic-yarn`), following the
+    length rounded up to a multiple of `rescale_every`: within one such bucket every step has the same frequencies,
+    so exact mode replays the text once per bucket, and each step equals a fresh forward at that bucket's scale."""
+
+    def scaled_length(self, seq_len: int) -> int:
+        """The length the scale is computed for: the length itself within the window, else rounded up to a multiple
+        of rescale_every."""
+        if seq_len <= self.original_window:
+            return seq_len
+        step = self.config.rescale_every
+        return -(-seq_len // step) * step
+
+    def native_config_update(self):
+        # transformers' own dynamic types follow the exact length: only rescale_every=1 is theirs.
+        return super().native_config_update() if self.config.rescale_every == 1 else None
+
+
 @register_method("linear", LinearConfig)
 class LinearRope(ScaledRope):
     """Positional Interpolation (Chen et al. 2023): positions divided by `factor`."""
@@ -306,7 +331,7 @@ class NtkRope(ScaledRope):
 
 
 @register_method("dynamic", DynamicConfig)
-class DynamicNtkRope(LengthDependentRope):
+class DynamicNtkRope(DynamicRope):
     """Dynamic NTK: the NTK base grows with the current length once it passes the original window."""
 
     transformers_type = native_type = "dynamic"
@@ -320,11 +345,12 @@ class DynamicNtkRope(LengthDependentRope):
         return self.original_window
 
     def scale_key(self, seq_len):
-        return seq_len if seq_len > self.original_window else 0
+        return self.scaled_length(seq_len) if seq_len > self.original_window else 0
 
     def compute_frequencies(self, seq_len):
         # A tensor length, as transformers passes it, so the base is computed in the same float32 arithmetic.
-        return ROPE_INIT_FUNCTIONS["dynamic"](self.rope_config(), None, seq_len=torch.tensor(max(seq_len, 1)))
+        length = self.scaled_length(seq_len)
+        return ROPE_INIT_FUNCTIONS["dynamic"](self.rope_config(), None, seq_len=torch.tensor(max(length, 1)))
 
 
 @register_method("yarn", YarnConfig)
@@ -335,7 +361,7 @@ class YarnRope(ScaledRope):
 
 
 @register_method("dynamic-yarn", DynamicYarnConfig)
-class DynamicYarnRope(LengthDependentRope):
+class DynamicYarnRope(DynamicRope):
     """YaRN whose factor is max(1, current length / original window), up to `factor` if given (the YaRN paper's
     dynamic scaling); no scaling at all within the original window. Not a transformers type."""
 
@@ -344,10 +370,11 @@ class DynamicYarnRope(LengthDependentRope):
     def scale_key(self, seq_len):
         if seq_len <= self.original_window:
             return 0
-        return min(seq_len, self.extended_window) if self.config.factor is not None else seq_len
+        length = self.scaled_length(seq_len)
+        return min(length, self.extended_window) if self.config.factor is not None else length
 
     def compute_frequencies(self, seq_len):
-        factor = seq_len / self.original_window
+        factor = self.scaled_length(seq_len) / self.original_window
         if self.config.factor is not None:
             factor = min(factor, self.config.factor)
         if factor <= 1.0:

@@ -28,3 +28,13 @@ def test_attention_benchmark_rows_name_the_path_that_served(tmp_path):
     assert "| alibi | blocked (flash asked) | 16 |" in bench.format_table(rows)
     written = bench.save(rows, tmp_path)
     assert written["json"].stat().st_size > 0 and written["png"].stat().st_size > 0
+
+
+def test_rescale_every_benchmark_counts_one_replay_per_bucket(tmp_path):
+    run = load_script("benchmarks/bench_rescale_every.py").run
+
+    report = run(every=(1, 8), window=32, prompt=32, new_tokens=16, layers=1, output_dir=tmp_path)
+    replays = {name: row["replays"] for name, row in report["rows"].items()}
+    assert replays == {"native rope": 0, "dynamic, rescale_every=1": 16, "dynamic, rescale_every=8": 2}
+    assert report["rows"]["native rope"]["ratio_to_native"] == 1.0
+    assert (tmp_path / "results.json").exists()

@@ -1,0 +1,112 @@
+"""What `rescale_every=N` buys for the dynamic scalings in exact mode: time per decoded token past the window.
+
+Exact mode (`exact_cache=True`) replays the text whenever the scale changes. With N = 1 the scale follows the exact
+length, so every step past the window replays the whole text; with N > 1 it follows the length rounded up to a
+multiple of N, so a replay happens once per N tokens and the other steps cost about what `exact_cache=False` costs
+(queries and the un-rotated key cache rotated inside attention).
+
+Decodes `--new-tokens` tokens after a prompt of `--prompt` tokens (past `--window`) on the LLaMA-style stack of
+bench_rope_cache.py (shaped like SmolLM2-135M, random weights) and reports, for native RoPE and for each N, the
+milliseconds per decoded token (averaged over all the decoded tokens, replays included), the ratio to native RoPE in
+the same run, and how many replays happened. Prints a table and writes results.json to --output-dir.
+
+    .venv/bin/python benchmarks/bench_rescale_every.py --window 1024 --prompt 1024 --new-tokens 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_rope_cache import build_model  # noqa: E402 (the same model as the other decode benchmark)
+
+from hf_posenc import patch_model, unpatch_model  # noqa: E402
+
+EVERY = (1, 64, 256, 1024)
+
+
+def count_replays(cache) -> list[int]:
+    """Exact mode empties the cache to replay the text: count those resets."""
+    replays = [0]
+    reset = cache.reset
+
+    def counting_reset():
+        replays[0] += 1
+        reset()
+    cache.reset = counting_reset
+    return replays
+
+
+@torch.inference_mode()
+def decode(model, prompt: int, new_tokens: int) -> tuple[float, int]:
+    """(seconds per decoded token, replays) for `new_tokens` tokens decoded one by one after a `prompt`-token
+    prompt."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt + new_tokens), generator=generator)
+    cache = DynamicCache(config=model.config)
+    replays = count_replays(cache)
+    model(ids[:, :prompt], past_key_values=cache, use_cache=True)
+    replays[0] = 0
+    start = time.perf_counter()
+    for t in range(prompt, prompt + new_tokens):
+        model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+    return (time.perf_counter() - start) / new_tokens, replays[0]
+
+
+def run(method: str = "dynamic", every=EVERY, window: int = 1024, prompt: int = 1024, new_tokens: int = 512,
+        layers: int = 4, output_dir: str | Path = "runs/bench_rescale_every") -> dict:
+    model = build_model(layers, window)
+    rows = {}
+    unpatch_model(model)
+    seconds, replays = decode(model, prompt, new_tokens)
+    rows["native rope"] = {"ms_per_token": seconds * 1000, "replays": replays}
+    for n in every:
+        patch_model(model, method, factor=4.0, exact_cache=True, rescale_every=n)
+        seconds, replays = decode(model, prompt, new_tokens)
+        rows[f"{method}, rescale_every={n}"] = {"ms_per_token": seconds * 1000, "replays": replays}
+    unpatch_model(model)
+    for row in rows.values():
+        row["ratio_to_native"] = row["ms_per_token"] / rows["native rope"]["ms_per_token"]
+    report = {"settings": {"method": method, "window": window, "prompt": prompt, "new_tokens": new_tokens,
+                           "layers": layers, "threads": torch.get_num_threads(), "torch": torch.__version__},
+              "rows": rows}
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def table(report: dict) -> str:
+    s = report["settings"]
+    lines = [f"| {s['new_tokens']} tokens decoded after {s['prompt']} (window {s['window']}) | ms per token | "
+             "vs native | replays |", "| --- | --- | --- | --- |"]
+    for name, row in report["rows"].items():
+        lines.append(f"| {name} | {row['ms_per_token']:.1f} | {row['ratio_to_native']:.2f}x | {row['replays']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--method", default="dynamic", choices=["dynamic", "dynamic-yarn"])
+    parser.add_argument("--every", default=",".join(map(str, EVERY)), help="values of rescale_every, comma-separated")
+    parser.add_argument("--window", type=int, default=1024, help="the model's original window")
+    parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--output-dir", default="runs/bench_rescale_every")
+    args = parser.parse_args()
+    report = run(args.method, tuple(int(n) for n in args.every.split(",")), args.window, args.prompt,
+                 args.new_tokens, args.layers, args.output_dir)
+    print(table(report))
+    print(f"wrote {args.output_dir}/results.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Training-free context extension by remapping positions beyond a neighbour window (the shared part of Self-Extend
+and ReRoPE).
+
+A query sees the keys within `window` of it at their ordinary RoPE positions, so attention over nearby text is
+exactly the pretrained model's; keys further away get a second position assignment (grouped for Self-Extend, clipped
+for ReRoPE) that keeps every relative distance within the range the model was trained on. A query's scores are the
+near scores for near keys and the far scores for the others, merged before one softmax, as both papers do. Keys are
+cached un-rotated and both assignments are computed per query block inside the shared attention path
+(`scores_per_query_block`), so caching is exact and no [L, L] tensor is made for the whole sequence.
+
+On a model without RoPE of its own (GPT-2, BLOOM) these build on a `rope` patch, as the RoPE scalings do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import BASE_WHY, MIN_BASE, PosEncConfig
+from ..errors import PosEncError
+from ..model_info import ModelInfo
+from .base import RotaryMethod
+from .rope import RopeConfig, default_inv_freq
+
+WINDOW_NONE_MEANS = "a quarter of the model's trained window"
+
+
+@dataclass
+class NeighbourWindowConfig(PosEncConfig):
+    window: int | None = None  # keys nearer than this keep their ordinary positions
+    rope_theta: float | None = None  # None: the model's own (or that of the `rope` patch it builds on)
+    original_max_position_embeddings: int | None = None  # the trained window; None: read from the model's config
+
+    def validate(self) -> None:
+        self.require_int("window", 1, none_means=WINDOW_NONE_MEANS,
+                         why="keys nearer than this to a query keep their ordinary RoPE positions")
+        self.require_number("rope_theta", MIN_BASE, none_means="the model's own", why=BASE_WHY)
+        self.require_int("original_max_position_embeddings", 1, none_means="read from the model's config")
+
+
+class NeighbourWindowRope(RotaryMethod):
+    """RoPE with two position assignments per query: ordinary within `window`, `far_positions` beyond."""
+
+    rotates_in_attention = True
+    scores_per_query_block = True
+    block_cost = 5.0  # near scores, far scores, the merged scores, the mask, the probabilities
+
+    def __init__(self, config: NeighbourWindowConfig, info: ModelInfo):
+        super().__init__(config, info)
+        base_theta = info.rope_theta or info.patched_rope_theta
+        if base_theta is None:
+            raise PosEncError(
+                f"{config.method!r} remaps RoPE positions, and this {info.model_type} model has no rotary embedding. "
+                f"Patch it to 'rope' first: patch_model(model, 'rope'), then patch_model(model, {config.method!r}, "
+                "...).")
+        self.theta = float(config.rope_theta or base_theta)
+        self.rotary_dim = info.rotary_dim
+        self.original_window = config.original_max_position_embeddings or info.original_window
+        if config.window is None and not self.original_window:
+            raise PosEncError(f"{type(config).__name__}.window is required: this model's config states no trained "
+                              "window to take a quarter of. Pass window=..., e.g. 512.")
+        self.window = config.window or max(1, self.original_window // 4)
+        self._inv_freq = default_inv_freq(self.theta, self.rotary_dim)
+        # As for the RoPE scalings: on a model without RoPE, a checkpoint replays `rope` with this theta first.
+        self._base_patch = RopeConfig(theta=base_theta) if info.rope_theta is None else None
+
+    def builds_on(self):
+        return [self._base_patch] if self._base_patch is not None else []
+
+    def frequencies(self, seq_len):
+        return self._inv_freq, 1.0
+
+    def far_positions(self, query_positions: torch.Tensor,
+                      key_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The positions queries and keys take for the keys at `window` or more from the query (subclasses)."""
+        raise NotImplementedError
+
+    def scaled_queries(self, query: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+        """The queries as both assignments see them (ReRoPE's optional log-n scaling); unchanged by default."""
+        return query
+
+    def rotated_scores(self, query, key, query_positions, key_positions) -> torch.Tensor:
+        query, key = self.rotate_query_key(query, key, query_positions, key_positions, 0)
+        return torch.matmul(query, key.transpose(-1, -2)).float()
+
+    def block_scores(self, query, key, query_positions, key_positions):
+        query = self.scaled_queries(query, query_positions)
+        scores = self.rotated_scores(query, key, query_positions, key_positions)
+        near = (query_positions[:, None, :, None] - key_positions[:, None, None, :]) < self.window
+        if bool(near.all()):  # within the window (all prefixes shorter than it, most of decoding's blocks)
+            return scores
+        far_query, far_key = self.far_positions(query_positions, key_positions)
+        return torch.where(near, scores, self.rotated_scores(query, key, far_query, far_key))

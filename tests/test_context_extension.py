@@ -1,0 +1,145 @@
+"""Training-free context extension by remapped positions (Self-Extend, ReRoPE): the shared attention path against an
+independent float64 reference that materialises the whole score matrix, and whole models against the unpatched
+model within the window. (The contract suite, test_contract.py, checks caches, padding, unpatch, gradients, low
+precision and checkpoints for both on every model type.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+
+import hf_posenc
+from hf_posenc.engine import attention as attention_module
+from hf_posenc.engine.state import STATE_ATTR
+from hf_posenc import PosEncError
+from helpers import decode_token_by_token, max_diff, patch_for_contract
+from tiny_models import random_ids, tiny_model
+
+THETA = 10000.0
+
+
+def rotate_float64(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """RoPE in the half-split layout as a complex rotation: pair k is (x[k], x[k + d/2]), turned by position *
+    theta^(-2k/d). x [B, H, n, d], positions [B, n] (any real values)."""
+    half = x.shape[-1] // 2
+    inv_freq = THETA ** (-torch.arange(half, dtype=torch.float64) * 2 / x.shape[-1])
+    turn = torch.polar(torch.ones(()).double(), positions[:, None, :, None].double() * inv_freq)
+    pairs = torch.complex(x[..., :half].double(), x[..., half:].double()) * turn
+    return torch.cat((pairs.real, pairs.imag), dim=-1)
+
+
+def reference_attention(method: str, options: dict, query, key, value, query_positions, key_positions, scaling):
+    """float64, the full [q, kv] score matrix: near scores for keys within the window, far scores beyond, one
+    softmax over the causal keys (by position)."""
+    window = options["window"]
+    distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]
+    if method == "self-extend":
+        group = options["group"]
+        far_query = torch.div(query_positions, group, rounding_mode="floor") + window - window // group
+        far_key = torch.div(key_positions, group, rounding_mode="floor")
+    else:
+        far_query, far_key = torch.full_like(query_positions, window), torch.zeros_like(key_positions)
+        if options.get("log_scaling"):
+            log_n = (query_positions + 1).double().log() / math.log(options["original_max_position_embeddings"])
+            query = query.double() * log_n.clamp(min=1)[:, None, :, None]
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1).double(), value.repeat_interleave(groups, 1).double()
+    near = rotate_float64(query, query_positions) @ rotate_float64(key, key_positions).transpose(-1, -2)
+    far = rotate_float64(query, far_query) @ rotate_float64(key, far_key).transpose(-1, -2)
+    scores = torch.where(distance < window, near, far) * scaling
+    scores = scores.masked_fill(distance < 0, -math.inf)
+    return (scores.softmax(-1) @ value).transpose(1, 2)
+
+
+CASES = [
+    ("self-extend", {"window": 6, "group": 3}),
+    ("self-extend", {"window": 5, "group": 4}),
+    ("rerope", {"window": 6}),
+    ("rerope", {"window": 4, "log_scaling": True, "original_max_position_embeddings": 8}),
+]
+
+
+@pytest.mark.parametrize("method,options", CASES)
+@pytest.mark.parametrize("offset", [0, 17])  # a full forward; a chunk after 17 cached tokens
+def test_attention_equals_a_float64_materialised_reference(method, options, offset, monkeypatch):
+    model = hf_posenc.patch_model(tiny_model("llama"), method, **options)
+    module = model.model.layers[0].self_attn
+    state = getattr(module, STATE_ATTR)
+    generator = torch.Generator().manual_seed(0)
+    q, kv = 23, offset + 23
+    query = torch.randn(2, 4, q, 16, generator=generator)
+    key, value = torch.randn(2, 2, kv, 16, generator=generator), torch.randn(2, 2, kv, 16, generator=generator)
+    positions = torch.arange(kv)[None].expand(2, -1)
+    state.update(positions[:, offset:], offset, positions[:, :offset])
+    monkeypatch.setattr(attention_module, "BLOCK_BYTES", 4 * 2 * 4 * kv * 5 * 4)  # blocks of 4 query rows
+    with torch.no_grad():
+        output, _ = attention_module.posenc_attention(module, query, key, value, None, scaling=0.25)
+    expected = reference_attention(method, options, query, key, value, positions[:, offset:], positions, 0.25)
+    assert output.shape == expected.shape
+    assert max_diff(output, expected) <= 1e-5
+
+
+@pytest.mark.parametrize("method", ["self-extend", "rerope"])
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "bloom"])
+def test_within_the_window_logits_equal_the_unpatched_model(method, model_type):
+    model = tiny_model(model_type)
+    if model_type != "llama":
+        hf_posenc.patch_model(model, "rope")  # the unpatched RoPE model these build on
+    ids = random_ids(2, 24)
+    with torch.no_grad():
+        original = model(ids).logits
+        hf_posenc.patch_model(model, method, window=24, original_max_position_embeddings=32)
+        patched = model(ids).logits
+        hf_posenc.patch_model(model, method, window=8, original_max_position_embeddings=32)
+        remapped = model(ids).logits
+    assert max_diff(patched, original) <= 1e-5
+    assert max_diff(remapped[:, :8], original[:, :8]) <= 1e-5  # the first 8 queries see only near keys
+    # past the window the positions are remapped (BLOOM's tiny random model is the least sensitive: 8e-5)
+    assert max_diff(remapped[:, 8:], original[:, 8:]) > 2e-5
+
+
+@pytest.mark.parametrize("method,options", [("self-extend", {"window": 6, "group": 3}),
+                                            ("rerope", {"window": 6, "log_scaling": True,
+                                                        "original_max_position_embeddings": 16})])
+def test_decoding_past_the_window_equals_a_full_forward(method, options):
+    model = hf_posenc.patch_model(tiny_model("llama"), method, **options)
+    ids = random_ids(2, 40)
+    with torch.no_grad():
+        full = model(ids).logits
+        dynamic = decode_token_by_token(model, ids, DynamicCache(config=model.config))
+        static = decode_token_by_token(model, ids, StaticCache(config=model.config, max_cache_len=48))
+    assert max_diff(full, dynamic) <= 1e-4
+    assert max_diff(full, static) <= 1e-4
+
+
+def test_eager_models_return_attention_weights_of_the_remapped_scores():
+    model = hf_posenc.patch_model(tiny_model("llama", attn_implementation="eager"), "self-extend", window=4, group=2)
+    sdpa = hf_posenc.patch_model(tiny_model("llama"), "self-extend", window=4, group=2)
+    ids = random_ids(1, 20)
+    with torch.no_grad():
+        out = model(ids, output_attentions=True)
+        assert max_diff(out.logits, sdpa(ids).logits) <= 1e-5
+    weights = out.attentions[0]
+    assert weights.shape == (1, 4, 20, 20)
+    assert torch.allclose(weights.sum(-1), torch.ones(1, 4, 20))
+
+
+@pytest.mark.parametrize("method,options,message", [
+    ("self-extend", {"group": 0}, r"SelfExtendConfig.group=0 .*pass an integer"),
+    ("self-extend", {"window": 2.5}, r"SelfExtendConfig.window=2.5 .*pass an integer"),
+    ("rerope", {"log_scaling": "yes"}, r"ReropeConfig.log_scaling='yes' is not a bool"),
+])
+def test_bad_options_are_named(method, options, message):
+    with pytest.raises(PosEncError, match=message):
+        hf_posenc.patch_model(tiny_model("llama"), method, **options)
+
+
+@pytest.mark.parametrize("method", ["self-extend", "rerope"])
+def test_a_model_without_rope_is_told_to_patch_rope_first(method):
+    with pytest.raises(PosEncError, match=r"Patch it to 'rope' first"):
+        hf_posenc.patch_model(tiny_model("gpt2"), method)
+    with pytest.raises(PosEncError, match=r"window is required"):
+        hf_posenc.patch_model(hf_posenc.patch_model(tiny_model("bloom"), "rope"), method)

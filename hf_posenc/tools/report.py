@@ -183,6 +183,39 @@ def retrieval_heatmaps(path: Path, table: RetrievalTable, lengths: list[int], de
     plt.close(fig)
 
 
+# --- metrics of several tasks (lm-eval) --------------------------------------------------------------------------
+def metric_markdown(rows: list[dict]) -> str:
+    """A row per task and metric, a column per model: ``value +- stderr``."""
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    cells = {(r["task"], r["metric"], r["model"]): r for r in rows}
+    lines = ["| task | metric | " + " | ".join(models) + " |", "| --- | --- | " + " | ".join("---:" for _ in models) + " |"]
+    for task, metric in dict.fromkeys((r["task"], r["metric"]) for r in rows):
+        values = []
+        for model in models:
+            r = cells.get((task, metric, model))
+            values.append("-" if r is None else f"{r['value']:.4g}" + (
+                f" \u00b1 {r['stderr']:.2g}" if math.isfinite(r.get("stderr", math.nan)) else ""))
+        lines.append(f"| {task} | {metric} | " + " | ".join(values) + " |")
+    return "\n".join(lines)
+
+
+def metric_bars(path: Path, rows: list[dict]) -> None:
+    """A panel per task and metric, a bar per model with its standard error."""
+    plt = _pyplot()
+    panels = list(dict.fromkeys((r["task"], r["metric"]) for r in rows))
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(1 + 3.2 * max(1, len(panels)), 3.6), squeeze=False)
+    for ax, (task, metric) in zip(axes[0], panels):
+        chosen = [r for r in rows if (r["task"], r["metric"]) == (task, metric)]
+        errors = [r["stderr"] if math.isfinite(r.get("stderr", math.nan)) else 0.0 for r in chosen]
+        ax.bar(range(len(chosen)), [r["value"] for r in chosen], yerr=errors, capsize=3)
+        ax.set_xticks(range(len(chosen)), [r["model"] for r in chosen], rotation=30, ha="right", fontsize=7)
+        ax.set_title(f"{task}: {metric}", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 # --- the demo: one perplexity per method ----------------------------------------------------------------------
 def demo_markdown(results: Iterable) -> str:
     """A row per method result (``method``, ``perplexity``, ``n_scored_tokens``, ``seconds``, ``continuation``,

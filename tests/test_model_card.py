@@ -74,3 +74,39 @@ def test_invalid_metadata_is_refused(field, value, message):
 def test_unpatched_model_is_refused():
     with pytest.raises(PosEncError, match="patched by hf_posenc"):
         hf_posenc.make_model_card(tiny_model("llama"))
+
+
+def test_card_of_a_bundled_smollm2_checkpoint_names_its_base_and_license(tmp_path):
+    """A checkpoint made from the bundled model (tools.models.load_smollm2 records its base) names
+    HuggingFaceTB/SmolLM2-135M-Instruct with its license and says that the weights are de-quantised from Q4_1; the
+    record survives a reload (issue 19, item 9)."""
+    from hf_posenc.checkpoints.saving import BASE_MODEL_ATTR
+    from hf_posenc.tools.models import SMOLLM2_BASE
+
+    model = tiny_model("llama")
+    setattr(model, BASE_MODEL_ATTR, dict(SMOLLM2_BASE))  # as load_smollm2 does
+    hf_posenc.patch_model(model, "kerple").save_pretrained(tmp_path / "ckpt")
+    hf_posenc.from_pretrained(tmp_path / "ckpt").save_pretrained(tmp_path / "again")
+    card = hf_posenc.make_model_card(tmp_path / "again", repo_id="acme/smollm2-kerple")
+    data = ModelCard(str(card)).data
+    assert data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and data.license == "apache-2.0"
+    assert "SmolLM2-135M-Instruct de-quantised from Q4_1" in card.text
+
+
+def test_recipe_of_a_finetune_run_shows_what_a_reader_needs(tmp_path):
+    """hf-posenc finetune's training_args.json (about 60 entries) becomes a short recipe: no local paths, process
+    details or digests (issue 19, item 9)."""
+    model = hf_posenc.patch_model(tiny_model("llama"), "kerple")
+    model.save_pretrained(tmp_path)
+    summary = {"command": "finetune", "model": "/home/me/.cache/smollm2", "method": "kerple", "train_only": "all",
+               "lora_r": 8, "text_file": ["/home/me/data/pg1342.txt"], "text_fraction": "0:0.8", "max_length": 512,
+               "lr": 1e-4, "output_dir": "/home/me/runs/kerple-ft", "distributed_type": "DistributedType.NO",
+               "weights_sha256_per_process": ["9f2c..."], "steps_done": 60, "final_loss": 3.1,
+               "versions": {"torch": "2.13.0"}, "checkpoint_dir": None, "seed": 0}
+    (tmp_path / "training_args.json").write_text(json.dumps(summary))
+    text = hf_posenc.make_model_card(tmp_path, repo_id="acme/x").text
+    recipe = text[text.index("## Fine-tuning recipe"):]
+    assert "| text | `pg1342.txt (fraction 0:0.8)` |" in recipe and "| lr | `0.0001` |" in recipe
+    assert "| steps_done | `60` |" in recipe and "| method | `kerple` |" in recipe
+    for hidden in ("/home/me", "DistributedType", "sha256", "lora_r", "versions", "checkpoint_dir"):
+        assert hidden not in recipe

@@ -225,3 +225,28 @@ def test_a_deep_copy_carries_its_own_patch(model_type):
         assert torch.equal(model(ids).logits, patched)
         assert hf_posenc.get_posenc_config(model) is not None
         assert max_diff(twin(ids).logits, patched) > 1e-4
+
+
+def test_replacing_a_patch_with_trained_positional_weights_warns(tmp_path):
+    """patch_model on a model whose positional weights were trained (or loaded) says that they are discarded;
+    replacing an untouched patch, or unpatching first, is silent (issue 19, item 1)."""
+    import warnings
+
+    from helpers import perturb_positional_state
+
+    model = hf_posenc.patch_model(tiny_model("llama"), "kerple")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hf_posenc.patch_model(model, "kerple", variant="power")  # initial values only: nothing is lost
+    perturb_positional_state(model)  # as training would
+    with pytest.warns(UserWarning, match="'kerple' patch with 'yarn': its trained positional weights"):
+        hf_posenc.patch_model(model, "yarn", factor=4.0)
+    model = hf_posenc.patch_model(tiny_model("llama"), "kerple")
+    perturb_positional_state(model)
+    model.save_pretrained(tmp_path)
+    loaded = hf_posenc.from_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="discarded"):
+        hf_posenc.patch_model(loaded, "alibi")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hf_posenc.patch_model(hf_posenc.unpatch_model(loaded), "alibi")

@@ -7,4 +7,5 @@
 - export.py: standalone checkpoints (the library's own modules copied flat, loaded with trust_remote_code=True).
 - hub.py: push_to_hub, and the library's part of save_pretrained(standalone=True, push_to_hub=True).
 - model_card.py: make_model_card.
+- adapters.py: PEFT adapters of a patched model (save_adapter, load_adapter).
 """

@@ -124,7 +124,30 @@ def _finetune_settings(finetune_settings: Any, directory: Path | None) -> list[t
             finetune_settings = json.loads(Path(finetune_settings).read_text(encoding="utf-8"))
         except (OSError, ValueError) as error:
             raise PosEncError(f"Cannot read the fine-tuning settings {finetune_settings}: {error}") from None
+    if finetune_settings.get("command") == "finetune":
+        finetune_settings = recipe_of_finetune(finetune_settings)
     return [(str(k), _value(v)) for k, v in finetune_settings.items()]
+
+
+# What a reader of the card needs from hf-posenc finetune's training_args.json (which holds about 60 entries: local
+# paths, process details, digests, versions), in this order; entries that are unset are left out.
+RECIPE_SETTINGS = ("method", "train_only", "lora_r", "lora_alpha", "lora_dropout", "text", "max_length", "steps_done",
+                   "lr", "positional_lr", "lr_scheduler", "warmup_steps_used", "weight_decay", "max_grad_norm",
+                   "effective_batch_blocks", "tokens_per_step", "num_processes", "mixed_precision_used", "dtype",
+                   "seed", "first_loss", "final_loss", "final_eval_loss")
+
+
+def recipe_of_finetune(summary: dict[str, Any]) -> dict[str, Any]:
+    """The settings of an hf-posenc finetune run that say how the model was trained, without local paths."""
+    recipe = dict(summary)
+    recipe["method"] = summary.get("method") or "none (the model as loaded)"
+    if summary.get("train_only") != "lora":
+        recipe.update(lora_r=None, lora_alpha=None, lora_dropout=None)
+    files = [Path(str(name)).name for name in summary.get("text_file") or []]
+    source = ", ".join(files) or summary.get("dataset")
+    if source:
+        recipe["text"] = source + (f" (fraction {summary['text_fraction']})" if summary.get("text_fraction") else "")
+    return {name: recipe[name] for name in RECIPE_SETTINGS if recipe.get(name) not in (None, "", [])}
 
 
 def validate_card_metadata(card: ModelCard) -> None:
@@ -157,9 +180,11 @@ def make_model_card(model_or_dir: Any, *, repo_id: str | None = None, base_model
     """Fill the model card template for a patched model or a saved checkpoint directory.
 
     - base_model: a Hub repo id (default: the one in posenc_config.json, when it is a repo id).
-    - license: default: the base model card's (`base_model_card`: a ModelCard, README.md or model directory).
-    - finetune_settings: the fine-tuning script's saved settings (a dict or JSON file; default: a
-      finetune_settings.json in the checkpoint directory).
+    - license: default: the base model card's (`base_model_card`: a ModelCard, README.md or model directory), else
+      the one posenc_config.json records for its base model (the bundled SmolLM2's apache-2.0).
+    - finetune_settings: the fine-tuning script's saved settings (a dict or JSON file; default: the
+      training_args.json or finetune_settings.json in the checkpoint directory). Those of hf-posenc finetune are
+      cut to what a reader needs (RECIPE_SETTINGS); others are shown as they are.
     - evaluation: a CSV with a row per model/method (e.g. runs/demo/results.csv), the report.md of
       `hf-posenc report` (its headings nested under the card's), or a markdown string.
     - plot: the file name of an image in the uploaded folder (e.g. "perplexity.png").
@@ -170,7 +195,7 @@ def make_model_card(model_or_dir: Any, *, repo_id: str | None = None, base_model
     base_model = base_model or metadata.get("base_model")
     if base_model is not None and not is_repo_id(base_model):
         base_model = None  # a local path means nothing on the Hub
-    license = license or base_model_license(base_model_card)
+    license = license or base_model_license(base_model_card) or metadata.get("base_model_license")
     if standalone is None:
         standalone = directory is not None and (directory / "modeling_posenc.py").is_file()
     method = metadata["method"]
@@ -189,6 +214,7 @@ def make_model_card(model_or_dir: Any, *, repo_id: str | None = None, base_model
         card_data, template_path=str(template or template_path()),
         model_name=(repo_id or "").split("/")[-1] or f"{model.get('model_type')} with {method}",
         repo_id=repo_id or "PATH_OR_REPO_ID", method=method, method_description=_description(method),
+        base_model_note=metadata.get("base_model_note") if base_model == metadata.get("base_model") else None,
         hf_posenc_version=metadata.get("hf_posenc_version"),
         options=[(k, _value(v)) for k, v in sorted(metadata["options"].items())],
         applied_after=", ".join(f"`{step['method']}`" for step in metadata.get("applied_after") or []),

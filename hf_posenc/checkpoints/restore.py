@@ -185,5 +185,7 @@ class CheckpointTensors:
 
 
 def load_saved_patch(model: nn.Module, name_or_path, metadata: dict[str, Any], hub_kwargs: dict,
-                     publish: Publish | None = None) -> nn.Module:
-    return apply_saved_patch(model, metadata, CheckpointTensors(name_or_path, hub_kwargs), publish)
+                     publish: Publish | None = None, tensors=None) -> nn.Module:
+    """`tensors`: where the positional weights are read (default: the checkpoint's safetensors files; an adapter's
+    are in adapter_model.safetensors, see checkpoints/adapters.py)."""
+    return apply_saved_patch(model, metadata, tensors or CheckpointTensors(name_or_path, hub_kwargs), publish)

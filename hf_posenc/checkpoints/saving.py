@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -30,6 +31,9 @@ from ..version import __version__
 from .metadata import FORMAT_VERSION, write_metadata
 
 BASE_MODEL_ATTR = "hf_posenc_base_model"
+BASE_MODEL_KEYS = ("base_model", "base_model_revision", "base_model_license", "base_model_note")
+# On the method module: its state as installed, to tell trained (or loaded) positional weights from initial ones.
+INITIAL_STATE_ATTR = "hf_posenc_initial_state"
 MODEL_FACTS = ("model_type", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size")
 # Config attributes a patch may rewrite so that config.json is native (RoPE scalings on LLaMA-style models).
 NATIVE_CONFIG_KEYS = ("rope_parameters", "max_position_embeddings")
@@ -51,6 +55,18 @@ def attach_save_hook(model: nn.Module, method: PositionalMethod, log, publish: P
     save = PatchedSavePretrained(model, method, model.state_dict(keep_vars=True), model.save_pretrained,
                                  config_before, publish)
     log.set_attr(model, "save_pretrained", save)
+    object.__setattr__(method, INITIAL_STATE_ATTR,
+                       {key: value.detach().clone() for key, value in method.state_dict().items()})
+
+
+def changed_positional_state(method: PositionalMethod) -> list[str]:
+    """Names of the method's weights that no longer hold the values they were installed with: trained, or loaded
+    from a checkpoint (hf_posenc.from_pretrained loads them after installing the patch)."""
+    initial = getattr(method, INITIAL_STATE_ATTR, None)
+    if initial is None:
+        return []
+    return [key for key, value in method.state_dict().items()
+            if key not in initial or not torch.equal(initial[key].to(value.device, value.dtype), value)]
 
 
 class PatchedSavePretrained:
@@ -91,10 +107,27 @@ class PatchedSavePretrained:
         self.original_save(save_directory, is_main_process=is_main_process, state_dict=state_dict, **kwargs)
         if not is_main_process:
             return
+        share_weight_files(save_directory)
         write_metadata(save_directory, metadata)
         if standalone or push_to_hub:
             self.publish(save_directory, metadata, standalone=standalone, upload=push_to_hub,
                          token=kwargs.get("token"), **push_options)
+
+
+def share_weight_files(directory) -> None:
+    """Give the weight files the mode any new file gets here (0666 less the umask, 0644 usually), as config.json has.
+    transformers writes them through a private temporary file (mode 0600), so a checkpoint saved for others could
+    not be read by them."""
+    directory = Path(directory)
+    probe = directory / f".hf_posenc-mode-probe-{os.getpid()}"
+    os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+    try:
+        mode = probe.stat().st_mode & 0o777
+    finally:
+        probe.unlink()
+    for weights in directory.glob("*.safetensors"):
+        if weights.stat().st_mode & 0o777 == 0o600:  # as transformers left it; a mode set on purpose is kept
+            weights.chmod(mode)
 
 
 def positional_prefix(model: nn.Module, method: PositionalMethod) -> str:
@@ -120,16 +153,17 @@ def checkpoint_state_dict(model: nn.Module, method: PositionalMethod,
     return state
 
 
-def base_model_reference(model: nn.Module) -> tuple[str | None, str | None]:
-    """(base model, revision): what from_pretrained recorded, else what the model was loaded from when that
-    is not a local path."""
+def base_model_reference(model: nn.Module) -> dict[str, Any]:
+    """{"base_model", "base_model_revision"}: what from_pretrained (or a loader such as the tools' bundled SmolLM2)
+    recorded in BASE_MODEL_ATTR, with "base_model_license" and "base_model_note" where it knows them; else what the
+    model was loaded from when that is not a local path."""
     recorded = getattr(model, BASE_MODEL_ATTR, None)
     if recorded:
-        return recorded.get("base_model"), recorded.get("base_model_revision")
+        return {key: value for key, value in recorded.items() if key in BASE_MODEL_KEYS}
     name = getattr(model.config, "_name_or_path", "") or None
     if name and (os.path.isabs(name) or os.path.exists(name) or name.startswith(".")):
         name = None
-    return name, None
+    return {"base_model": name, "base_model_revision": None}
 
 
 def posenc_metadata(model: nn.Module, method: PositionalMethod, base_model: str | None = None,
@@ -138,7 +172,11 @@ def posenc_metadata(model: nn.Module, method: PositionalMethod, base_model: str 
     before the patch; those it changed are recorded, because loading must start from the original model."""
     family = get_family(model.config)
     info = family.model_info(model)
-    recorded_base, recorded_revision = base_model_reference(model)
+    recorded = base_model_reference(model)
+    recorded_base, recorded_revision = recorded.get("base_model"), recorded.get("base_model_revision")
+    # what is known about the recorded base (its license, how its weights were made), when it is the base named
+    about_base = {key: recorded[key] for key in ("base_model_license", "base_model_note")
+                  if recorded.get(key) and base_model in (None, recorded_base)}
     state = positional_state(model, method)
     return {
         "format": "hf_posenc",
@@ -149,6 +187,7 @@ def posenc_metadata(model: nn.Module, method: PositionalMethod, base_model: str 
         "applied_after": [{"method": c.method, "options": _options(c)} for c in method.builds_on()],
         "base_model": base_model or recorded_base,
         "base_model_revision": base_model_revision if base_model else (base_model_revision or recorded_revision),
+        **about_base,
         "model": {"architecture": type(model).__name__, "family": family.name,
                   **{fact: getattr(info, fact) for fact in MODEL_FACTS}},
         "positional_state": {key: {"shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", "")}

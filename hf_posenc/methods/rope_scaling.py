@@ -37,10 +37,10 @@ ATTENTION_FACTOR_WHY = ("cos and sin are multiplied by it, so the scores by its 
 class RopeScalingConfig(PosEncConfig):
     """Options every scaling type shares. `None` means: read it from the model."""
 
-    factor: float | None = None
+    factor: float | None = None  # new window / original window
     original_max_position_embeddings: int | None = None  # the model's trained window
     rope_theta: float | None = None  # the base of the RoPE being scaled
-    partial_rotary_factor: float | None = None
+    partial_rotary_factor: float | None = None  # the share of each head's dimensions that RoPE rotates
 
     min_factor: ClassVar[float] = 1.0  # factors below this are meaningless for the type
     factor_why: ClassVar[str] = "factor = new window / original window, and this type only extends the context"
@@ -89,11 +89,11 @@ class DynamicConfig(RopeScalingConfig):
 @dataclass
 class YarnConfig(RopeScalingConfig):
     attention_factor: float | None = None  # None: 0.1 ln(factor) + 1 (or the mscale ratio)
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool = True
+    beta_fast: float = 32.0  # frequencies that turn more than beta_fast times in the window are not interpolated
+    beta_slow: float = 1.0  # frequencies that turn fewer than beta_slow times are interpolated fully
+    mscale: float | None = None  # DeepSeek-style temperature (with mscale_all_dim); None: not used
+    mscale_all_dim: float | None = None  # see mscale; None: not used
+    truncate: bool = True  # round the correction range to whole dimensions (transformers' truncate)
 
     def validate(self) -> None:
         super().validate()
@@ -127,8 +127,8 @@ class DynamicYarnConfig(YarnConfig):
 
 @dataclass
 class Llama3Config(RopeScalingConfig):
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
+    low_freq_factor: float = 1.0  # wavelengths above window / low_freq_factor are interpolated fully
+    high_freq_factor: float = 4.0  # wavelengths below window / high_freq_factor are kept
 
     def validate(self) -> None:
         super().validate()

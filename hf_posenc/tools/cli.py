@@ -10,6 +10,7 @@ runs, and turns every refusal into one line ``error: ...`` and exit code 2 (``ru
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 from typing import NamedTuple
@@ -29,8 +30,8 @@ COMMANDS = {
     "niah": Command("niah", "needle in a haystack over real text: exact match and answer log-probability"),
     "lm-eval": Command("lm_eval_run", "short-context tasks through lm-eval on the patched model (HFLM)"),
     "report": Command("collect", "several runs' results in one Markdown page with tables and plots"),
-    "main-job": Command("main_job", "the whole loop on SmolLM2-135M: fine-tune, evaluate, table and plot"),
-    "demo": Command("demo", "patch SmolLM2-135M with each method: perplexity, a continuation, exact unpatch"),
+    "main-job": Command("main_job", "the whole loop on SmolLM2-135M-Instruct: fine-tune, evaluate, table and plot"),
+    "demo": Command("demo", "patch SmolLM2-135M-Instruct with each method: perplexity, a continuation, exact unpatch"),
     "export": Command("publish", "add the code that loads a saved checkpoint without hf_posenc",
                       "build_export_parser", "run_export"),
     "publish": Command("publish", "upload a saved checkpoint to the Hugging Face Hub, with its model card",
@@ -41,15 +42,23 @@ COMMANDS = {
 def _usage() -> str:
     lines = ["usage: hf-posenc COMMAND [options]   (hf-posenc COMMAND --help for its options)", "", "commands:"]
     lines += [f"  {name:<10} {command.help}" for name, command in COMMANDS.items()]
-    lines.append(f"  {'methods':<10} list the positional methods and their options")
+    lines.append(f"  {'methods':<10} list the positional methods and their options (methods NAME: one in detail)")
+    lines += ["", "  --version  the installed hf_posenc version"]
     return "\n".join(lines)
 
 
-def list_methods() -> None:
-    import hf_posenc
-
-    for name in hf_posenc.available_methods():
-        print(f"{name:<14} {', '.join(hf_posenc.get_method(name).config_class.option_names()) or '-'}")
+def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Make --help show each option's default (as argparse.ArgumentDefaultsHelpFormatter does), also for options
+    without a help text, and not where the help already says it or there is none (None, False)."""
+    for action in parser._actions:
+        no_default = any(action.default is value for value in (None, False, argparse.SUPPRESS))  # 0.0 == False
+        if no_default or not action.option_strings:
+            continue
+        if action.help is None:
+            action.help = "default: %(default)s"
+        elif "default" not in action.help:
+            action.help += " (default: %(default)s)"
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,14 +68,23 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
+    if argv[0] in ("--version", "-V"):
+        from ..version import __version__
+
+        print(f"hf-posenc (hf_posenc) {__version__}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name == "methods":
-        return run_command(list_methods)
+        from .method_options import describe_method, list_methods
+
+        if len(rest) > 1 or rest[:1] in (["-h"], ["--help"]):
+            return fail("usage: hf-posenc methods [NAME]")
+        return run_command(lambda: describe_method(rest[0]) if rest else list_methods())
     if name not in COMMANDS:
         return fail(f"unknown command {name!r}\n\n{_usage()}")
     command = COMMANDS[name]
     module = importlib.import_module(f"{__package__}.{command.module}")
-    args = getattr(module, command.build_parser)().parse_args(rest)
+    args = show_defaults(getattr(module, command.build_parser)()).parse_args(rest)
     return run_command(lambda: getattr(module, command.run)(args))
 
 

@@ -1,5 +1,5 @@
-"""``hf-posenc demo``: swap the positional mechanism of the real SmolLM2-135M with each method and measure what it
-does.
+"""``hf-posenc demo``: swap the positional mechanism of the real SmolLM2-135M-Instruct (de-quantised from Q4_1) with
+each method and measure what it does.
 
 For each method: patch, measure perplexity on real text, generate a short greedy continuation, unpatch, and check
 that the model is back to its original logits.
@@ -20,9 +20,12 @@ import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from tqdm.auto import tqdm
+
+if TYPE_CHECKING:  # annotations only; torch is imported where it is used, so that --help stays fast
+    import torch
 
 from . import report
 from .estimates import PATCHED_SLOWDOWN, SECONDS_PER_GENERATED_TOKEN, forward_seconds
@@ -58,7 +61,8 @@ class MethodResult:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-posenc demo",
-        description="Patch SmolLM2-135M with each positional method; report perplexity and a continuation.",
+        description="Patch SmolLM2-135M-Instruct (de-quantised from Q4_1) with each positional method; report "
+                    "perplexity and a continuation.",
     )
     parser.add_argument("--methods", nargs="+", default=None,
                         help=f"method names ('{UNPATCHED}' = unpatched); default: '{UNPATCHED}' then every "
@@ -111,6 +115,8 @@ def resolve_methods(requested: list[str] | None, quick: bool, available: list[st
 
 def estimate_seconds(methods: list[str], window: int, n_windows: int, gen_tokens: int, cached: bool) -> float:
     """Rough run time on the machine the estimates were measured on; a loaded machine is several times slower."""
+    import torch
+
     per_window = forward_seconds(window)
     per_method = n_windows * per_window + gen_tokens * SECONDS_PER_GENERATED_TOKEN + 0.5
     compute = per_window + sum(per_method * (1.0 if m == UNPATCHED else PATCHED_SLOWDOWN) for m in methods)
@@ -128,6 +134,8 @@ def default_prompt(text: str) -> str:
 
 
 def greedy_continuation(model, tokenizer, prompt: str, n_tokens: int) -> str:
+    import torch
+
     ids = torch.tensor([tokenizer(prompt)["input_ids"]], device=next(model.parameters()).device)
     with torch.inference_mode():
         out = model.generate(
@@ -141,6 +149,8 @@ def greedy_continuation(model, tokenizer, prompt: str, n_tokens: int) -> str:
 
 
 def reference_logits(model, ids: torch.LongTensor) -> torch.Tensor:
+    import torch
+
     with torch.inference_mode():
         return model(input_ids=ids[None], use_cache=False).logits.float()
 
@@ -148,6 +158,7 @@ def reference_logits(model, ids: torch.LongTensor) -> torch.Tensor:
 def run_method(name: str, model, tokenizer, ids, prompt, args, check_ids, ref) -> MethodResult:
     """Patch ``name``, measure perplexity and a continuation, unpatch, and check the original logits are back. A
     method that fails is reported in the result (the others still run)."""
+    import torch
     import hf_posenc
 
     result = MethodResult(method=name)
@@ -209,6 +220,7 @@ def evaluation_text(args: argparse.Namespace, text_path: Path, tokenizer) -> tup
 
 def run(args: argparse.Namespace) -> int:
     """The command; exit code 1 when a method did not restore the original logits."""
+    import torch
     import hf_posenc
 
     apply_defaults(args)

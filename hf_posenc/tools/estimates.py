@@ -21,11 +21,30 @@ SECONDS_PER_TOKEN_SQUARED = 3.8e-7
 SECONDS_PER_GENERATED_TOKEN = 0.07  # greedy decoding with a KV cache
 SECONDS_PER_ADAMW_STEP = 1.1  # the update of all 135M parameters
 PATCHED_SLOWDOWN = 1.05  # patched methods with their own attention path measured 1.0-1.2x the unpatched time
+SMOLLM2_PARAMETERS = 134.5e6
+LONG_RUN_SECONDS = 30 * 60  # a run estimated longer than this is announced with a warning before it starts
 
 
 def forward_seconds(window: int) -> float:
     """Expected time of one forward of ``window`` tokens of SmolLM2-135M on the measuring machine (see above)."""
     return SECONDS_PER_TOKEN * window + SECONDS_PER_TOKEN_SQUARED * window**2
+
+
+def model_forward_seconds(model, window: int) -> float:
+    """``forward_seconds`` scaled to the model's size (the cost of a forward grows about with the parameter count)."""
+    return forward_seconds(window) * sum(p.numel() for p in model.parameters()) / SMOLLM2_PARAMETERS
+
+
+def announce_run_time(seconds: float, what: str, shorter: str) -> None:
+    """Print the estimate before long work; past LONG_RUN_SECONDS as a warning that says how to shorten it."""
+    import sys
+
+    took = f"about {seconds / 3600:.1f} h" if seconds >= 3600 else f"about {seconds / 60:.0f} min"
+    if seconds > LONG_RUN_SECONDS:
+        print(f"warning: {what} will take {took} by estimate (2 idle CPU cores; a loaded machine is slower); "
+              f"{shorter}", file=sys.stderr, flush=True)
+    else:
+        print(f"{what}: {took} by estimate", file=sys.stderr, flush=True)
 
 
 def available_memory_bytes() -> int:

@@ -14,8 +14,8 @@ length) are skipped, so every length is measured on the same documents. The perp
 exp(total NLL / tokens scored) over all documents.
 
 Outputs in ``--output-dir``: ``perplexity.csv`` (a row per model/method, a column per length, YaRN's layout),
-``perplexity.json`` (every number and the settings) and ``perplexity.png`` (log perplexity vs length, a line per
-model, a star at the length it was trained at).
+``perplexity.json`` (every number and the settings) and ``perplexity.png`` (perplexity on a log axis vs length, a
+line per model, a star at the length its weights and positions were trained at; none for an untrained swap).
 """
 
 from __future__ import annotations
@@ -23,18 +23,21 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # annotations only; torch is imported where it is used, so that --help stays fast
+    import torch
 
 from . import report
-from .estimates import check_memory, estimate_forward_bytes
+from .report import row_label
+from .estimates import announce_run_time, check_memory, estimate_forward_bytes, model_forward_seconds
 from ..registry import get_family
 from .models import SMOLLM2, load_model
 from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir_on_main, write_json
-from .perplexity import perplexity_at_length
+from .perplexity import perplexity_at_length, window_plan
 from .runtime import (DTYPES, UNPATCHED, MethodRequest, UsageError, accelerator_if_launched, check_at_least, is_main,
                       process_count, set_threads, settings_from, settings_of, versions)
 from .text import DataError, add_text_arguments, check_encoding, documents_of, tokenize_documents
@@ -55,6 +58,7 @@ class LengthResult:
     stride: int
     seconds: float
     error: str = ""
+    label: str = ""  # the row (row_label): what was evaluated
 
 
 @dataclass
@@ -68,7 +72,7 @@ class EvalRun:
     def table(self) -> report.PerplexityTable:
         out: report.PerplexityTable = {}
         for r in self.results:
-            out.setdefault(row_label(r.model, r.method), {})[r.length] = r.ppl
+            out.setdefault(r.label or row_label(r.model, r.method), {})[r.length] = r.ppl
         return out
 
     def extend(self, other: "EvalRun") -> None:
@@ -89,8 +93,15 @@ class EvalRun:
                 "results": [asdict(r) for r in self.results]}
 
 
-def row_label(model: str, method: str) -> str:
-    return model if method == UNPATCHED else f"{model} + {method}"
+def keeps_trained_positions(model, request: MethodRequest) -> bool:
+    """Whether the positions the weights were trained with survive the method: the model as loaded, or a RoPE
+    scaling of a model that has RoPE. A swap (ALiBi, KERPLE, ... in place of RoPE) was never trained at any length."""
+    from hf_posenc import RopeScalingConfig, get_method
+
+    if not request.patches:
+        return True
+    return (issubclass(get_method(request.name).config_class, RopeScalingConfig)
+            and get_family(model.config).native_method == "rope")
 
 
 def training_length(model, model_dir: str | None = None) -> int | None:
@@ -108,8 +119,8 @@ def training_length(model, model_dir: str | None = None) -> int | None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hf-posenc eval-ppl", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", action="append", default=None,
-                   help="local checkpoint, Hub id, .gguf file, or 'smollm2' (the bundled SmolLM2-135M); repeatable "
-                        "(default: smollm2)")
+                   help="local checkpoint, Hub id, .gguf file, or 'smollm2' (the bundled SmolLM2-135M-Instruct, "
+                        "de-quantised from Q4_1); repeatable (default: smollm2)")
     p.add_argument("--tokenizer", default=None, help="tokenizer to use instead of the model's own")
     p.add_argument("--method", action="append", default=None,
                    help="'none' (the model as loaded) or NAME[:KEY=VALUE,...], e.g. yarn:factor=4; repeatable "
@@ -215,8 +226,11 @@ def run_eval(args: argparse.Namespace, accelerator=None) -> EvalRun:
     for model_spec in args.model or [SMOLLM2]:
         model, tokenizer = _load(args, model_spec, accelerator)
         if token_docs is None:  # tokenised once, with the first model's tokenizer
-            token_docs = _long_enough(args, tokenize_documents(tokenizer, docs, _token_budget(args, lengths)),
-                                      lengths, min_doc)
+            token_docs = _documents_to_score(args, tokenizer, docs, lengths, min_doc)
+            if is_main(accelerator):
+                seconds = evaluation_seconds(args, model, token_docs, lengths, len(requests)) * len(args.model or [1])
+                announce_run_time(seconds / process_count(accelerator), "this evaluation",
+                                  "--max-windows N, --truncate or fewer --lengths shorten it")
         if not args.no_memory_check:
             check_memory(estimate_forward_bytes(model, max(lengths), args.batch_size),
                          f"a forward of {args.batch_size} x {max(lengths)} tokens with {model_spec}")
@@ -228,6 +242,8 @@ def run_eval(args: argparse.Namespace, accelerator=None) -> EvalRun:
 
 
 def _load(args: argparse.Namespace, model_spec: str, accelerator):
+    import torch
+
     model, tokenizer = load_model(model_spec, dtype=DTYPES[args.dtype], tokenizer=args.tokenizer,
                                   verbose=_progress(args, accelerator))
     model.to(accelerator.device if accelerator is not None else torch.device("cpu"))
@@ -238,11 +254,27 @@ def _progress(args: argparse.Namespace, accelerator) -> bool:
     return not args.no_progress and is_main(accelerator)
 
 
+def evaluation_seconds(args: argparse.Namespace, model, token_docs: list, lengths: list[int], n_methods: int) -> float:
+    """Estimated run time of every method on one model at every length (one process)."""
+    doc_lengths = [ids.numel() for ids in token_docs]
+    windows = {n: len(window_plan(doc_lengths, n, *_protocol(args, n))) for n in lengths}
+    return n_methods * sum(count * model_forward_seconds(model, n) for n, count in windows.items())
+
+
 def _token_budget(args: argparse.Namespace, lengths: list[int]) -> int | None:
     """Tokens of each document that the windows can reach (None: all)."""
     if args.truncate:
         return max(lengths)
     return None if args.max_windows is None else max(lengths) * args.max_windows
+
+
+def _documents_to_score(args: argparse.Namespace, tokenizer, docs, lengths: list[int],
+                        min_doc: int) -> list[torch.LongTensor]:
+    """The documents of at least ``min_doc`` tokens (``--min-document-tokens``: measured on the whole document),
+    each cut to the tokens the windows can reach (``--max-windows``, ``--truncate``)."""
+    budget = _token_budget(args, lengths)
+    all_docs = tokenize_documents(tokenizer, docs, None if budget is None else max(budget, min_doc))
+    return [ids[:budget] for ids in _long_enough(args, all_docs, lengths, min_doc)]
 
 
 def _long_enough(args: argparse.Namespace, all_docs: list[torch.LongTensor], lengths: list[int],
@@ -265,10 +297,18 @@ def _evaluate_model(args: argparse.Namespace, run: EvalRun, model, model_spec: s
     for j, request in enumerate(requests):
         if j and loaded_patched:  # a patched checkpoint: start again from it rather than stack patches
             model, _ = _load(args, model_spec, accelerator)
-        request.apply(model)
-        label = row_label(name, request.label)
-        run.training_lengths[label] = args.training_length or training_length(
-            model, model_spec if Path(model_spec).is_dir() else None)
+        saved = get_posenc_config(model)
+        replaced = saved.method if saved is not None and request.patches else None
+        if replaced and is_main(accelerator):
+            print(f"note: --method {request.label} replaces {name}'s own {replaced} patch (its trained positional "
+                  "weights are not used); the row says so", flush=True)
+        with warnings.catch_warnings():  # the note above says it for the command line
+            warnings.filterwarnings("ignore", message="patch_model replaces")
+            request.apply(model)
+        label = row_label(name, request.label, replaced)
+        trained = keeps_trained_positions(model, request) and not replaced
+        run.training_lengths[label] = (args.training_length or training_length(
+            model, model_spec if Path(model_spec).is_dir() else None)) if trained else None
         for length in lengths:
             stride, max_windows = _protocol(args, length)
             started = time.perf_counter()
@@ -276,7 +316,7 @@ def _evaluate_model(args: argparse.Namespace, run: EvalRun, model, model_spec: s
                 model, token_docs, length, stride, max_windows, args.batch_size, accelerator,
                 _progress(args, accelerator), desc=f"{label} @{length}")
             result = LengthResult(name, request.label, length, ppl, nll, n_scored, n_windows, len(token_docs),
-                                  stride, time.perf_counter() - started)
+                                  stride, time.perf_counter() - started, label=label)
             run.results.append(result)
             if is_main(accelerator):
                 print(f"  {label:<40} {length:>6} tokens: ppl {ppl:.3f} ({n_windows} windows, "
@@ -288,7 +328,7 @@ def _evaluate_model(args: argparse.Namespace, run: EvalRun, model, model_spec: s
 def write_outputs(directory: Path, run: EvalRun, lengths: list[int], title: str = "") -> None:
     report.write_perplexity_csv(directory / "perplexity.csv", lengths, {None: run.table()})
     write_json(directory / "perplexity.json", run.to_json())
-    report.plot_log_perplexity(directory / "perplexity.png", lengths,
+    report.plot_perplexity(directory / "perplexity.png", lengths,
                                {title or "perplexity vs context length": (run.table(), run.training_lengths)})
 
 

@@ -9,7 +9,7 @@ Distribution (DDP, FSDP, DeepSpeed), mixed precision and gradient accumulation c
 packed into blocks of ``--max-length`` tokens (documents joined by the EOS token). ``--train-only``: ``positional``
 (only the patch's own parameters: trainable ALiBi slopes, FIRE, T5, KERPLE, learned tables...), ``all`` (the whole
 model), ``lora`` (PEFT LoRA on the attention projections, plus the positional parameters; merged into the weights
-when saved).
+when saved, or ``--save adapter``: the PEFT adapter alone, carrying the patch and its positional weights).
 
 The output folder is written only at the end, atomically: the patched model (``save_pretrained``; reload with
 ``hf_posenc.from_pretrained(dir)``), its tokenizer, ``training_args.json`` (every setting and what the run saw),
@@ -31,9 +31,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # annotations only; torch is imported where it is used, so that --help stays fast
+    import torch
 
 from .estimates import check_memory, estimate_training_bytes
 from ..registry import get_family
@@ -44,7 +45,14 @@ from .runtime import (DTYPES, UNPATCHED, MethodRequest, UsageError, check_at_lea
 from .text import DataError, add_text_arguments, check_encoding, documents_of, pack_blocks, tokenize_documents
 
 TRAIN_ONLY = ("positional", "all", "lora")
+SAVE_FORMS = ("merged", "adapter")
 STATE_FILE = "trainer_state.json"
+# What a resumed run must share with the run that saved the checkpoint: the model, what trains, the data, the schedule.
+# (--method is compared as the method and options it resolves to, whichever way it was spelled.)
+RESUME_SETTINGS = ("model", "dtype", "train_only", "lora_r", "lora_alpha", "lora_dropout", "text_file", "encoding",
+                   "dataset", "dataset_config", "split", "text_column", "text_fraction", "start_text", "max_length",
+                   "batch_size", "gradient_accumulation_steps", "eval_blocks", "seed", "max_steps", "lr",
+                   "positional_lr", "weight_decay", "lr_scheduler", "warmup_steps")
 # transformers schedulers that need nothing beyond warm-up and total steps
 LR_SCHEDULERS = ("cosine", "linear", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")
@@ -58,7 +66,8 @@ class NonFiniteLoss(UsageError):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hf-posenc finetune", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=SMOLLM2,
-                   help="local checkpoint, Hub id, .gguf file, or 'smollm2' (the bundled SmolLM2-135M; default)")
+                   help="local checkpoint, Hub id, .gguf file, or 'smollm2' (the bundled SmolLM2-135M-Instruct, "
+                        "de-quantised from Q4_1; default)")
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--method", default=None,
                    help="positional method to patch in before training, NAME[:KEY=VALUE,...] (default: none, train "
@@ -70,10 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-r", type=int, default=8)
     p.add_argument("--lora-alpha", type=int, default=16)
     p.add_argument("--lora-dropout", type=float, default=0.0)
+    p.add_argument("--save", choices=SAVE_FORMS, default="merged",
+                   help="with --train-only lora: 'merged' writes the whole model with LoRA merged in; 'adapter' "
+                        "writes only the PEFT adapter, with the patch and its positional weights (reload with "
+                        "hf_posenc.from_pretrained(dir) or hf_posenc.load_adapter(dir, base_model=...))")
     add_text_arguments(p, split="train")
     p.add_argument("--max-length", type=int, default=512, help="training context, tokens per block")
     p.add_argument("--max-steps", type=int, default=100, help="optimizer steps")
-    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--lr", "--learning-rate", type=float, default=5e-5, help="peak learning rate (AdamW)")
     p.add_argument("--positional-lr", type=float, default=None,
                    help="learning rate of the positional parameters (default: --lr)")
     p.add_argument("--weight-decay", type=float, default=0.0)
@@ -116,6 +129,8 @@ def settings(**overrides) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace) -> MethodRequest | None:
     """Refuse nonsense settings before anything runs; returns the method to patch in (None: none)."""
+    import torch
+
     check_at_least(args, 1, "max_steps", "batch_size", "gradient_accumulation_steps", "lora_r", "lora_alpha",
                    "log_every", "save_total_limit", "threads")
     check_at_least(args, 0, "eval_blocks", "eval_every", "save_every", "weight_decay")
@@ -134,6 +149,9 @@ def check_args(args: argparse.Namespace) -> MethodRequest | None:
                  hint="warm-up is part of --max-steps")
     if not 0 <= args.lora_dropout < 1:
         raise UsageError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout:g}")
+    if args.save == "adapter" and args.train_only != "lora":
+        raise UsageError(f"--save adapter needs --train-only lora (now {args.train_only}): only LoRA makes an "
+                         "adapter; leave --save at merged")
     if args.lr_scheduler not in LR_SCHEDULERS:
         raise UsageError(f"--lr-scheduler {args.lr_scheduler!r}: choose one of {', '.join(LR_SCHEDULERS)}")
     check_encoding(args.encoding)
@@ -246,6 +264,7 @@ class Training:
 def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
     """Everything ``finetune`` does, from its settings (``settings(...)`` or parsed options); returns the run
     summary (also written as ``training_args.json``)."""
+    import torch
     from accelerate.utils import set_seed
 
     request = check_args(args)
@@ -258,7 +277,8 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
     check_output_dir_on_main(accelerator, output_dir, "finetune", args.overwrite)
     set_seed(args.seed)
     checkpoint_dir = args.checkpoint_dir or _beside(output_dir, "-checkpoints")
-    resume = resume_point(args, checkpoint_dir)
+    run_settings = resume_settings(args, request)
+    resume = resume_point(args, checkpoint_dir, run_settings)
 
     docs = documents_of(args)  # text first: a missing or too-short corpus fails before the model is loaded
     model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype], tokenizer=args.tokenizer,
@@ -274,7 +294,7 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
     if trackers:
         accelerator.init_trackers("hf_posenc_finetune", config=_flat_config(args))
     progress = resume_progress(accelerator, resume)
-    train(args, training, progress, checkpoint_dir, started, bool(trackers))
+    train(args, training, progress, checkpoint_dir, started, bool(trackers), run_settings)
 
     summary = run_summary(args, training, progress, request, posenc, data, started)
     save_output(args, training, tokenizer, posenc, summary, progress.log)
@@ -284,6 +304,7 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def make_accelerator(args: argparse.Namespace, trackers: list[str], logging_dir: Path):
+    import torch
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
 
@@ -302,15 +323,44 @@ def make_accelerator(args: argparse.Namespace, trackers: list[str], logging_dir:
                          "scripts/accelerate_configs/ddp.yaml (several CPU processes) or cpu_single.yaml") from None
 
 
-def resume_point(args: argparse.Namespace, checkpoint_dir: Path) -> Path | None:
-    """The checkpoint ``--resume-from`` names (a folder, or ``latest`` in ``checkpoint_dir``), or None."""
+def resume_settings(args: argparse.Namespace, request: MethodRequest | None) -> dict[str, Any]:
+    """The settings a resumed run must share with the one that saved the checkpoint (RESUME_SETTINGS), as JSON."""
+    settings = {name: getattr(args, name) for name in RESUME_SETTINGS}
+    settings["method"] = None if request is None else request.config().to_dict()  # every option, defaults included
+    return json.loads(json.dumps(settings, default=str))
+
+
+def resume_point(args: argparse.Namespace, checkpoint_dir: Path, run_settings: dict[str, Any]) -> Path | None:
+    """The checkpoint ``--resume-from`` names (a folder, or ``latest`` in ``checkpoint_dir``), or None; refused when
+    it was saved with other settings (another --method would fail on loading, another --max-length would go on
+    silently with other data)."""
     if not args.resume_from:
         return None
     resume = _latest_checkpoint(checkpoint_dir) if args.resume_from == "latest" else Path(args.resume_from)
     if resume is None or not (resume / STATE_FILE).is_file():
         raise UsageError(f"--resume-from {args.resume_from}: no checkpoint there "
                          f"(looked for {STATE_FILE} in {resume or checkpoint_dir})")
+    saved = json.loads((resume / STATE_FILE).read_text()).get("settings")
+    if saved is None:
+        return resume  # written before the settings were recorded
+    differ = [name for name in run_settings if saved.get(name) != run_settings[name]]
+    if differ:
+        shown = "; ".join(f"{_resume_option(name)} {_shown(saved.get(name))} there, {_shown(run_settings[name])} now"
+                          for name in differ)
+        raise UsageError(f"--resume-from {resume} was saved with other settings ({shown}); resume with the settings "
+                         "it was saved with, or start a new run without --resume-from")
     return resume
+
+
+def _resume_option(name: str) -> str:
+    return "--method" if name == "method" else "--" + name.replace("_", "-")
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, dict) and "method" in value:  # a method's config
+        options = {key: option for key, option in value.items() if key != "method"}
+        return value["method"] + (f" {json.dumps(options)}" if options else "")
+    return "unset" if value is None else str(value)
 
 
 def _checkpoints(directory: Path) -> list[tuple[int, Path]]:
@@ -343,6 +393,7 @@ def training_data(args: argparse.Namespace, tokenizer, docs, world: int) -> Trai
 
 def prepare_training(args: argparse.Namespace, accelerator, model, data: TrainingData) -> Training:
     """Choose what trains, check the memory it needs, and build the optimizer, schedule and data loaders."""
+    import torch
     from transformers import get_scheduler
 
     model, positional_ids = select_trainable(model, args.train_only, args)
@@ -382,7 +433,7 @@ def resume_progress(accelerator, resume: Path | None) -> Progress:
 
 
 def train(args: argparse.Namespace, training: Training, progress: Progress, checkpoint_dir: Path, started: float,
-          log_to_trackers: bool) -> None:
+          log_to_trackers: bool, run_settings: dict[str, Any]) -> None:
     """The training loop, from ``progress`` to ``--max-steps``: the loss (the mean over processes) is checked at
     every micro-step, logged every ``--log-every`` steps, and resumable checkpoints saved every ``--save-every``."""
     from tqdm.auto import tqdm
@@ -414,7 +465,7 @@ def train(args: argparse.Namespace, training: Training, progress: Progress, chec
                     accelerator.log({k: v for k, v in entry.items() if k != "step"}, step=progress.step)
             if args.save_every and progress.step % args.save_every == 0 and progress.step < args.max_steps:
                 progress.batches_in_epoch = batch_index + 1
-                save_checkpoint(accelerator, checkpoint_dir, progress, args.save_total_limit)
+                save_checkpoint(accelerator, checkpoint_dir, progress, args.save_total_limit, run_settings)
             if progress.step >= args.max_steps:
                 break
         else:
@@ -488,10 +539,14 @@ def run_summary(args: argparse.Namespace, training: Training, progress: Progress
 
 def save_output(args: argparse.Namespace, training: Training, tokenizer, posenc, summary: dict,
                 log: list[dict]) -> None:
-    """Write ``--output-dir`` (from the main process): the model (LoRA merged), tokenizer, settings, loss log."""
+    """Write ``--output-dir`` (from the main process): the model (LoRA merged, or the adapter alone with
+    ``--save adapter``), tokenizer, settings, loss log."""
+    from hf_posenc.checkpoints.saving import share_weight_files
+
     accelerator = training.accelerator
     unwrapped = accelerator.unwrap_model(training.model)
-    if args.train_only == "lora":
+    adapter_only = args.train_only == "lora" and args.save == "adapter"
+    if args.train_only == "lora" and not adapter_only:
         unwrapped = unwrapped.merge_and_unload()
     state_dict = None
     if accelerator.distributed_type.name in ("FSDP", "DEEPSPEED") and args.train_only != "lora":
@@ -500,7 +555,13 @@ def save_output(args: argparse.Namespace, training: Training, tokenizer, posenc,
     # checked at the start: a --checkpoint-dir or --logging-dir inside --output-dir may have appeared since
     with atomic_output_dir(args.output_dir, "finetune", args.overwrite, enabled=main_process, checked=True) as out:
         if main_process:
-            unwrapped.save_pretrained(out, state_dict=state_dict)
+            if adapter_only and posenc is not None:
+                from hf_posenc import save_adapter
+
+                save_adapter(unwrapped, out)
+            else:
+                unwrapped.save_pretrained(out, state_dict=state_dict)
+            share_weight_files(out)  # also for a model saved without hf_posenc's save_pretrained (no --method)
             tokenizer.save_pretrained(out)
             if posenc is not None and not (out / "posenc_config.json").is_file():
                 write_json(out / "posenc_config.json", posenc.to_dict())  # a save_pretrained without the hook
@@ -522,12 +583,16 @@ def _diverged(args: argparse.Namespace) -> str:
 
 def weights_are_finite(model, accelerator) -> bool:
     """Whether every trainable parameter holds finite values, on every process (one pass over the weights)."""
+    import torch
+
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters() if p.requires_grad)
     return bool(accelerator.gather(torch.tensor([int(finite)], device=accelerator.device)).all())
 
 
 def evaluate_loss(model, loader, accelerator) -> float:
     """Mean token loss over the held-out blocks (every process takes its share; gathered)."""
+    import torch
+
     model.eval()
     losses = []
     with torch.no_grad():
@@ -536,14 +601,15 @@ def evaluate_loss(model, loader, accelerator) -> float:
     return float(torch.cat(losses).float().mean()) if losses else float("nan")
 
 
-def save_checkpoint(accelerator, directory: Path, progress: Progress, limit: int) -> None:
-    """A resumable checkpoint ``step-N`` in ``directory``; only the newest ``limit`` of ours are kept."""
+def save_checkpoint(accelerator, directory: Path, progress: Progress, limit: int, run_settings: dict[str, Any]) -> None:
+    """A resumable checkpoint ``step-N`` in ``directory`` (with the settings a resumed run must share); only the newest
+    ``limit`` of ours are kept."""
     path = directory / f"step-{progress.step}"
     accelerator.save_state(str(path))
     if accelerator.is_main_process:
         (path / STATE_FILE).write_text(json.dumps({"step": progress.step, "epoch": progress.epoch,
                                                    "batches_in_epoch": progress.batches_in_epoch,
-                                                   "log": progress.log}, indent=2))
+                                                   "log": progress.log, "settings": run_settings}, indent=2))
         old = _checkpoints(directory)
         for _, stale in old[: max(0, len(old) - limit)]:
             shutil.rmtree(stale, ignore_errors=True)
@@ -561,7 +627,7 @@ def write_loss_log(directory: Path, log: list[dict]) -> None:
 
 def _trackers(report_to: str, logging_dir: Path) -> list[str]:
     """The accelerate trackers asked for; a named one whose package is missing is an error, not a silent no-op."""
-    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, filter_trackers
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, filter_trackers, get_available_trackers
 
     if report_to in ("none", "", None):
         return []
@@ -572,7 +638,9 @@ def _trackers(report_to: str, logging_dir: Path) -> list[str]:
     if unknown:
         raise UsageError(f"--report-to {', '.join(unknown)}: unknown tracker; accelerate knows "
                          f"{', '.join(sorted(LOGGER_TYPE_TO_CLASS))}")
-    available = [str(t) for t in filter_trackers(wanted, str(logging_dir))]
+    # Checked here rather than by filter_trackers: that one logs the missing tracker through accelerate's logger,
+    # which raises before an Accelerator exists.
+    available = [str(t) for t in get_available_trackers()]
     missing = [t for t in wanted if t not in available]
     if missing:
         raise UsageError(f"--report-to {', '.join(missing)}: its package is not installed (pip install "

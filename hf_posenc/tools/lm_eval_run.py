@@ -25,12 +25,11 @@ import random
 import re
 from pathlib import Path
 
-import torch
-
 from . import report
 from .models import SMOLLM2, load_model
 from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir, write_json
-from .runtime import DTYPES, UNPATCHED, MethodRequest, UsageError, check_at_least, set_threads, settings_of, versions
+from .runtime import (DTYPES, UNPATCHED, MethodRequest, UsageError, check_at_least, each_method, set_threads,
+                      settings_of, versions)
 from .text import DEFAULT_ENCODING, DataError, check_encoding, data_dir, read_text
 
 CLOZE_TASK = "cloze"
@@ -170,6 +169,8 @@ def cloze_text(args: argparse.Namespace) -> str:
 
 def run_lm_eval(args: argparse.Namespace, work_dir: Path) -> tuple[list[dict], dict]:
     """Every model x method through lm-eval; the rows and lm-eval's results per row label."""
+    import torch
+
     tasks = check_args(args)
     requests = [MethodRequest.parse(m) for m in (args.method or [UNPATCHED])]
     for request in requests:
@@ -188,13 +189,14 @@ def run_lm_eval(args: argparse.Namespace, work_dir: Path) -> tuple[list[dict], d
         for request in requests:
             request.check_patchable(model)
         name = Path(model_spec).name if Path(model_spec).exists() else model_spec
-        for request in requests:
-            request.apply(model)
-            label = name if request.label == UNPATCHED else f"{name} + {request.label}"
+        def reload():
+            return load_model(model_spec, dtype=DTYPES[args.dtype], tokenizer=args.tokenizer, verbose=False)[0].to(device)
+
+        for request, model, replaced in each_method(model, requests, reload):
+            label = report.row_label(name, request.label, replaced or None)
             results[label] = evaluate_model(model, tokenizer, tasks, include, args.limit, args.num_fewshot,
                                             args.batch_size, args.seed, args.max_length)
             rows += metric_rows(label, results[label])
-            request.remove(model)
     return rows, results
 
 

@@ -1,5 +1,5 @@
 """``hf-posenc main-job``: swap, fine-tune briefly, and measure perplexity vs context length, on the real
-SmolLM2-135M.
+SmolLM2-135M-Instruct (de-quantised from Q4_1).
 
     bash scripts/main.sh            # about 7 minutes on 2 idle CPU cores (the estimate is printed first)
     bash scripts/main.sh --quick    # about 2 minutes
@@ -11,7 +11,7 @@ SmolLM2-135M.
    RoPE extension (``--extension``, YaRN x4 by default), the swap before fine-tuning and the fine-tuned swap, on
    held-out text: the last 20 % of the book and WikiText-2 (test).
 3. ``main_job.csv`` (a row per text and model, a column per length), ``main_job.json`` (every number, timing and
-   setting), ``main_job.png`` (log perplexity vs length, a panel per text) and the printed table.
+   setting), ``main_job.png`` (perplexity on a log axis vs length, a panel per text) and the printed table.
 
 The texts are read from ``--data-dir`` (default: ``$HF_POSENC_DATA``, which ``scripts/main.sh`` sets to
 ``../shared/data`` beside the checkout).
@@ -24,14 +24,12 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
 from . import eval_ppl, finetune, report
 from .estimates import SECONDS_PER_ADAMW_STEP, forward_seconds
 from .models import SMOLLM2, load_smollm2
 from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir, write_json
-from .runtime import (UNPATCHED, MethodRequest, UsageError, check_at_least, check_number, parse_numbers, set_threads,
-                      settings_of)
+from .runtime import (UNPATCHED, MethodRequest, UsageError, check_at_least, check_number, parse_numbers, parse_options,
+                      set_threads, settings_of)
 from .text import data_dir
 
 BOOK = "pg1342-pride-and-prejudice.txt"
@@ -40,17 +38,20 @@ WIKITEXT = "wikitext-2-raw-test.txt"
 TRAIN_FRACTION = "0:0.8"
 HELDOUT_FRACTION = "0.8:1"
 CALIBRATION_TOKENS = 256
-PLOT_TITLE = "SmolLM2-135M: perplexity vs context (star: training length)"
+PLOT_TITLE = "SmolLM2-135M-Instruct (de-quantised from Q4_1): perplexity vs context (star: training length)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hf-posenc main-job", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer steps and lengths: about 2 minutes")
-    p.add_argument("--swap", default="kerple", help="method swapped in and fine-tuned (default %(default)s)")
+    p.add_argument("--swap", "--method", default="kerple",
+                   help="method swapped in and fine-tuned, NAME[:KEY=VALUE,...] as in finetune (default %(default)s)")
+    p.add_argument("--method-option", action="append", default=None, metavar="KEY=VALUE",
+                   help="an option of --swap, as in finetune; repeatable")
     p.add_argument("--extension", default="yarn:factor=4", help="RoPE extension of the original (default %(default)s)")
     p.add_argument("--train-steps", type=int, default=None, help="default 60, quick 8")
     p.add_argument("--train-length", type=int, default=None, help="fine-tuning context (default 512, quick 256)")
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", "--learning-rate", type=float, default=1e-4, help="fine-tuning learning rate")
     p.add_argument("--lengths", default=None,
                    help="evaluation lengths (default 256,512,1024,2048,4096; quick 256,512,1024)")
     p.add_argument("--max-windows", type=int, default=None, help="windows per text and length (default 1)")
@@ -75,6 +76,10 @@ def apply_defaults(args: argparse.Namespace) -> argparse.Namespace:
     if not args.lengths or args.lengths[0] < 2:
         raise UsageError(f"--lengths must be at least 2 tokens each, got {args.lengths}")
     args.max_windows = args.max_windows or 1
+    if args.method_option:  # one --swap string, as finetune and eval-ppl take it
+        swap = MethodRequest.parse(args.swap)
+        args.swap = MethodRequest(swap.name, {**swap.options, **parse_options(args.method_option)}).label
+        args.method_option = None
     return args
 
 
@@ -89,6 +94,8 @@ def estimate_seconds(args: argparse.Namespace, speed: float = 1.0) -> float:
 
 def calibrate() -> float:
     """This machine's speed now, relative to the one the estimates were measured on: one timed forward."""
+    import torch
+
     model, _ = load_smollm2(verbose=False)
     ids = torch.randint(0, 1000, (1, CALIBRATION_TOKENS))
     took = []
@@ -162,7 +169,7 @@ def write_outputs(out: Path, runs: dict[str, eval_ppl.EvalRun], args: argparse.N
         "perplexity": {name: {k: v for k, v in run.to_json().items() if k != "settings"}
                        for name, run in runs.items()},
     })
-    report.plot_log_perplexity(out / "main_job.png", args.lengths,
+    report.plot_perplexity(out / "main_job.png", args.lengths,
                                {name: (run.table(), run.training_lengths) for name, run in runs.items()}, PLOT_TITLE)
 
 
@@ -174,10 +181,10 @@ def run_main_job(args: argparse.Namespace) -> dict:
         MethodRequest.parse(method).check()
     check_output_dir(args.output_dir, "main-job", args.overwrite)  # before the minutes of work, not after
 
-    print(f"main job: SmolLM2-135M, RoPE -> {args.swap} fine-tuned {args.train_steps} steps x {args.train_length} "
-          f"tokens on the first 80% of {BOOK}; perplexity at {args.lengths} ({args.max_windows} window(s) each) of "
-          f"the original, + {args.extension}, + {args.swap} before and after fine-tuning, on the last 20% and on "
-          f"{WIKITEXT}")
+    print(f"main job: SmolLM2-135M-Instruct (de-quantised from Q4_1), RoPE -> {args.swap} fine-tuned "
+          f"{args.train_steps} steps x {args.train_length} tokens on the first 80% of {BOOK}; perplexity at "
+          f"{args.lengths} ({args.max_windows} window(s) each) of the original, + {args.extension}, + {args.swap} "
+          f"before and after fine-tuning, on the last 20% and on {WIKITEXT}")
     print(f"estimated run time on 2 idle CPU cores: about {estimate_seconds(args) / 60:.1f} min", flush=True)
     started = time.perf_counter()
     speed = calibrate()

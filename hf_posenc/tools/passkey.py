@@ -26,14 +26,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from . import report
 from .estimates import check_memory, estimate_forward_bytes
 from .models import SMOLLM2, load_model
 from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir_on_main, write_json
 from .runtime import (DTYPES, UNPATCHED, MethodRequest, UsageError, accelerator_if_launched, check_at_least,
-                      gather_in_order, is_main, parse_numbers, process_count, set_threads, settings_of, versions)
+                      each_method, gather_in_order, is_main, parse_numbers, process_count, set_threads, settings_of,
+                      versions)
 from .text import DEFAULT_ENCODING, DataError, check_encoding, read_text
 
 TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
@@ -71,6 +70,7 @@ class Trial:
     answer: str
     correct: bool
     door: int | None = None  # the door asked about in the hard variant
+    replaced: str = ""  # the patch of a patched checkpoint that the method replaced (report.row_label)
 
 
 def _ids(tokenizer, text: str) -> list[int]:
@@ -134,6 +134,7 @@ def run_trials(model, tokenizer, label_model: str, label_method: str, lengths: l
                trials: int, seed: int, filler_ids: list[int] | None, max_new_tokens: int = 10, accelerator=None,
                progress: bool = True, keys: int = 1, key_digits: int = 5) -> list[Trial]:
     """Every (length, depth, trial), split across processes when ``accelerator`` has several, gathered in order."""
+    import torch
     from tqdm.auto import tqdm
 
     plan = []
@@ -163,7 +164,7 @@ def run_trials(model, tokenizer, label_model: str, label_method: str, lengths: l
 def accuracy_table(trials: list[Trial]) -> dict[tuple[str, int, float], tuple[float, int]]:
     counts: dict[tuple[str, int, float], list[int]] = {}
     for t in trials:
-        key = (t.model if t.method == UNPATCHED else f"{t.model} + {t.method}", t.length, t.depth)
+        key = (report.row_label(t.model, t.method, t.replaced or None), t.length, t.depth)
         c = counts.setdefault(key, [0, 0])
         c[0] += int(t.correct)
         c[1] += 1
@@ -217,6 +218,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def run_passkey(args: argparse.Namespace, accelerator=None) -> tuple[list[Trial], dict, list[int], list[float]]:
+    import torch
+
     check_args(args)
     lengths = parse_numbers(args.lengths, "--lengths", int)
     depths = parse_numbers(args.depths, "--depths")
@@ -244,17 +247,20 @@ def run_passkey(args: argparse.Namespace, accelerator=None) -> tuple[list[Trial]
         for request in requests:
             request.check_patchable(model)
         name = Path(model_spec).name if Path(model_spec).exists() else model_spec
-        for request in requests:
-            request.apply(model)
+        def reload():
+            return load_model(model_spec, dtype=DTYPES[args.dtype], tokenizer=args.tokenizer, verbose=False)[0].to(device)
+
+        for request, model, replaced in each_method(model, requests, reload):
             t0 = time.perf_counter()
             got = run_trials(model, tokenizer, name, request.label, lengths, depths, args.trials, args.seed, filler_ids,
                              args.max_new_tokens, accelerator, not args.no_progress, args.keys, args.key_digits)
+            for trial in got:
+                trial.replaced = replaced
             trials.extend(got)
             if main_process:
                 acc = sum(t.correct for t in got) / len(got)
-                print(f"  {name} + {request.label}: accuracy {acc:.0%} over {len(got)} trials "
-                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
-            request.remove(model)
+                print(f"  {report.row_label(name, request.label, replaced or None)}: accuracy {acc:.0%} over "
+                      f"{len(got)} trials ({time.perf_counter() - t0:.0f} s)", flush=True)
     settings = {**settings_of(args),
                 "lengths": lengths, "depths": depths, "prompt": {"task": TASK, "garbage": GARBAGE,
                                                                   "question": QUESTION, "info": info_line(12345)},

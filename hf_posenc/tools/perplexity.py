@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
-import torch.nn.functional as F
+if TYPE_CHECKING:  # annotations only; torch is imported where it is used, so that --help stays fast
+    import torch
 
 from .runtime import gather_in_order, process_count
 
@@ -67,6 +67,9 @@ def window_plan(doc_lengths: list[int], length: int, stride: int, max_windows: i
 def windows_nll(model, windows: torch.LongTensor, n_scored: list[int]) -> list[float]:
     """Summed NLL (fp32) of the last ``n_scored[b]`` tokens of each window ``b`` of a [B, L] batch, each given the
     tokens before it (one forward)."""
+    import torch
+    import torch.nn.functional as F
+
     length = windows.shape[1]
     n_keep = max(n_scored) + 1  # the logits at positions -n-1 .. -2 predict the last n tokens
     logits = model(input_ids=windows, **_forward_kwargs(model, n_keep, length)).logits
@@ -99,6 +102,7 @@ def perplexity_at_length(model, token_docs: list[torch.LongTensor], length: int,
     windows)``. With an ``accelerator`` of several processes, the windows are split across them (round robin) and
     the per-window NLLs gathered and summed in window order on every process, so the numbers equal a one-process
     run's."""
+    import torch
     from tqdm.auto import tqdm
 
     check_protocol(length, stride, max_windows)

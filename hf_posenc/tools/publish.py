@@ -3,7 +3,7 @@ library's (standalone code, model card, upload); these only parse options and pr
 
     hf-posenc export out/smollm2-alibi [out/smollm2-alibi-standalone]
     hf-posenc publish out/smollm2-alibi me/smollm2-alibi --private --evaluation runs/demo/results.csv \\
-        --plot runs/demo/perplexity.png --base-model HuggingFaceTB/SmolLM2-135M
+        --plot runs/demo/perplexity.png --base-model HuggingFaceTB/SmolLM2-135M-Instruct
     hf-posenc publish out/smollm2-alibi me/smollm2-alibi --dry-run /tmp/upload   # writes, lists, uploads nothing
 
 The token comes from --token, else HF_TOKEN, else `hf auth login`; the endpoint from HF_ENDPOINT.

@@ -8,6 +8,8 @@ import math
 from pathlib import Path
 from typing import Iterable
 
+from .runtime import UNPATCHED
+
 PerplexityTable = dict[str, dict[int, float | None]]  # row label (model + method) -> length -> perplexity
 AccuracyTable = dict[tuple[str, int, float], tuple[float, int]]  # (label, length, depth) -> (accuracy, trials)
 
@@ -25,6 +27,14 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def row_label(model: str, method: str, replaced: str | None = None) -> str:
+    """The row of a model evaluated with a method; ``replaced``: the (trained) patch of a patched checkpoint that the
+    method replaced, so the row says that the checkpoint's own positional weights were not used."""
+    if method == UNPATCHED:
+        return model
+    return f"{model} with its {replaced} replaced by {method}" if replaced else f"{model} + {method}"
 
 
 # --- perplexity vs context length -----------------------------------------------------------------------------
@@ -49,43 +59,52 @@ def write_perplexity_csv(path: Path, lengths: list[int], tables: dict[str | None
                 writer.writerow(([text] if by_text else []) + [label, *cells])
 
 
-def plot_log_perplexity(path: Path, lengths: list[int],
-                        panels: dict[str, tuple[PerplexityTable, dict[str, int | None]]], title: str = "") -> None:
-    """Log perplexity vs length, a line per model and a star at the length it was trained at; a panel per entry of
-    ``panels`` (panel title -> (table, training length per row label))."""
+def plot_perplexity(path: Path, lengths: list[int],
+                    panels: dict[str, tuple[PerplexityTable, dict[str, int | None]]], title: str = "") -> None:
+    """Perplexity (log axis) vs length, a line per model and a star at the length it was trained at; a panel per
+    entry of ``panels`` (panel title -> (table, training length per row label))."""
+    plt = _pyplot()
+    fig = perplexity_figure(lengths, panels, title)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def perplexity_figure(lengths: list[int], panels: dict[str, tuple[PerplexityTable, dict[str, int | None]]],
+                      title: str = ""):
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(1.2 + 5.2 * len(panels), 4.2), squeeze=False)
     for ax, (panel_title, (table, trained_at)) in zip(axes[0], panels.items()):
         for label, row in table.items():
             xs = [n for n in lengths if row.get(n) is not None and math.isfinite(row[n])]
-            ys = [math.log(row[n]) for n in xs]
+            ys = [row[n] for n in xs]
             trained = trained_at.get(label)
             (line,) = ax.plot(xs, ys, marker="o", markersize=3,
                               label=label + (f" (trained at {trained})" if trained else ""))
             if trained and xs and xs[0] <= trained <= xs[-1]:
-                ax.plot([trained], [_interpolate_log_x(trained, xs, ys)], marker="*", markersize=13,
+                ax.plot([trained], [_interpolate_log_log(trained, xs, ys)], marker="*", markersize=13,
                         color=line.get_color(), markeredgecolor="black", linestyle="none")
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
         ax.set_xticks(lengths, [str(n) for n in lengths], fontsize=8)
         ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("log perplexity (lower is better)")
+        ax.set_ylabel("perplexity, log scale (lower is better)")
         ax.set_title(panel_title, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
-def _interpolate_log_x(x: float, xs: list[int], ys: list[float]) -> float:
-    """The line's value at ``x``, interpolated linearly in log(x) between the points around it."""
+def _interpolate_log_log(x: float, xs: list[int], ys: list[float]) -> float:
+    """The line's value at ``x`` as drawn on log-log axes: linear in log(x) and log(y) between the points around
+    it."""
     log_xs, t = [math.log(v) for v in xs], math.log(x)
     for i in range(len(xs) - 1):
         if log_xs[i] <= t <= log_xs[i + 1]:
             w = 0.0 if log_xs[i + 1] == log_xs[i] else (t - log_xs[i]) / (log_xs[i + 1] - log_xs[i])
-            return ys[i] + w * (ys[i + 1] - ys[i])
+            return math.exp(math.log(ys[i]) + w * (math.log(ys[i + 1]) - math.log(ys[i])))
     return ys[-1]
 
 

@@ -9,13 +9,32 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, Callable
 
-import torch
-
 UNPATCHED = "none"  # the method name that means "the model as loaded"
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+
+
+class TorchDtypes(Mapping):
+    """``--dtype`` names -> torch dtypes. torch is imported on the first look-up, not when a command builds its
+    options (``--help`` stays fast)."""
+
+    NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+             "float16": "float16", "fp16": "float16"}
+
+    def __getitem__(self, name: str):
+        import torch
+
+        return getattr(torch, self.NAMES[name])
+
+    def __iter__(self):
+        return iter(self.NAMES)
+
+    def __len__(self) -> int:
+        return len(self.NAMES)
+
+
+DTYPES = TorchDtypes()
 
 
 class UsageError(ValueError):
@@ -86,11 +105,14 @@ def set_threads(threads: int | None) -> None:
     """``--threads``: torch's intra-op threads of this process (unset: torch's own choice)."""
     check_number("--threads", threads, 1)
     if threads:
+        import torch
+
         torch.set_num_threads(threads)
 
 
 def versions() -> dict[str, str]:
     import accelerate
+    import torch
     import transformers
 
     from hf_posenc import __version__
@@ -169,6 +191,12 @@ class MethodRequest:
 
         get_method(self.name).config_class.from_options(**self.options)
 
+    def config(self):
+        """The method's validated config (refusing unknown methods and options); only for a method that patches."""
+        from hf_posenc import get_method
+
+        return get_method(self.name).config_class.from_options(**self.options)
+
     def check_patchable(self, model) -> None:
         """Patch and unpatch once, so an unpatchable model fails before any long work (or output) starts."""
         from hf_posenc import get_posenc_config, patch_model, unpatch_model
@@ -191,6 +219,28 @@ class MethodRequest:
             unpatch_model(model)
 
 
+def each_method(model, requests: list[MethodRequest], reload: Callable[[], Any]):
+    """Yield ``(request, model, replaced)`` for each request, the request applied to the model and removed after the
+    caller's step. On a patched checkpoint (``replaced``: the method of its own patch, which a patching request
+    replaces, else "") every request after the first runs on a fresh copy from ``reload()``, so that ``none`` still
+    means the checkpoint as trained; the replacement warning is left to the row label, which says it."""
+    import warnings
+
+    from hf_posenc import get_posenc_config
+
+    saved = get_posenc_config(model)
+    for j, request in enumerate(requests):
+        if j and saved is not None:
+            model = reload()
+        replaced = saved.method if saved is not None and request.patches else ""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="patch_model replaces")
+            request.apply(model)
+        yield request, model, replaced
+        if saved is None:
+            request.remove(model)
+
+
 # --- several processes ----------------------------------------------------------------------------------------
 def launched_by_accelerate() -> bool:
     """Whether this process was started by ``accelerate launch`` (or torchrun) with several processes."""
@@ -201,6 +251,7 @@ def accelerator_if_launched():
     """An ``accelerate.Accelerator`` when ``accelerate launch`` started this process, else None (one process)."""
     if not launched_by_accelerate():
         return None
+    import torch
     from accelerate import Accelerator
 
     return Accelerator(cpu=not torch.cuda.is_available())

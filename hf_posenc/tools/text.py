@@ -15,8 +15,10 @@ import glob
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only; torch is imported where it is used, so that --help stays fast
+    import torch
 
 from .runtime import UsageError
 
@@ -211,6 +213,8 @@ def load_documents(
 
 def tokenize_documents(tokenizer, docs: list[Document], max_tokens: int | None = None) -> list[torch.LongTensor]:
     """Each document as a 1-D LongTensor of token ids (no special tokens beyond the tokenizer's own)."""
+    import torch
+
     out = []
     for doc in docs:
         text = doc.text
@@ -227,6 +231,8 @@ def tokenize_documents(tokenizer, docs: list[Document], max_tokens: int | None =
 def pack_blocks(token_docs: list[torch.LongTensor], block_size: int, separator: int | None) -> torch.LongTensor:
     """Concatenate documents (with ``separator`` between them, if given) and cut into full blocks
     [n_blocks, block_size]; the remainder is dropped."""
+    import torch
+
     pieces = []
     for i, ids in enumerate(token_docs):
         if i and separator is not None:

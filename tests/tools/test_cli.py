@@ -82,3 +82,65 @@ def test_demo_alias_is_the_demo_subcommand(tmp_path, capsys, monkeypatch):
         assert run_cli("demo", ["--quick", *bad, "--output-dir", str(tmp_path / "out")]) == 2
         assert "--stride must be an integer >= 1" in capsys.readouterr().err  # refused before loading SmolLM2
     assert not (tmp_path / "out").exists()
+
+
+def test_help_shows_defaults_version_and_the_learning_rate_alias(capsys):
+    """--help shows each option's default, --version the version, and transformers' --learning-rate spelling is
+    accepted (issue 19, item 7)."""
+    from hf_posenc.tools import finetune
+
+    with pytest.raises(SystemExit):
+        run_cli("finetune", ["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--lora-r LORA_R default: 8" in text and "--lora-dropout LORA_DROPOUT default: 0.0" in text
+    assert "optimizer steps (default: 100)" in text and "(default: --lr)" in text  # its own words kept
+    assert cli.main(["--version"]) == 0 and capsys.readouterr().out.strip().endswith(hf_posenc.__version__)
+    assert finetune.build_parser().parse_args(["--learning-rate", "1e-3"]).lr == 1e-3
+    assert main_job.build_parser().parse_args(["--learning-rate", "2e-4"]).lr == 2e-4
+
+
+def test_help_and_import_do_not_load_torch():
+    """`hf-posenc COMMAND --help` and `import hf_posenc` import neither torch nor transformers (they took about 5 s;
+    public names load the library on first use)."""
+    import subprocess
+
+    script = ("import sys\n"
+              "import hf_posenc\n"
+              "from hf_posenc.tools.cli import main\n"
+              "from hf_posenc.tools.cli import COMMANDS\n"
+              "for command in COMMANDS:\n"
+              "    try:\n"
+              "        main([command, '--help'])\n"
+              "    except SystemExit:\n"
+              "        pass\n"
+              "main(['--version'])\n"
+              "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+              "from hf_posenc import patch_model, YarnConfig\n"
+              "print(hf_posenc.get_method('yarn').config_class is YarnConfig)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-2:] == ["[]", "True"]
+
+
+def test_methods_name_shows_its_options_with_defaults_and_meaning(capsys):
+    assert cli.main(["methods", "yarn"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "beta_fast default 32.0 frequencies that turn more than beta_fast times" in text
+    assert "original_max_position_embeddings default None the model's trained window" in text
+    assert cli.main(["methods", "no-such"]) == 2 and "Unknown positional method 'no-such'" in capsys.readouterr().err
+
+
+def test_one_method_syntax_everywhere():
+    """NAME:KEY=VALUE,... is taken by every command's method option, and finetune's --method / --method-option pair
+    by main-job too (--method is --swap there); issue 19, item 5."""
+    from hf_posenc.tools import finetune
+    from hf_posenc.tools.runtime import MethodRequest
+
+    request = finetune.check_args(finetune.settings(method="yarn:factor=4"))
+    assert (request.name, request.options) == ("yarn", {"factor": 4})
+    args = main_job.apply_defaults(main_job.build_parser().parse_args(
+        ["--method", "kerple", "--method-option", 'variant="power"', "--extension", "yarn:factor=4"]))
+    swap = MethodRequest.parse(args.swap)
+    assert (swap.name, swap.options) == ("kerple", {"variant": "power"})
+    args = main_job.apply_defaults(main_job.build_parser().parse_args(["--swap", "kerple:variant=\"power\""]))
+    assert MethodRequest.parse(args.swap).options == {"variant": "power"}

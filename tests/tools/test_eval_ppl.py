@@ -142,3 +142,63 @@ def test_unpatchable_model(tmp_path, capsys):
                           "--no-progress"]) == 2
     assert "gpt_neox" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_min_document_tokens_counts_the_whole_document_before_the_window_cut(tiny_dir, tmp_path):
+    """--min-document-tokens with --truncate / --max-windows (YaRN's "minimum length + truncate" protocol): the
+    filter measures each document before it is cut to the tokens the windows reach (issue 19, item 2)."""
+    from hf_posenc.tools import eval_ppl
+
+    for extra in ({"truncate": True}, {"max_windows": 1}):
+        run = eval_ppl.run_eval(eval_ppl.settings(
+            model=[str(tiny_dir)], lengths=[32], min_document_tokens=2000, text_file=[str(BOOK)],
+            no_progress=True, **extra))
+        assert run.results[0].n_documents == 1 and run.results[0].n_windows == 1
+    with pytest.raises(Exception, match="at least 10000000 tokens; the longest of 1 document"):
+        eval_ppl.run_eval(eval_ppl.settings(model=[str(tiny_dir)], lengths=[32], min_document_tokens=10_000_000,
+                                            text_file=[str(BOOK)], truncate=True, no_progress=True))
+
+
+def test_rows_say_what_was_evaluated(tiny_dir, tmp_path):
+    """A --method on a patched checkpoint replaces its trained patch: the row says so (not "kerple-ft + yarn");
+    an untrained swap gets no training-length star; the checkpoint as trained and a RoPE scaling keep theirs
+    (issue 19, items 1 and 10)."""
+    import hf_posenc
+    from hf_posenc.tools import eval_ppl
+
+    finetuned = tmp_path / "kerple-ft"
+    hf_posenc.patch_model(load_model(str(tiny_dir))[0], "kerple").save_pretrained(finetuned)
+    load_model(str(tiny_dir))[1].save_pretrained(finetuned)
+    common = dict(lengths=[32], max_windows=1, text_file=[str(BOOK)], no_progress=True)
+    run = eval_ppl.run_eval(eval_ppl.settings(model=[str(finetuned)], method=["none", "yarn:factor=4"], **common))
+    assert list(run.table()) == ["kerple-ft", "kerple-ft with its kerple replaced by yarn:factor=4"]
+    run = eval_ppl.run_eval(eval_ppl.settings(model=[str(tiny_dir)], method=["none", "alibi", "yarn:factor=2"],
+                                              **common))
+    assert run.training_lengths == {"tiny-llama": 64, "tiny-llama + alibi": None, "tiny-llama + yarn:factor=2": 64}
+
+
+def test_a_long_evaluation_is_announced_with_its_estimate(tiny_dir, tmp_path, capsys, monkeypatch):
+    """Before the first window: the estimated run time, as a warning saying how to shorten it when it is long
+    (a 4-hour evaluation started without a word; issue 19, item 10)."""
+    argv = ["--model", str(tiny_dir), "--lengths", "32", "--max-windows", "1", "--text-file", str(BOOK),
+            "--no-progress"]
+    assert eval_ppl_main([*argv, "--output-dir", str(tmp_path / "short")]) == 0
+    assert "this evaluation: about 0 min by estimate" in capsys.readouterr().err
+    monkeypatch.setattr("hf_posenc.tools.eval_ppl.model_forward_seconds", lambda model, window: 3600.0)  # slow
+    assert eval_ppl_main([*argv, "--output-dir", str(tmp_path / "long")]) == 0
+    assert ("warning: this evaluation will take about 1.0 h by estimate (2 idle CPU cores; a loaded machine is "
+            "slower); --max-windows N, --truncate or fewer --lengths shorten it") in capsys.readouterr().err
+
+
+def test_plot_shows_perplexity_on_a_log_axis_and_stars_only_trained_rows():
+    """Perplexity on a log axis (was log perplexity on a linear one); "trained at N" only where a length is known
+    (an untrained swap has none; issue 19, item 10)."""
+    from hf_posenc.tools import report
+
+    table = {"smollm2": {256: 30.0, 512: 25.0}, "smollm2 + kerple": {256: 180.0, 512: 190.0}}
+    fig = report.perplexity_figure([256, 512], {"text": (table, {"smollm2": 512, "smollm2 + kerple": None})})
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "log" and ax.get_ylabel().startswith("perplexity")
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == ["smollm2 (trained at 512)",
+                                                                         "smollm2 + kerple"]
+    assert list(ax.lines[0].get_ydata()) == [30.0, 25.0]  # the perplexity itself, not its log

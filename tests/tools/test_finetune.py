@@ -82,6 +82,28 @@ def test_resume_gives_the_same_weights(tiny_dir, tmp_path):
     assert [e["loss"] for e in resumed] == pytest.approx([e["loss"] for e in straight], rel=1e-5)
 
 
+def test_resume_refuses_other_settings(tiny_dir, tmp_path, capsys):
+    """Another --method (was a raw "RuntimeError: Unexpected key(s)") or --max-length (went ahead silently) than
+    the checkpoint was saved with is refused before anything loads; the same method spelled the other way resumes
+    (issue 19, item 8)."""
+    def argv(out, method, *extra):
+        return ["--model", str(tiny_dir), "--method", method, "--text-file", str(BOOK), "--text-fraction", "0:0.8",
+                "--lr", "3e-3", "--max-steps", "3", "--train-only", "positional", "--save-every", "2",
+                "--no-progress", "--output-dir", str(out), *extra]
+
+    assert finetune_main(argv(tmp_path / "cut", "kerple", "--max-length", "64")) == 0
+    step = str(tmp_path / "cut-checkpoints" / "step-2")
+    kerple = '--method kerple {"variant": "log", "init": "alibi"} there, fire'
+    for method, extra, shown in (("fire", ["--max-length", "64"], kerple),
+                                 ("kerple", ["--max-length", "32"], "--max-length 64 there, 32 now")):
+        out = tmp_path / "other"
+        assert_failed_cleanly(finetune_main(argv(out, method, *extra, "--resume-from", step)), capsys,
+                              f"--resume-from {step} was saved with other settings ({shown}", out)
+    respelled = argv(tmp_path / "respelled", "kerple:variant=\"log\"", "--max-length", "64", "--resume-from", step)
+    assert finetune_main(respelled) == 0
+
+
+
 def test_lora_is_merged_and_positional_parameters_train(tiny_dir, tmp_path):
     out = tmp_path / "lora"
     assert finetune_main(_args(tiny_dir, out, "--max-steps", "3", "--train-only", "lora", "--eval-blocks", "2",
@@ -95,6 +117,24 @@ def test_lora_is_merged_and_positional_parameters_train(tiny_dir, tmp_path):
     assert not torch.equal(saved[key], base[key])  # LoRA merged into the projection
     assert torch.equal(saved["model.layers.0.mlp.up_proj.weight"], base["model.layers.0.mlp.up_proj.weight"])
     assert hf_posenc.get_posenc_config(hf_posenc.from_pretrained(out)).trainable
+
+
+def test_lora_adapter_only_output_reloads_with_its_trained_patch(tiny_dir, tmp_path):
+    """--save adapter writes the PEFT adapter alone (no merged model), with the patch and its trained positional
+    weights; hf_posenc.from_pretrained on it gives the base model patched as trained, with the adapter."""
+    from safetensors import safe_open
+
+    out = tmp_path / "adapter"
+    assert finetune_main(_args(tiny_dir, out, "--max-steps", "2", "--train-only", "lora", "--save", "adapter")) == 0
+    assert not (out / "model.safetensors").exists() and (out / "adapter_config.json").is_file()
+    loaded = hf_posenc.load_adapter(out, base_model=str(tiny_dir))
+    slopes = hf_posenc.get_positional_module(loaded.get_base_model()).state_dict()
+    with safe_open(out / "adapter_model.safetensors", framework="pt") as handle:
+        for name, value in slopes.items():
+            assert torch.equal(handle.get_tensor(f"base_model.model.model.posenc.{name}"), value)
+    fresh = hf_posenc.patch_model(hf_posenc.from_pretrained(tiny_dir), "alibi", trainable=True, slopes="geometric")
+    assert any(not torch.equal(value, fresh_value) for value, fresh_value in
+               zip(slopes.values(), hf_posenc.get_positional_module(fresh).state_dict().values()))  # they trained
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -116,6 +156,7 @@ def test_lora_is_merged_and_positional_parameters_train(tiny_dir, tmp_path):
     (["--seed", "-1"], "--seed must be an integer >= 0"),
     (["--threads", "-2"], "--threads must be an integer >= 1"),
     (["--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
+    (["--save", "adapter"], "--save adapter needs --train-only lora"),
     (["--encoding", "no-such-codec"], "--encoding 'no-such-codec' is not an encoding Python knows"),
     # inputs that ended in tracebacks
     (["--text-file", str(DATA)], "is a folder, not a text file; pass a glob such as"),
@@ -259,3 +300,12 @@ def test_tensorboard_tracker_logs_the_loss_beside_the_output(tiny_dir, tmp_path,
         assert_failed_cleanly(finetune_main(_args(tiny_dir, bad, "--max-steps", "3", "--report-to", "wandb")), capsys,
                               "--report-to wandb: its package is not installed (pip install wandb)", bad)
 
+
+
+def test_a_tracker_that_is_not_installed_is_one_line(tiny_dir, tmp_path, capsys, monkeypatch):
+    """--report-to wandb without wandb: one line and exit code 2 before anything runs (it was a traceback from
+    accelerate's logger, "You must initialize the accelerate state"; issue 19, item 3)."""
+    monkeypatch.setattr("accelerate.tracking._available_trackers", [])  # as on a machine without wandb
+    out = tmp_path / "out"
+    assert_failed_cleanly(finetune_main(_args(tiny_dir, out, "--max-steps", "1", "--report-to", "wandb")), capsys,
+                          "--report-to wandb: its package is not installed (pip install wandb), or leave it out", out)

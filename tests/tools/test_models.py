@@ -23,7 +23,7 @@ def test_a_patched_checkpoint_loads_patched(tmp_path):
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("./nowhere", "no such directory (and not a Hub id)"),
+    ("./nowhere", "'./nowhere': no such directory"),
     ("missing.gguf", "'missing.gguf': GGUF file not found"),
 ])
 def test_what_is_not_a_model_is_refused(spec, message):
@@ -43,3 +43,29 @@ def test_find_smollm2_gguf():
         return
     path = find_smollm2_gguf()
     assert path.name == GGUF_FILE and path.is_file() and path.stat().st_size > 50_000_000
+
+
+def test_a_mistyped_relative_path_is_not_tried_on_the_hub(tmp_path, monkeypatch):
+    """`--model runs/does-not-exist` beside an existing `runs/` is a path: "no such directory" at once, online too
+    (it was tried as a Hub id: 52 s of retries); offline, any missing name says so (issue 19, item 4)."""
+    from hf_posenc.tools import models
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    monkeypatch.setattr(models, "hub_offline", lambda: False)
+    monkeypatch.setattr("hf_posenc.from_pretrained", lambda *a, **k: pytest.fail("tried to load (the Hub)"))
+    with pytest.raises(UsageError, match=re.escape("'runs/does-not-exist': no such directory (and not a Hub id)")):
+        load_model("runs/does-not-exist", verbose=False)
+    assert models.looks_like_path("runs/x") and models.looks_like_path("a/b/c") and models.looks_like_path("out/")
+    assert not models.looks_like_path("HuggingFaceTB/SmolLM2-135M")
+    monkeypatch.setattr(models, "hub_offline", lambda: True)
+    with pytest.raises(UsageError, match=re.escape("no such directory (offline (HF_HUB_OFFLINE), so not tried")):
+        load_model("HuggingFaceTB/SmolLM2-135M", verbose=False)
+
+
+@pytest.mark.parametrize("name, hint", [("smollm2", 'load_model("smollm2")'),
+                                        ("SmolLM2-135M-Instruct.Q4_1.gguf", "is a GGUF file")])
+def test_library_from_pretrained_points_to_the_tools_loader(name, hint):
+    """hf_posenc.from_pretrained("smollm2") tried the Hub; it names the documented Python way instead (item 6)."""
+    with pytest.raises(hf_posenc.PosEncError, match=re.escape(hint)):
+        hf_posenc.from_pretrained(name)

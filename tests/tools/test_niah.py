@@ -113,3 +113,24 @@ def test_bad_input_is_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.rstrip().splitlines()[-1].startswith("error: ") and message in err and "Traceback" not in err, err
         assert not out.exists()
+
+
+def test_each_method_on_a_patched_checkpoint_keeps_its_patch_for_none(tmp_path):
+    """runtime.each_method, shared by passkey, niah and lm-eval: on a patched checkpoint a method replaces its patch
+    (and says which), and 'none' after it is the checkpoint as trained, on a fresh copy."""
+    import hf_posenc
+    from hf_posenc.tools.models import load_model
+    from hf_posenc.tools.runtime import MethodRequest, each_method
+
+    model, _ = load_model(str(save_tiny_model(tmp_path / "tiny")), verbose=False)
+    hf_posenc.patch_model(model, "kerple").save_pretrained(tmp_path / "kerple-ft")
+    loaded = hf_posenc.from_pretrained(tmp_path / "kerple-ft")
+    requests = [MethodRequest.parse("alibi"), MethodRequest.parse("none")]
+    seen = [(request.name, type(hf_posenc.get_posenc_config(m)).__name__, replaced, m is loaded)
+            for request, m, replaced in each_method(loaded, requests, lambda: hf_posenc.from_pretrained(
+                tmp_path / "kerple-ft"))]
+    assert seen == [("alibi", "AlibiConfig", "kerple", True), ("none", "KerpleConfig", "", False)]
+    plain = load_model(str(tmp_path / "tiny"), verbose=False)[0]
+    seen = [(hf_posenc.get_posenc_config(m) is not None, replaced) for _, m, replaced in each_method(
+        plain, requests, lambda: pytest.fail("an unpatched model is never reloaded"))]
+    assert seen == [(True, ""), (False, "")] and hf_posenc.get_posenc_config(plain) is None

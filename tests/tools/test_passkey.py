@@ -132,3 +132,31 @@ def test_hard_variant_end_to_end(tmp_path, capsys):
         err = capsys.readouterr().err
         assert message in err.rstrip().splitlines()[-1] and "Traceback" not in err, err
         assert not (tmp_path / "bad").exists()
+
+
+def test_a_patched_checkpoint_keeps_its_patch_for_every_method(tmp_path, monkeypatch):
+    """On a fine-tuned patched checkpoint, a --method replaces its patch (the row says so) and --method none after
+    it still evaluates the checkpoint as trained: it was the base model, unpatched by the method before it and
+    labelled as the checkpoint (issue 19, item 1)."""
+    import hf_posenc
+    from hf_posenc.tools.models import load_model
+
+    model, tokenizer = load_model(str(save_tiny_model(tmp_path / "tiny")), verbose=False)
+    hf_posenc.patch_model(model, "kerple").save_pretrained(tmp_path / "kerple-ft")
+    tokenizer.save_pretrained(tmp_path / "kerple-ft")
+    seen = []
+    real_run_trials = passkey.run_trials
+
+    def run_trials(model, *args, **kwargs):
+        config = hf_posenc.get_posenc_config(model)
+        seen.append(config.method if config else None)
+        return real_run_trials(model, *args, **kwargs)
+
+    monkeypatch.setattr(passkey, "run_trials", run_trials)
+    args = passkey.build_parser().parse_args(
+        ["--model", str(tmp_path / "kerple-ft"), "--method", "yarn:factor=2", "--method", "none", "--lengths", "300",
+         "--depths", "0", "--trials", "1", "--max-new-tokens", "2", "--no-progress"])
+    trials, *_ = passkey.run_passkey(args)
+    assert seen == ["yarn", "kerple"]
+    assert [key[0] for key in passkey.accuracy_table(trials)] == ["kerple-ft with its kerple replaced by yarn:factor=2",
+                                                                  "kerple-ft"]

@@ -82,6 +82,10 @@ def _value(value: Any) -> str:
     return text.replace("|", "\\|")
 
 
+def _demote_headings(markdown: str, levels: int = 2) -> str:
+    return "\n".join("#" * levels + line if line.startswith("#") else line for line in markdown.splitlines())
+
+
 def evaluation_table(path: Path, max_rows: int = 50) -> str:
     """A markdown table of an evaluation CSV (a row per model or method): the first column and every numeric one."""
     with open(path, newline="", encoding="utf-8") as handle:
@@ -181,7 +185,8 @@ def make_model_card(model_or_dir: Any, *, repo_id: str | None = None, base_model
     - finetune_settings: the fine-tuning script's saved settings (a dict or JSON file; default: the
       training_args.json or finetune_settings.json in the checkpoint directory). Those of hf-posenc finetune are
       cut to what a reader needs (RECIPE_SETTINGS); others are shown as they are.
-    - evaluation: a CSV with a row per model/method (e.g. runs/demo/results.csv) or a markdown string.
+    - evaluation: a CSV with a row per model/method (e.g. runs/demo/results.csv), the report.md of
+      `hf-posenc report` (its headings nested under the card's), or a markdown string.
     - plot: the file name of an image in the uploaded folder (e.g. "perplexity.png").
     - standalone: whether the repository carries the trust_remote_code code (default: whether the directory
       does).
@@ -202,6 +207,8 @@ def make_model_card(model_or_dir: Any, *, repo_id: str | None = None, base_model
     )
     if isinstance(evaluation, (str, os.PathLike)) and Path(evaluation).suffix == ".csv":
         evaluation = evaluation_table(Path(evaluation))
+    elif isinstance(evaluation, (str, os.PathLike)) and Path(evaluation).suffix == ".md" and Path(evaluation).is_file():
+        evaluation = _demote_headings(Path(evaluation).read_text(encoding="utf-8"))  # an hf-posenc report page
     weights = metadata["positional_state"]
     card = ModelCard.from_template(
         card_data, template_path=str(template or template_path()),

@@ -9,6 +9,10 @@ the filler, more filler, and ``What is the pass key? The pass key is``. The fill
 is green..." lines (default) or real text (``--filler-file``). Prompts are built in tokens, exactly ``length``
 long. Decoding is greedy; a trial counts as correct when the first number in the answer is the passkey.
 
+The hard variant (``--keys K``, ``--key-digits D``): K pass keys of D digits, each for its own door (``The pass key for
+door 17 is ...``), the asked one at the stated depth and the others at random depths; the question asks for the
+first door's key, so the model has to pick the right key among several rather than repeat the only number it saw.
+
 Outputs in ``--output-dir``: ``passkey.csv`` (model, length, depth, accuracy, trials), ``passkey.json`` (every
 trial, the settings) and ``passkey.png`` (a heat-map of accuracy per length and depth, one panel per model).
 """
@@ -19,7 +23,6 @@ import argparse
 import random
 import re
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,7 +31,8 @@ from .estimates import check_memory, estimate_forward_bytes
 from .models import SMOLLM2, load_model
 from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir_on_main, write_json
 from .runtime import (DTYPES, UNPATCHED, MethodRequest, UsageError, accelerator_if_launched, check_at_least,
-                      gather_in_order, is_main, parse_numbers, process_count, set_threads, settings_of, versions)
+                      each_method, gather_in_order, is_main, parse_numbers, process_count, set_threads, settings_of,
+                      versions)
 from .text import DEFAULT_ENCODING, DataError, check_encoding, read_text
 
 TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
@@ -37,8 +41,22 @@ GARBAGE = "The grass is green. The sky is blue. The sun is yellow. Here we go. T
 QUESTION = "What is the pass key? The pass key is"
 
 
-def info_line(passkey: int) -> str:
-    return f"The pass key is {passkey}. Remember it. {passkey} is the pass key."
+def info_line(passkey: int, door: int | None = None) -> str:
+    if door is None:
+        return f"The pass key is {passkey}. Remember it. {passkey} is the pass key."
+    return f"The pass key for door {door} is {passkey}. Remember it. {passkey} is the pass key for door {door}."
+
+
+def question(door: int | None = None) -> str:
+    return QUESTION if door is None else f"What is the pass key for door {door}? The pass key for door {door} is"
+
+
+@dataclass(frozen=True)
+class Distractor:
+    """Another door's pass key at a depth of the filler (the hard variant)."""
+    door: int
+    passkey: int
+    depth: float
 
 
 @dataclass
@@ -51,6 +69,7 @@ class Trial:
     passkey: int
     answer: str
     correct: bool
+    door: int | None = None  # the door asked about in the hard variant
     replaced: str = ""  # the patch of a patched checkpoint that the method replaced (report.row_label)
 
 
@@ -59,13 +78,16 @@ def _ids(tokenizer, text: str) -> list[int]:
 
 
 def build_prompt(tokenizer, length: int, depth: float, passkey: int, filler_ids: list[int] | None = None,
-                 rng: random.Random | None = None) -> list[int]:
+                 rng: random.Random | None = None, door: int | None = None,
+                 distractors: tuple[Distractor, ...] = ()) -> list[int]:
     """Token ids of a prompt of exactly ``length`` tokens with the passkey line at ``depth`` (0 = right after
-    the task description, 1 = right before the question) of the filler."""
+    the task description, 1 = right before the question) of the filler; with ``door``, the question asks for that
+    door's key, and ``distractors`` are other doors' keys at their depths."""
     head = _ids(tokenizer, TASK + "\n")
-    info = _ids(tokenizer, "\n" + info_line(passkey) + "\n")
-    tail = _ids(tokenizer, "\n" + QUESTION)
-    n_filler = length - len(head) - len(info) - len(tail)
+    lines = [(depth, _ids(tokenizer, "\n" + info_line(passkey, door) + "\n"))]
+    lines += [(d.depth, _ids(tokenizer, "\n" + info_line(d.passkey, d.door) + "\n")) for d in distractors]
+    tail = _ids(tokenizer, "\n" + question(door))
+    n_filler = length - len(head) - sum(len(ids) for _, ids in lines) - len(tail)
     if n_filler < 0:
         raise UsageError(f"a passkey prompt needs at least {length - n_filler} tokens; length {length} is too short")
     if filler_ids is None:
@@ -76,8 +98,31 @@ def build_prompt(tokenizer, length: int, depth: float, passkey: int, filler_ids:
             raise DataError(f"the filler text has {len(filler_ids)} tokens; length {length} needs {n_filler}")
         start = (rng or random.Random(0)).randint(0, len(filler_ids) - n_filler)
         filler = filler_ids[start : start + n_filler]
-    cut = round(depth * n_filler)
-    return head + filler[:cut] + info + filler[cut:] + tail
+    body, cut = [], 0
+    for line_depth, ids in sorted(lines, key=lambda item: item[0]):
+        at = round(line_depth * n_filler)
+        body += filler[cut:at] + ids
+        cut = at
+    return head + body + filler[cut:] + tail
+
+
+def plan_keys(rng: random.Random, keys: int, digits: int) -> tuple[int, int | None, tuple[Distractor, ...]]:
+    """The asked passkey, its door (None for the single-key prompt) and the other doors' keys."""
+    low, high = 10 ** (digits - 1), 10**digits - 1
+    passkey = rng.randint(low, high)
+    if keys == 1:
+        return passkey, None, ()
+    doors = rng.sample(range(1, 100), keys)
+    return passkey, doors[0], tuple(Distractor(d, rng.randint(low, high), rng.random()) for d in doors[1:])
+
+
+def check_prompts_fit(tokenizer, lengths: list[int], filler_ids: list[int] | None, keys: int, digits: int) -> None:
+    """Build the shortest and the longest prompt once, so that a length too short for the keys or a filler text too
+    short for the length is refused before any model runs."""
+    for length in (min(lengths), max(lengths)):
+        rng = random.Random(0)
+        passkey, door, distractors = plan_keys(rng, keys, digits)
+        build_prompt(tokenizer, length, 0.5, passkey, filler_ids, rng, door, distractors)
 
 
 def answer_is(answer: str, passkey: int) -> bool:
@@ -87,7 +132,7 @@ def answer_is(answer: str, passkey: int) -> bool:
 
 def run_trials(model, tokenizer, label_model: str, label_method: str, lengths: list[int], depths: list[float],
                trials: int, seed: int, filler_ids: list[int] | None, max_new_tokens: int = 10, accelerator=None,
-               progress: bool = True) -> list[Trial]:
+               progress: bool = True, keys: int = 1, key_digits: int = 5) -> list[Trial]:
     """Every (length, depth, trial), split across processes when ``accelerator`` has several, gathered in order."""
     import torch
     from tqdm.auto import tqdm
@@ -97,7 +142,7 @@ def run_trials(model, tokenizer, label_model: str, label_method: str, lengths: l
         for depth in depths:
             for t in range(trials):
                 rng = random.Random(f"{seed}-{length}-{depth}-{t}")
-                plan.append((length, depth, t, rng.randint(10000, 99999), rng))
+                plan.append((length, depth, t, *plan_keys(rng, keys, key_digits), rng))
     rank = accelerator.process_index if accelerator is not None else 0
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -105,12 +150,14 @@ def run_trials(model, tokenizer, label_model: str, label_method: str, lengths: l
     mine = list(range(rank, len(plan), process_count(accelerator)))
     with torch.inference_mode():
         for i in tqdm(mine, desc=f"passkey {label_method}", leave=False, disable=not progress or rank != 0):
-            length, depth, t, key, rng = plan[i]
-            ids = torch.tensor([build_prompt(tokenizer, length, depth, key, filler_ids, rng)], device=device)
+            length, depth, t, key, door, distractors, rng = plan[i]
+            ids = torch.tensor([build_prompt(tokenizer, length, depth, key, filler_ids, rng, door, distractors)],
+                               device=device)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                  do_sample=False, pad_token_id=pad)
             answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-            local.append((i, Trial(label_model, label_method, length, depth, t, key, answer, answer_is(answer, key))))
+            local.append((i, Trial(label_model, label_method, length, depth, t, key, answer, answer_is(answer, key),
+                                   door)))
     return gather_in_order(local, accelerator)
 
 
@@ -144,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", default="512,1024,2048", help="prompt lengths in tokens (default %(default)s)")
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="passkey depths in [0, 1] (default %(default)s)")
     p.add_argument("--trials", type=int, default=5, help="trials per length and depth (default %(default)s)")
+    p.add_argument("--keys", type=int, default=1,
+                   help="pass keys in the prompt, each for its own door; one is asked (default %(default)s)")
+    p.add_argument("--key-digits", type=int, default=5, help="digits of each pass key (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--filler-file", default=None, help="real text as filler instead of the repeated grass/sky lines")
     p.add_argument("--encoding", default=DEFAULT_ENCODING, help="encoding of --filler-file (default utf-8)")
@@ -159,14 +209,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """Refuse nonsense settings before any model is loaded."""
-    check_at_least(args, 1, "trials", "max_new_tokens", "threads")
+    check_at_least(args, 1, "trials", "max_new_tokens", "threads", "keys", "key_digits")
+    if args.keys > 98:
+        raise UsageError(f"--keys is {args.keys}; at most 98 doors (1..99) fit in one prompt")
+    if args.key_digits > 18:
+        raise UsageError(f"--key-digits is {args.key_digits}; use at most 18")
     check_encoding(args.encoding)
 
 
 def run_passkey(args: argparse.Namespace, accelerator=None) -> tuple[list[Trial], dict, list[int], list[float]]:
     import torch
-
-    from hf_posenc import get_posenc_config
 
     check_args(args)
     lengths = parse_numbers(args.lengths, "--lengths", int)
@@ -189,24 +241,19 @@ def run_passkey(args: argparse.Namespace, accelerator=None) -> tuple[list[Trial]
         filler_ids = None
         if filler_text is not None:
             filler_ids = _ids(tokenizer, filler_text[: max(lengths) * 12])
-            build_prompt(tokenizer, max(lengths), 0.5, 12345, filler_ids)  # too-short filler fails here
+        check_prompts_fit(tokenizer, lengths, filler_ids, args.keys, args.key_digits)
         if not args.no_memory_check:
             check_memory(estimate_forward_bytes(model, max(lengths)), f"a {max(lengths)}-token prompt")
         for request in requests:
             request.check_patchable(model)
         name = Path(model_spec).name if Path(model_spec).exists() else model_spec
-        saved = get_posenc_config(model)  # a patched checkpoint: each method replaces its patch, on a fresh copy
-        for j, request in enumerate(requests):
-            if j and saved is not None:
-                model = load_model(model_spec, dtype=DTYPES[args.dtype], tokenizer=args.tokenizer, verbose=False)[0]
-                model.to(device)
-            replaced = saved.method if saved is not None and request.patches else ""
-            with warnings.catch_warnings():  # the row label says it
-                warnings.filterwarnings("ignore", message="patch_model replaces")
-                request.apply(model)
+        def reload():
+            return load_model(model_spec, dtype=DTYPES[args.dtype], tokenizer=args.tokenizer, verbose=False)[0].to(device)
+
+        for request, model, replaced in each_method(model, requests, reload):
             t0 = time.perf_counter()
             got = run_trials(model, tokenizer, name, request.label, lengths, depths, args.trials, args.seed, filler_ids,
-                             args.max_new_tokens, accelerator, not args.no_progress)
+                             args.max_new_tokens, accelerator, not args.no_progress, args.keys, args.key_digits)
             for trial in got:
                 trial.replaced = replaced
             trials.extend(got)
@@ -214,8 +261,6 @@ def run_passkey(args: argparse.Namespace, accelerator=None) -> tuple[list[Trial]
                 acc = sum(t.correct for t in got) / len(got)
                 print(f"  {report.row_label(name, request.label, replaced or None)}: accuracy {acc:.0%} over "
                       f"{len(got)} trials ({time.perf_counter() - t0:.0f} s)", flush=True)
-            if saved is None:
-                request.remove(model)
     settings = {**settings_of(args),
                 "lengths": lengths, "depths": depths, "prompt": {"task": TASK, "garbage": GARBAGE,
                                                                   "question": QUESTION, "info": info_line(12345)},

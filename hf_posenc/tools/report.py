@@ -148,6 +148,94 @@ def passkey_heatmap(path: Path, table: AccuracyTable, lengths: list[int], depths
     plt.close(fig)
 
 
+# --- retrieval scored two ways (needle in a haystack) ---------------------------------------------------------
+RetrievalTable = dict[tuple[str, int, float], dict[str, float]]  # (label, length, depth) -> exact, logprob, ...
+
+
+def write_rows_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows({k: f"{v:.4f}" if isinstance(v, float) else v for k, v in row.items()} for row in rows)
+
+
+def retrieval_markdown(table: RetrievalTable, lengths: list[int], depths: list[float]) -> str:
+    """Exact-match accuracy (mean log-probability of the answer) per length and depth."""
+    lines = ["| model | length | " + " | ".join(f"depth {d:g}" for d in depths) + " |",
+             "| --- | ---: | " + " | ".join("---:" for _ in depths) + " |"]
+    for label in dict.fromkeys(key[0] for key in table):
+        for n in lengths:
+            cells = [table.get((label, n, d)) for d in depths]
+            lines.append(f"| {label} | {n} | " + " | ".join(
+                "-" if c is None else f"{c['exact']:.0%} ({c['logprob']:.2f})" for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def retrieval_heatmaps(path: Path, table: RetrievalTable, lengths: list[int], depths: list[float],
+                       depth_label: str) -> None:
+    """Per model a column of two heat-maps over length (x) and depth (y): exact-match accuracy, and the answer's
+    mean log-probability per token (shared colour scale across models)."""
+    plt = _pyplot()
+    labels = list(dict.fromkeys(key[0] for key in table))
+    logprobs = [cell["logprob"] for cell in table.values() if math.isfinite(cell["logprob"])] or [0.0]
+    low, high = min(logprobs), max(max(logprobs), min(logprobs) + 1e-6)
+    fig, axes = plt.subplots(2, len(labels), squeeze=False, layout="constrained",
+                             figsize=(2 + (0.9 * len(lengths) + 2) * len(labels), 2 * (0.5 * len(depths) + 2)))
+    for column, label in enumerate(labels):
+        for row, (score, vmin, vmax, cmap, fmt) in enumerate((("exact", 0, 1, "RdYlGn", "{:.0%}"),
+                                                             ("logprob", low, high, "viridis", "{:.2f}"))):
+            ax = axes[row][column]
+            grid = [[table.get((label, n, d), {}).get(score, float("nan")) for n in lengths] for d in depths]
+            image = ax.imshow(grid, vmin=vmin, vmax=vmax, cmap=cmap, aspect="auto")
+            ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
+            ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
+            ax.set_xlabel("prompt length (tokens)", fontsize=8)
+            if column == 0:
+                ax.set_ylabel(depth_label, fontsize=8)
+            ax.set_title(f"{label}: {'exact match' if score == 'exact' else 'answer log-prob / token'}", fontsize=8)
+            for y, values in enumerate(grid):
+                for x, value in enumerate(values):
+                    ax.text(x, y, "-" if math.isnan(value) else fmt.format(value), ha="center", va="center",
+                            fontsize=7)
+            if column == len(labels) - 1:
+                fig.colorbar(image, ax=axes[row].tolist(), fraction=0.03)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
+# --- metrics of several tasks (lm-eval) --------------------------------------------------------------------------
+def metric_markdown(rows: list[dict]) -> str:
+    """A row per task and metric, a column per model: ``value +- stderr``."""
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    cells = {(r["task"], r["metric"], r["model"]): r for r in rows}
+    lines = ["| task | metric | " + " | ".join(models) + " |", "| --- | --- | " + " | ".join("---:" for _ in models) + " |"]
+    for task, metric in dict.fromkeys((r["task"], r["metric"]) for r in rows):
+        values = []
+        for model in models:
+            r = cells.get((task, metric, model))
+            values.append("-" if r is None else f"{r['value']:.4g}" + (
+                f" \u00b1 {r['stderr']:.2g}" if math.isfinite(r.get("stderr", math.nan)) else ""))
+        lines.append(f"| {task} | {metric} | " + " | ".join(values) + " |")
+    return "\n".join(lines)
+
+
+def metric_bars(path: Path, rows: list[dict]) -> None:
+    """A panel per task and metric, a bar per model with its standard error."""
+    plt = _pyplot()
+    panels = list(dict.fromkeys((r["task"], r["metric"]) for r in rows))
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(1 + 3.2 * max(1, len(panels)), 3.6), squeeze=False)
+    for ax, (task, metric) in zip(axes[0], panels):
+        chosen = [r for r in rows if (r["task"], r["metric"]) == (task, metric)]
+        errors = [r["stderr"] if math.isfinite(r.get("stderr", math.nan)) else 0.0 for r in chosen]
+        ax.bar(range(len(chosen)), [r["value"] for r in chosen], yerr=errors, capsize=3)
+        ax.set_xticks(range(len(chosen)), [r["model"] for r in chosen], rotation=30, ha="right", fontsize=7)
+        ax.set_title(f"{task}: {metric}", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 # --- the demo: one perplexity per method ----------------------------------------------------------------------
 def demo_markdown(results: Iterable) -> str:
     """A row per method result (``method``, ``perplexity``, ``n_scored_tokens``, ``seconds``, ``continuation``,

@@ -219,6 +219,28 @@ class MethodRequest:
             unpatch_model(model)
 
 
+def each_method(model, requests: list[MethodRequest], reload: Callable[[], Any]):
+    """Yield ``(request, model, replaced)`` for each request, the request applied to the model and removed after the
+    caller's step. On a patched checkpoint (``replaced``: the method of its own patch, which a patching request
+    replaces, else "") every request after the first runs on a fresh copy from ``reload()``, so that ``none`` still
+    means the checkpoint as trained; the replacement warning is left to the row label, which says it."""
+    import warnings
+
+    from hf_posenc import get_posenc_config
+
+    saved = get_posenc_config(model)
+    for j, request in enumerate(requests):
+        if j and saved is not None:
+            model = reload()
+        replaced = saved.method if saved is not None and request.patches else ""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="patch_model replaces")
+            request.apply(model)
+        yield request, model, replaced
+        if saved is None:
+            request.remove(model)
+
+
 # --- several processes ----------------------------------------------------------------------------------------
 def launched_by_accelerate() -> bool:
     """Whether this process was started by ``accelerate launch`` (or torchrun) with several processes."""

@@ -97,6 +97,43 @@ def test_two_processes_give_the_trials_of_one(tmp_path):
 
 
 
+def test_hard_variant_several_doors_one_asked(tok):
+    rng = random.Random(3)
+    passkey_value, door, distractors = passkey.plan_keys(rng, 4, 7)
+    assert 10**6 <= passkey_value < 10**7 and len(distractors) == 3
+    assert len({door, *(d.door for d in distractors)}) == 4 and all(10**6 <= d.passkey < 10**7 for d in distractors)
+    ids = passkey.build_prompt(tok, 1500, 0.25, passkey_value, None, rng, door, distractors)
+    text = tok.decode(ids)
+    assert len(ids) == 1500 and text.endswith(passkey.question(door))
+    assert all(passkey.info_line(d.passkey, d.door) in text for d in distractors)
+    asked = text.index(passkey.info_line(passkey_value, door))
+    body = len(text) - len(passkey.TASK) - len(passkey.question(door)) - sum(
+        len(passkey.info_line(k, n)) + 2 for k, n in [(passkey_value, door)] + [(d.passkey, d.door) for d in distractors])
+    earlier = sum(len(passkey.info_line(d.passkey, d.door)) + 2 for d in distractors if d.depth < 0.25)
+    assert abs((asked - len(passkey.TASK) - 2 - earlier) / body - 0.25) < 0.01
+    # a single 5-digit key draws exactly what the original prompt drew: earlier results stay comparable
+    assert passkey.plan_keys(random.Random("0-100-0.5-0"), 1, 5) == (random.Random("0-100-0.5-0").randint(10000, 99999),
+                                                                  None, ())
+
+
+def test_hard_variant_end_to_end(tmp_path, capsys):
+    model_dir = save_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "hard"
+    argv = ["--model", str(model_dir), "--lengths", "600", "--depths", "0.5", "--trials", "2", "--keys", "3",
+            "--key-digits", "6", "--max-new-tokens", "3", "--output-dir", str(out), "--no-progress"]
+    assert run_cli("passkey", argv) == 0
+    data = json.loads((out / "passkey.json").read_text())
+    assert all(len(str(t["passkey"])) == 6 and t["door"] is not None for t in data["trials"])
+    assert data["settings"]["keys"] == 3
+    for bad, message in ((["--keys", "0"], "--keys must be an integer >= 1, got 0"),
+                         (["--keys", "99"], "at most 98 doors"),
+                         (["--lengths", "200"], "length 200 is too short")):
+        assert run_cli("passkey", [*argv[:-3], "--output-dir", str(tmp_path / "bad"), "--no-progress", *bad]) == 2
+        err = capsys.readouterr().err
+        assert message in err.rstrip().splitlines()[-1] and "Traceback" not in err, err
+        assert not (tmp_path / "bad").exists()
+
+
 def test_a_patched_checkpoint_keeps_its_patch_for_every_method(tmp_path, monkeypatch):
     """On a fine-tuned patched checkpoint, a --method replaces its patch (the row says so) and --method none after
     it still evaluates the checkpoint as trained: it was the base model, unpatched by the method before it and

@@ -1,0 +1,215 @@
+"""``hf-posenc lm-eval``: what a swap or an extension costs at short lengths, measured by lm-eval (EleutherAI's
+lm-evaluation-harness, the ``lm-eval`` package) on the patched model object.
+
+    hf-posenc lm-eval --model smollm2 --method none --method yarn:factor=4 --tasks hellaswag,arc_easy,wikitext
+    hf-posenc lm-eval --model runs/kerple-ft --tasks cloze --data-dir ../shared/data --limit 100
+
+The model is loaded and patched as in the other commands, then wrapped in lm-eval's ``HFLM`` (``pretrained=`` the
+model object), so lm-eval scores exactly what hf_posenc computes. Standard tasks (hellaswag, arc_easy, wikitext, ...)
+need their datasets from the Hugging Face Hub. Offline, ``--tasks cloze`` is a task built here from local text
+(``build_cloze_task``): a passage, and four continuations of which one is the passage's real next sentence and the
+others are sentences from elsewhere in the text; lm-eval scores it as multiple choice (``acc``, ``acc_norm``).
+``--include-path DIR`` adds your own lm-eval task YAML files.
+
+Outputs in ``--output-dir``: ``lm_eval.csv`` (model, task, metric, value, stderr), ``lm_eval.json`` (lm-eval's results
+and the settings) and ``lm_eval.png`` (a bar per model and metric). One process: lm-eval does not split the requests of a
+model object that is passed in already built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import re
+from pathlib import Path
+
+from . import report
+from .models import SMOLLM2, load_model
+from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir, write_json
+from .runtime import (DTYPES, UNPATCHED, MethodRequest, UsageError, check_at_least, each_method, set_threads,
+                      settings_of, versions)
+from .text import DEFAULT_ENCODING, DataError, check_encoding, data_dir, read_text
+
+CLOZE_TASK = "cloze"
+CLOZE_CHOICES = 4
+
+
+def sentences_of(text: str) -> list[str]:
+    """The text's sentences in order, whitespace collapsed: split after ., ! or ? (and closing quotes) where the next
+    sentence starts with a capital or an opening quote."""
+    flat = " ".join(text.split())
+    ends = r"(?:(?<=[.!?])|(?<=[.!?][\"'\u201d\u2019)]))"
+    return [s for s in re.split(ends + r" (?=[\"\u201c\u2018A-Z])", flat) if s]
+
+
+def cloze_documents(text: str, n_docs: int, context_sentences: int = 3, seed: int = 0,
+                    max_words: int = 60) -> list[dict]:
+    """``n_docs`` multiple-choice documents: ``context`` (``context_sentences`` consecutive sentences), ``choices``
+    (the real next sentence and CLOZE_CHOICES - 1 sentences from elsewhere, in random order), ``label`` (the index of
+    the real one). Every sentence used has 4 to ``max_words`` words."""
+    sentences = sentences_of(text)
+    usable = [4 <= len(s.split()) <= max_words for s in sentences]
+    span = context_sentences + 1
+    starts = [i for i in range(0, len(sentences) - span + 1, span) if all(usable[i : i + span])]
+    if len(starts) < n_docs or sum(usable) < span * n_docs + CLOZE_CHOICES:
+        raise DataError(f"the text has {len(starts)} runs of {span} usable sentences; {n_docs} cloze documents need "
+                        f"{n_docs} (use more text or fewer documents)")
+    rng = random.Random(seed)
+    docs = []
+    for start in sorted(rng.sample(starts, n_docs)):
+        real = sentences[start + context_sentences]
+        others = [i for i, ok in enumerate(usable) if ok and not start <= i < start + span]
+        choices = [real] + [sentences[i] for i in rng.sample(others, CLOZE_CHOICES - 1)]
+        rng.shuffle(choices)
+        docs.append({"context": " ".join(sentences[start : start + context_sentences]), "choices": choices,
+                     "label": choices.index(real)})
+    return docs
+
+
+def build_cloze_task(text: str, directory: Path, n_docs: int = 200, seed: int = 0, context_sentences: int = 3,
+                     max_words: int = 60) -> Path:
+    """Write the cloze task (its documents as JSON lines and its lm-eval YAML) into ``directory``; the folder to pass
+    to lm-eval's ``TaskManager(include_path=...)``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    data = directory / "cloze.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in cloze_documents(text, n_docs, context_sentences, seed, max_words)), encoding="utf-8")
+    # JSON is YAML: lm-eval reads this task definition like its own task files.
+    task = {"task": CLOZE_TASK, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
+            "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "{{context}}",
+            "doc_to_choice": "{{choices}}", "doc_to_target": "{{label}}",
+            "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+                            {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}],
+            "metadata": {"version": 1.0}}
+    (directory / "cloze.yaml").write_text(json.dumps(task, indent=2), encoding="utf-8")
+    return directory
+
+
+def evaluate_model(model, tokenizer, tasks: list[str], include_path: Path | None = None, limit: int | None = None,
+                   num_fewshot: int | None = None, batch_size: int = 1, seed: int = 0,
+                   max_length: int | None = None) -> dict:
+    """lm-eval's ``simple_evaluate`` on this model object (patched or not): its ``results`` per task. lm-eval cuts
+    each input to ``max_length`` tokens from the left (default: the model's window from its config)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    device = str(next(model.parameters()).device)
+    wrapped = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
+                   max_length=max_length)
+    manager = TaskManager(include_path=str(include_path) if include_path else None)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise UsageError(f"lm-eval knows no task {', '.join(map(repr, unknown))}; use lm-eval's task names "
+                         f"(hellaswag, arc_easy, wikitext, ...), {CLOZE_TASK!r}, or your own YAML with --include-path")
+    out = simple_evaluate(model=wrapped, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
+                          random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+                          log_samples=False)
+    return {} if out is None else out["results"]  # None on processes other than the main one
+
+
+def metric_rows(label: str, results: dict) -> list[dict]:
+    """lm-eval's results as rows: model, task, metric, value, stderr."""
+    rows = []
+    for task, values in results.items():
+        for key, value in values.items():
+            metric, comma, _filter = key.partition(",")  # lm-eval's metric keys are "metric,filter"
+            if not comma or metric.endswith("_stderr") or not isinstance(value, (int, float)):
+                continue
+            stderr = values.get(f"{metric}_stderr,{_filter}")
+            rows.append({"model": label, "task": task, "metric": metric, "value": float(value),
+                         "stderr": float(stderr) if isinstance(stderr, (int, float)) else math.nan})
+    return rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hf-posenc lm-eval", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", action="append", default=None, help="as eval-ppl; repeatable (default: smollm2)")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--method", action="append", default=None, help="'none' or NAME[:KEY=VALUE,...]; repeatable")
+    p.add_argument("--tasks", default=CLOZE_TASK, help="lm-eval task names, comma-separated")
+    p.add_argument("--include-path", type=Path, default=None, help="a folder of your own lm-eval task YAML files")
+    p.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
+    p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--max-length", type=int, default=None,
+                   help="lm-eval cuts inputs to this many tokens (default: the model's window from its config)")
+    p.add_argument("--cloze-file", default=None, help="text of the cloze task (default: the Frankenstein book of "
+                                                      "--data-dir)")
+    p.add_argument("--cloze-documents", type=int, default=200)
+    p.add_argument("--data-dir", default=None, help="the shared text folder (default: $HF_POSENC_DATA)")
+    p.add_argument("--encoding", default=DEFAULT_ENCODING)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--output-dir", type=Path, default=Path("runs/lm-eval"))
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    p.add_argument("--threads", type=int, default=None)
+    return p
+
+
+def check_args(args: argparse.Namespace) -> list[str]:
+    check_at_least(args, 1, "batch_size", "cloze_documents", "limit", "threads", "max_length")
+    check_at_least(args, 0, "num_fewshot")
+    check_encoding(args.encoding)
+    tasks = [t for t in args.tasks.split(",") if t]
+    if not tasks:
+        raise UsageError("--tasks is empty; give lm-eval task names, e.g. --tasks cloze or --tasks hellaswag,arc_easy")
+    if args.include_path is not None and not args.include_path.is_dir():
+        raise UsageError(f"--include-path {args.include_path} is not a folder; give the folder of your task YAML files")
+    return tasks
+
+
+def cloze_text(args: argparse.Namespace) -> str:
+    if args.cloze_file:
+        return read_text(args.cloze_file, args.encoding)
+    return read_text(data_dir(args.data_dir) / "pg84-frankenstein.txt", args.encoding)
+
+
+def run_lm_eval(args: argparse.Namespace, work_dir: Path) -> tuple[list[dict], dict]:
+    """Every model x method through lm-eval; the rows and lm-eval's results per row label."""
+    import torch
+
+    tasks = check_args(args)
+    requests = [MethodRequest.parse(m) for m in (args.method or [UNPATCHED])]
+    for request in requests:
+        request.check()
+    include = args.include_path
+    if CLOZE_TASK in tasks:
+        include = build_cloze_task(cloze_text(args), work_dir / "tasks", args.cloze_documents, args.seed)
+        if args.include_path is not None:  # lm-eval takes one folder: both task sets side by side
+            for path in args.include_path.glob("*.y*ml"):
+                (include / path.name).write_bytes(path.read_bytes())
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows, results = [], {}
+    for model_spec in args.model or [SMOLLM2]:
+        model, tokenizer = load_model(model_spec, dtype=DTYPES[args.dtype], tokenizer=args.tokenizer, verbose=True)
+        model.to(device)
+        for request in requests:
+            request.check_patchable(model)
+        name = Path(model_spec).name if Path(model_spec).exists() else model_spec
+        def reload():
+            return load_model(model_spec, dtype=DTYPES[args.dtype], tokenizer=args.tokenizer, verbose=False)[0].to(device)
+
+        for request, model, replaced in each_method(model, requests, reload):
+            label = report.row_label(name, request.label, replaced or None)
+            results[label] = evaluate_model(model, tokenizer, tasks, include, args.limit, args.num_fewshot,
+                                            args.batch_size, args.seed, args.max_length)
+            rows += metric_rows(label, results[label])
+    return rows, results
+
+
+def run(args: argparse.Namespace) -> None:
+    set_threads(args.threads)
+    check_args(args)
+    check_output_dir(args.output_dir, "lm-eval", args.overwrite)
+    with atomic_output_dir(args.output_dir, "lm-eval", args.overwrite) as out:
+        rows, results = run_lm_eval(args, out)
+        report.write_rows_csv(out / "lm_eval.csv", rows, ["model", "task", "metric", "value", "stderr"])
+        write_json(out / "lm_eval.json", {"settings": {**settings_of(args), "versions": versions()},
+                                          "results": results, "rows": rows})
+        report.metric_bars(out / "lm_eval.png", rows)
+    print()
+    print(report.metric_markdown(rows))
+    print(f"wrote {args.output_dir}/lm_eval.csv, lm_eval.json, lm_eval.png")

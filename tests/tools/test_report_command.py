@@ -1,0 +1,69 @@
+"""hf-posenc report: runs of several commands in one Markdown page, with their plots, that a model card takes."""
+
+from __future__ import annotations
+
+import pytest
+from tool_helpers import BOOK, run_cli, save_tiny_model
+
+import hf_posenc
+from hf_posenc.tools import collect
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    model = save_tiny_model(root / "tiny")
+    common = ["--model", str(model), "--method", "none", "--method", "alibi", "--no-progress"]
+    assert run_cli("eval-ppl", [*common, "--lengths", "32,64", "--text-file", str(BOOK), "--max-windows", "2",
+                                "--output-dir", str(root / "ppl")]) == 0
+    assert run_cli("passkey", [*common, "--lengths", "300", "--depths", "0,1", "--trials", "1", "--max-new-tokens",
+                               "2", "--output-dir", str(root / "pk")]) == 0
+    assert run_cli("niah", [*common, "--lengths", "500", "--depths", "0.5", "--trials", "1", "--max-new-tokens", "2",
+                            "--haystack-file", str(BOOK), "--output-dir", str(root / "niah")]) == 0
+    return root
+
+
+def test_report_has_every_run_its_table_and_its_plot(runs, tmp_path):
+    out = tmp_path / "report"
+    assert run_cli("report", [str(runs / "ppl"), str(runs / "pk"), str(runs / "niah"), "--output-dir", str(out),
+                              "--title", "tiny"]) == 0
+    page = (out / "report.md").read_text()
+    assert page.startswith("# tiny\n")
+    for title, plot in (("Perplexity vs context length (ppl)", "ppl-perplexity.png"),
+                        ("Passkey retrieval (pk)", "pk-passkey.png"), ("Needle in a haystack (niah)", "niah-niah.png")):
+        assert f"## {title}" in page and f"]({plot})" in page
+        assert (out / plot).read_bytes() == (runs / title.split("(")[1][:-1] / plot.split("-", 1)[1]).read_bytes()
+    assert "| tiny | 32 | 64 |" not in page and "| model | 32 | 64 |" in page and "| tiny + alibi |" in page
+    assert "| model | length | depth 0 | depth 1 |" in page and "| tiny + alibi | 300 |" in page
+    assert "| model | length | depth 0.5 |" in page
+    assert "`hf-posenc passkey`: model:" in page and "trials: 1" in page
+
+
+def test_a_model_card_takes_the_report(runs, tmp_path):
+    out = tmp_path / "report"
+    assert run_cli("report", [str(runs / "pk"), "--output-dir", str(out)]) == 0
+    from transformers import AutoModelForCausalLM
+
+    model = hf_posenc.patch_model(AutoModelForCausalLM.from_pretrained(runs / "tiny"), "alibi")
+    card = str(hf_posenc.make_model_card(model, evaluation=out / "report.md"))
+    assert "## Evaluation" in card and "### Evaluation" in card and "#### Passkey retrieval (pk)" in card
+    assert "| tiny + alibi | 300 |" in card
+
+
+def test_bad_input_is_one_line(runs, tmp_path, capsys):
+    out = tmp_path / "report"
+    (tmp_path / "foreign").mkdir()
+    for argv, message in (([str(tmp_path / "nowhere")], "is not a folder"),
+                          ([str(tmp_path / "foreign")], "is not the output of an hf-posenc run"),
+                          ([str(runs / "pk"), str(runs / "tiny")], "is not the output of an hf-posenc run")):
+        assert run_cli("report", [*argv, "--output-dir", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert message in err.rstrip().splitlines()[-1] and "Traceback" not in err, err
+        assert not out.exists()
+    (runs / "pk" / "passkey.json").rename(runs / "pk" / "moved.json")
+    try:
+        assert run_cli("report", [str(runs / "pk"), "--output-dir", str(out)]) == 2
+        assert "passkey.json cannot be read" in capsys.readouterr().err
+    finally:
+        (runs / "pk" / "moved.json").rename(runs / "pk" / "passkey.json")
+    assert collect.read_run(runs / "pk")[0] == "passkey"

@@ -190,6 +190,9 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     dropout = dropout if module.training else 0.0
     eager = state.backend == "eager"
     layer_idx = getattr(module, "layer_idx", 0) or 0
+    if state.call.traced:
+        return _traced(module, state, layer_idx, query, key, value, attention_mask, scaling, dropout, eager,
+                       query_slots, key_slots, query_positions, key_positions)
 
     if not eager and dropout == 0.0 and has_bias and state.call.shift is not None:
         output = _kernel_output(module, state, layer_idx, query, key, value, attention_mask, scaling, query_slots,
@@ -278,6 +281,30 @@ def _blocked(module, state, layer_idx, query, key, value, attention_mask, scalin
     output = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
     attn_weights = (torch.cat(weights, dim=2) if len(weights) > 1 else weights[0]) if eager else None
     return output.transpose(1, 2).contiguous(), attn_weights
+
+
+def _traced(module, state, layer_idx, query, key, value, attention_mask, scaling, dropout, eager, query_slots,
+            key_slots, query_positions, key_positions):
+    """The attention of a call under torch.compile: one block, the mask computed from positions (block_mask), with no
+    decision that reads a tensor's value (such decisions would break the graph or recompile per value). No
+    `last_paths` bookkeeping: dynamo would guard on the counter and recompile on every call."""
+    groups = query.shape[1] // key.shape[1]
+    rows = slice(0, query.shape[2])
+    if isinstance(state.method, RotaryMethod) and state.method.rotates_per_query_block:
+        query, key = state.method.rotate_query_key(query, key, query_positions, key_positions, state.call.seq_len)
+    mask = block_mask(state, layer_idx, rows, query_slots, key_slots, query_positions, key_positions, attention_mask,
+                      query.dtype)
+    if not eager:
+        output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                                enable_gqa=groups > 1)
+        return output.transpose(1, 2).contiguous(), None
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool else scores + mask
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = F.dropout(probs, p=dropout, training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 
 
 def query_blocks(query_positions: torch.Tensor, step: int, max_spread: float | None = None) -> list[slice]:

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..errors import PosEncError
 from ..methods.base import AbsolutePositionMethod, PositionalMethod, RotaryMethod
 
 STATE_ATTR = "hf_posenc_state"
@@ -43,6 +44,9 @@ class CallPositions:
     shift: torch.Tensor | None
     seq_len: int = 0  # highest position + 1: what length-dependent rotary scalings depend on
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None  # rotary cos/sin of the queries
+    # Set under torch.compile (see PositionState.update_traced): `slot_offset` may be a 0-d tensor and
+    # `key_positions` holds only the position of slot 0 [B or 1, 1]: each key sits at its slot plus that.
+    traced: bool = False
 
 
 class PositionState:
@@ -67,6 +71,23 @@ class PositionState:
         call = getattr(self._calls, "current", None)
         if call is None:
             raise RuntimeError("hf_posenc: attention ran before the base model's pre-hook set the positions.")
+        return call
+
+    def update_traced(self, query_positions: torch.Tensor, slot_offset) -> CallPositions:
+        """`update` inside torch.compile, where no decision may depend on tensor values: `slot_offset` may be a
+        0-d tensor (a StaticCache's length) and every token is taken to sit at its slot plus the last query's
+        shift (position - slot); the attention path then computes from positions (shift None). That is exact for
+        consecutive ids and for left padding (whose padding, masked anyway, gets other positions from generate)."""
+        q = query_positions.shape[-1]
+        first_key = query_positions[:, -1:] - (slot_offset + q - 1)
+        call = CallPositions(query_positions, first_key, slot_offset, None, traced=True)
+        if isinstance(self.method, RotaryMethod):
+            if self.method.length_dependent:
+                raise PosEncError(
+                    f"{self.method.config.method!r} rescales with the length of each forward, which torch.compile "
+                    "cannot trace; run the model uncompiled, or use a fixed RoPE scaling ('yarn', 'linear', 'ntk').")
+            call.cos_sin = self.method.cos_sin(query_positions, 0)
+        self._calls.current = call
         return call
 
     def update(self, query_positions: torch.Tensor, slot_offset: int, past_positions: torch.Tensor | None = None,
@@ -95,6 +116,11 @@ class PositionState:
     def slots(self, q: int, kv: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache slots of the q queries and the kv keys seen by attention."""
         offset = self.call.slot_offset
+        if self.call.traced:  # offset may be a tensor: slot arithmetic without reading its value
+            query_slots = offset + torch.arange(q, device=device)
+            key_slots = (offset + q - kv).clamp_min(0) + torch.arange(kv, device=device) \
+                if isinstance(offset, torch.Tensor) else max(0, offset + q - kv) + torch.arange(kv, device=device)
+            return query_slots, key_slots
         query_slots = torch.arange(offset, offset + q, device=device)
         # A dynamic cache holds exactly offset + q keys, a static one more (the extra slots are masked), a
         # sliding-window cache fewer (only the last kv).
@@ -108,6 +134,8 @@ class PositionState:
         position."""
         query_slots, key_slots = self.slots(q, kv, device)
         call = self.call
+        if call.traced:
+            return query_slots, key_slots, call.query_positions.to(device), call.key_positions.to(device) + key_slots
         first_key = int(key_slots[0]) if kv else 0
         key_positions = call.key_positions[:, first_key:first_key + kv].to(device)
         missing = kv - key_positions.shape[-1]
@@ -154,16 +182,26 @@ class PositionCapture:
             return None
         q = source.shape[-2] if inputs_embeds is not None else source.shape[-1]
         cache = arguments.get("past_key_values")
-        offset = int(cache.get_seq_length()) if cache is not None else 0
+        traced = torch.compiler.is_compiling()
+        offset = cache.get_seq_length() if cache is not None else 0
+        if not traced:
+            offset = int(offset)
+        elif isinstance(offset, torch.Tensor):
+            # Under torch.compile a StaticCache's length stays a tensor (reading its value would break the graph);
+            # a copy, because the first layer's cache update increments that tensor in place.
+            offset = offset.clone()
         positions = arguments.get("position_ids")
         if positions is None:
             positions = self.default_positions(arguments, q, offset, source.device)
         positions = positions.reshape(-1, q).long()
         embed_tokens = module.get_input_embeddings()
-        if self.replay is not None:
-            arguments, positions, offset = self.replay.prepare(arguments, positions, offset, cache, embed_tokens)
-        past = getattr(cache, KEY_POSITIONS_ATTR, None) if offset else None
-        self.state.update(positions, offset, past, attended_tokens(arguments.get("attention_mask"), offset + q))
+        if traced:
+            self.state.update_traced(positions, offset)
+        else:
+            if self.replay is not None:
+                arguments, positions, offset = self.replay.prepare(arguments, positions, offset, cache, embed_tokens)
+            past = getattr(cache, KEY_POSITIONS_ATTR, None) if offset else None
+            self.state.update(positions, offset, past, attended_tokens(arguments.get("attention_mask"), offset + q))
 
         if not isinstance(self.state.method, AbsolutePositionMethod):
             return ((), arguments) if self.replay is not None else None
@@ -184,8 +222,10 @@ class RecordKeyPositions:
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output):
         cache = getattr(output, "past_key_values", None)
-        if cache is not None:
+        if cache is not None and not self.state.call.traced:
             setattr(cache, KEY_POSITIONS_ATTR, self.state.call.key_positions)
+        elif cache is not None:  # a compiled forward does not track positions: later calls take them as consecutive
+            setattr(cache, KEY_POSITIONS_ATTR, None)
         return output
 
 
@@ -202,5 +242,6 @@ def forward_parameter_names(module: nn.Module) -> list[str]:
 
 
 def positions_after_offset(arguments: dict[str, Any], q: int, offset: int, device: torch.device) -> torch.Tensor:
-    """What LLaMA and GPT-2 use when no position_ids are given: consecutive positions after the cache."""
-    return torch.arange(offset, offset + q, device=device)[None]
+    """What LLaMA and GPT-2 use when no position_ids are given: consecutive positions after the cache (`offset`
+    may be a 0-d tensor under torch.compile)."""
+    return (offset + torch.arange(q, device=device))[None]

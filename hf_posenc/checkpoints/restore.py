@@ -96,8 +96,9 @@ def check_before_building(model: nn.Module, metadata: dict[str, Any], configs: l
         raise PosEncError(f"{POSENC_CONFIG_NAME}: applied_after lists {[c.method for c in configs[:-1]]}, but "
                           f"{metadata['method']!r} with these options builds on {needed}; the file was edited or "
                           "written by another tool. Refusing to load.")
-    # where the family installs the method: `<base model>.posenc`
-    prefix = _module_name(model, get_family(model.config).base_model(model)) + ".posenc."
+    # where the family installs the method: `<base model>.posenc` (GPT-2's absolute methods: `<base model>.wpe`)
+    family = get_family(model.config)
+    prefix = f"{_module_name(model, family.base_model(model))}.{family.method_attribute(method)}."
     expected = {prefix + key: tuple(value.shape) for key, value in method.state_dict().items()}
     recorded = metadata["positional_state"]
     if set(recorded) != set(expected):

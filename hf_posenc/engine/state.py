@@ -25,6 +25,7 @@ from ..errors import PosEncError
 from ..methods.base import AbsolutePositionMethod, PositionalMethod, RotaryMethod
 
 STATE_ATTR = "hf_posenc_state"
+ATTENTION_BACKENDS = ("sdpa", "eager", None)  # None: not chosen yet, transformers' default (sdpa)
 KEY_POSITIONS_ATTR = "hf_posenc_key_positions"  # on a KV cache: [B or 1, n] positions of the n cached tokens
 
 
@@ -53,14 +54,27 @@ class PositionState:
     """The method a model was patched with, its attention backend, and the positions of the current forward
     (per thread)."""
 
-    def __init__(self, method: PositionalMethod, backend: str):
+    def __init__(self, method: PositionalMethod, model_config):
         self.method = method
-        self.backend = backend  # the attention implementation the model had before patching
+        self.model_config = model_config  # the model's own config: its attention implementation is the backend
         self._calls = threading.local()
+
+    @property
+    def eager(self) -> bool:
+        """True when the model's config asks for eager attention (weights returned), False for sdpa; any other
+        implementation cannot carry the method's positions and is refused."""
+        backend = self.model_config._attn_implementation
+        if backend not in ATTENTION_BACKENDS:
+            raise PosEncError(
+                f"The model is patched with {self.method.config.method!r}, whose attention hf_posenc computes with "
+                f"'eager' or 'sdpa', but its attention implementation is now {backend!r}. Call "
+                "model.set_attn_implementation('sdpa') (or 'eager'), or hf_posenc.unpatch_model(model) first to use "
+                f"{backend!r} without the patch.")
+        return backend == "eager"
 
     # A thread-local cannot be copied or pickled; a copy starts with no forward in flight.
     def __getstate__(self) -> dict:
-        return {"method": self.method, "backend": self.backend}
+        return {"method": self.method, "model_config": self.model_config}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -167,8 +181,10 @@ class PositionCapture:
     adapter-wrapped embedding (resize_token_embeddings, PEFT) is the one used."""
 
     def __init__(self, state: PositionState, parameter_names: list[str],
-                 default_positions: Callable[[dict[str, Any], int, int, torch.device], torch.Tensor], replay=None):
+                 default_positions: Callable[[dict[str, Any], int, int, torch.device], torch.Tensor], replay=None,
+                 adds_embeddings: bool = True):
         self.state = state
+        self.adds_embeddings = adds_embeddings  # False: the model calls the absolute method itself (GPT-2's wpe)
         self.parameter_names = parameter_names  # the base model's forward parameters, in order
         self.default_positions = default_positions
         self.replay = replay  # a PrefixReplay for length-dependent RoPE scalings with exact caching
@@ -203,7 +219,7 @@ class PositionCapture:
             past = getattr(cache, KEY_POSITIONS_ATTR, None) if offset else None
             self.state.update(positions, offset, past, attended_tokens(arguments.get("attention_mask"), offset + q))
 
-        if not isinstance(self.state.method, AbsolutePositionMethod):
+        if not (self.adds_embeddings and isinstance(self.state.method, AbsolutePositionMethod)):
             return ((), arguments) if self.replay is not None else None
         if inputs_embeds is None:
             inputs_embeds = embed_tokens(input_ids)

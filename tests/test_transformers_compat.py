@@ -103,3 +103,24 @@ def test_gpt2_absolute_method_in_bfloat16_keeps_the_dtype():
     hf_posenc.patch_model(model, "sinusoidal")
     with torch.no_grad():
         assert model(random_ids(1, 5)).logits.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("model_type, method", [("gpt2", "t5"), ("llama", "t5"), ("gpt2", "learned")])
+def test_patched_base_model_checkpoint_loads_with_and_without_head(model_type, method, tmp_path):
+    from hf_posenc.checkpoint import POSENC_CONFIG_NAME, load_saved_patch, read_metadata
+
+    torch.manual_seed(0)
+    base = hf_posenc.patch_model(AutoModel.from_config(CONFIGS[model_type]()).eval(), method)
+    with torch.no_grad():
+        for parameter in hf_posenc.get_positional_module(base).parameters():
+            parameter.add_(torch.randn_like(parameter))  # as after training: not what a fresh patch builds
+    ids = random_ids(2, 6)
+    base.save_pretrained(tmp_path / "base")
+    head = hf_posenc.from_pretrained(tmp_path / "base")  # base checkpoint -> model with a head
+    head.save_pretrained(tmp_path / "head")
+    plain_base = AutoModel.from_pretrained(tmp_path / "head")  # head checkpoint -> base model, as the plugin does
+    load_saved_patch(plain_base, str(tmp_path / "head"), read_metadata(tmp_path / "head" / POSENC_CONFIG_NAME), {})
+    with torch.no_grad():
+        expected = base(ids).last_hidden_state
+        assert max_diff(head.base_model(ids).last_hidden_state, expected) < TOL
+        assert max_diff(plain_base(ids).last_hidden_state, expected) < TOL

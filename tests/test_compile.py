@@ -42,8 +42,9 @@ def test_compiled_forward_is_one_graph_compiled_once(model_type, method, options
     assert attention.last_paths == paths_before  # no bookkeeping inside the traced region
 
 
-def test_generate_with_fullgraph_compile_config_matches_eager():
-    model = hf_posenc.patch_model(tiny_model("llama"), "alibi")
+@pytest.mark.parametrize("model_type, method", [("llama", "alibi"), ("bloom", "alibi")])
+def test_generate_with_fullgraph_compile_config_matches_eager(model_type, method):
+    model = hf_posenc.patch_model(tiny_model(model_type), method)
     ids, mask = left_pad([random_ids(1, 6)[0], random_ids(1, 4, seed=2)[0]])
     options = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, cache_implementation="static",
                    output_logits=True, return_dict_in_generate=True)

@@ -54,16 +54,17 @@ class PositionState:
     """The method a model was patched with, its attention backend, and the positions of the current forward
     (per thread)."""
 
-    def __init__(self, method: PositionalMethod, model_config):
+    def __init__(self, method: PositionalMethod, model_config=None, backend: str | None = None):
         self.method = method
         self.model_config = model_config  # the model's own config: its attention implementation is the backend
+        self.fixed_backend = backend  # the backend where there is no model config (a bare attention module)
         self._calls = threading.local()
 
     @property
     def eager(self) -> bool:
         """True when the model's config asks for eager attention (weights returned), False for sdpa; any other
         implementation cannot carry the method's positions and is refused."""
-        backend = self.model_config._attn_implementation
+        backend = self.model_config._attn_implementation if self.model_config is not None else self.fixed_backend
         if backend not in ATTENTION_BACKENDS:
             raise PosEncError(
                 f"The model is patched with {self.method.config.method!r}, whose attention hf_posenc computes with "
@@ -74,7 +75,7 @@ class PositionState:
 
     # A thread-local cannot be copied or pickled; a copy starts with no forward in flight.
     def __getstate__(self) -> dict:
-        return {"method": self.method, "model_config": self.model_config}
+        return {"method": self.method, "model_config": self.model_config, "fixed_backend": self.fixed_backend}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)

@@ -237,7 +237,7 @@ def test_a_deep_copy_saves_itself_not_the_original(tmp_path):
     hf_posenc.patch_model(model, "learned", init="normal", init_std=0.5)
     twin = copy.deepcopy(model)
     with torch.no_grad():
-        twin.base_model.posenc.weight.add_(1.0)
+        hf_posenc.get_positional_module(twin).weight.add_(1.0)  # GPT-2: the learned table stands in wpe
     twin.save_pretrained(tmp_path)
     loaded = hf_posenc.from_pretrained(tmp_path).eval()
     ids = random_ids(1, 10)

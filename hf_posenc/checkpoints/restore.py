@@ -96,26 +96,45 @@ def check_before_building(model: nn.Module, metadata: dict[str, Any], configs: l
         raise PosEncError(f"{POSENC_CONFIG_NAME}: applied_after lists {[c.method for c in configs[:-1]]}, but "
                           f"{metadata['method']!r} with these options builds on {needed}; the file was edited or "
                           "written by another tool. Refusing to load.")
-    # where the family installs the method: `<base model>.posenc`
-    prefix = _module_name(model, get_family(model.config).base_model(model)) + ".posenc."
+    # where the family installs the method: `<base model>.posenc` (GPT-2's absolute methods: `<base model>.wpe`)
+    family = get_family(model.config)
+    base_name = _module_name(model, family.base_model(model))  # "" when the model is the base model
+    prefix = f"{base_name}.{family.method_attribute(method)}." if base_name else f"{family.method_attribute(method)}."
     expected = {prefix + key: tuple(value.shape) for key, value in method.state_dict().items()}
     recorded = metadata["positional_state"]
-    if set(recorded) != set(expected):
+    in_checkpoint = checkpoint_keys(model, recorded, expected)
+    if in_checkpoint is None:
         raise PosEncError(
             f"{POSENC_CONFIG_NAME} lists positional weights {sorted(recorded)}, but {metadata['method']!r} with "
             f"these options has {sorted(expected)}. Refusing to load.")
-    in_files = tensors.shapes(sorted(expected)) if expected else {}
-    missing = sorted(set(expected) - set(in_files))
+    in_files = tensors.shapes(sorted(in_checkpoint.values())) if expected else {}
+    missing = sorted(key for key in in_checkpoint.values() if key not in in_files)
     if missing:
         raise PosEncError(f"The checkpoint lacks the positional weights {missing} that {metadata['method']!r} needs "
                           "(were they trained and saved?). Refusing to load.")
     for key, shape in expected.items():
-        entry = recorded[key]
+        entry = recorded[in_checkpoint[key]]
         written = tuple(entry.get("shape", ())) if isinstance(entry, dict) else None
-        if not (written == in_files[key] == shape):
+        if not (written == in_files[in_checkpoint[key]] == shape):
             raise PosEncError(f"Positional weight {key}: {metadata['method']!r} with these options needs shape "
                               f"{shape}; {POSENC_CONFIG_NAME} records {written} and the weights file holds "
                               f"{in_files[key]}. Refusing to load.")
+
+
+def checkpoint_keys(model: nn.Module, recorded, model_keys) -> dict[str, str] | None:
+    """{the model's key: the checkpoint's key} for the positional weights, or None if they do not correspond. A
+    checkpoint saved from a base model (GPT2Model: `posenc.weight`) loads into a model with a head
+    (`transformer.posenc.weight`) and the other way round, as transformers loads the other weights."""
+    head_prefix = f"{model.base_model_prefix}." if getattr(model, "base_model_prefix", "") else None
+
+    def without_head(key: str) -> str:
+        return key[len(head_prefix):] if head_prefix and key.startswith(head_prefix) else key
+
+    by_relative = {without_head(key): key for key in recorded}
+    relative = {key: without_head(key) for key in model_keys}
+    if len(by_relative) != len(recorded) or set(by_relative) != set(relative.values()):
+        return None
+    return {key: by_relative[relative[key]] for key in model_keys}
 
 
 def _module_name(model: nn.Module, module: nn.Module) -> str:
@@ -134,10 +153,12 @@ def apply_saved_patch(model: nn.Module, metadata: dict[str, Any], tensors: "Chec
             install_patch(model, config, functools.partial(attach_save_hook, publish=publish))
         method = applied_patch(model).method
         prefix = positional_prefix(model, method) + "."
-        keys = [prefix + key for key in method.state_dict()]
-        values = tensors.read(keys) if keys else {}
+        in_checkpoint = checkpoint_keys(model, metadata["positional_state"],
+                                        [prefix + key for key in method.state_dict()])
+        values = tensors.read(sorted(in_checkpoint.values())) if in_checkpoint else {}
         with torch.no_grad():
-            method.load_state_dict({key[len(prefix):]: values[key] for key in keys}, strict=True)
+            method.load_state_dict({key[len(prefix):]: values[saved] for key, saved in in_checkpoint.items()},
+                                   strict=True)
     except BaseException:
         remove_patch(model)
         raise

@@ -14,7 +14,7 @@ Three ways to compute attention with a bias, never materialising a [B, H, L, L] 
   (`bias_table`) with no padding mask, the block's mask is a strided Toeplitz view of a table of length L (no
   copy at all: within a few percent of causal SDPA's time on CPU); with a padding mask it is a copy of that view
   combined with the mask, in blocks of at most `BLOCK_BYTES`; other biases are computed per block. SDPA or eager
-  softmax per block: whichever backend the model had.
+  softmax per block: whichever backend the model's config names (`set_attn_implementation("eager" | "sdpa")`).
 - "flex": `torch.nn.attention.flex_attention` (compiled) with a `score_mod` that indexes the distance table.
   Only for table methods with a boolean or no mask, no dropout, no sliding window, the sdpa backend, more than one
   query (decoding stays blocked), and on CPU only without gradients (flex has no CPU backward in torch 2.13).
@@ -75,6 +75,30 @@ def register_attention() -> None:
         AttentionInterface.register(ATTENTION_NAME, posenc_attention)
         AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
         _registered = True
+
+
+class RoutedAttentionConfig:
+    """What a routed attention module holds as its `config`: the model's config in every respect but the attention
+    implementation, which names this path. The model's own config keeps the implementation the user chose
+    ("sdpa" or "eager"), so transformers builds that implementation's masks, `model.set_attn_implementation(...)`
+    and `config.output_attentions` behave as on an unpatched model, and this path computes the method's attention
+    with the backend the model's config names at each call (the bias is never dropped). Modules that are not
+    routed (GPT-2's cross-attention) keep the model's config: no positions there."""
+
+    def __init__(self, model_config):
+        object.__setattr__(self, "model_config", model_config)
+
+    @property
+    def _attn_implementation(self) -> str:
+        return ATTENTION_NAME
+
+    def __getattr__(self, name: str):
+        if name == "model_config" or name.startswith("__"):  # not yet set (copy, pickle) or a protocol lookup
+            raise AttributeError(name)
+        return getattr(self.model_config, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self.model_config, name, value)
 
 
 def set_attention_path(path: str) -> None:
@@ -191,8 +215,11 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         # order as attention itself, and is what keeps length-dependent scalings exact under a KV cache.
         query, key = state.method.rotate_query_key(query, key, query_positions, key_positions, state.call.seq_len)
     dropout = dropout if module.training else 0.0
-    eager = state.backend == "eager"
+    eager = state.eager
     layer_idx = getattr(module, "layer_idx", 0) or 0
+    if state.call.traced:
+        return _traced(module, state, layer_idx, query, key, value, attention_mask, scaling, dropout, eager,
+                       query_slots, key_slots, query_positions, key_positions)
 
     if not eager and dropout == 0.0 and has_bias and state.call.shift is not None:
         output = _kernel_output(module, state, layer_idx, query, key, value, attention_mask, scaling, query_slots,
@@ -295,7 +322,7 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
     groups = heads // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    eager = state.backend == "eager"
+    eager = state.eager
     dropout = dropout if module.training else 0.0
     query_offset = int(query_slots[0]) - (int(key_slots[0]) if kv else 0)
     low = torch.finfo(torch.float32).min
@@ -318,6 +345,30 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
             weights.append(probs)
     output = torch.cat(outputs, dim=2)
     return output.transpose(1, 2).contiguous(), torch.cat(weights, dim=2) if eager else None
+
+
+def _traced(module, state, layer_idx, query, key, value, attention_mask, scaling, dropout, eager, query_slots,
+            key_slots, query_positions, key_positions):
+    """The attention of a call under torch.compile: one block, the mask computed from positions (block_mask), with no
+    decision that reads a tensor's value (such decisions would break the graph or recompile per value). No
+    `last_paths` bookkeeping: dynamo would guard on the counter and recompile on every call."""
+    groups = query.shape[1] // key.shape[1]
+    rows = slice(0, query.shape[2])
+    if isinstance(state.method, RotaryMethod) and state.method.rotates_per_query_block:
+        query, key = state.method.rotate_query_key(query, key, query_positions, key_positions, state.call.seq_len)
+    mask = block_mask(state, layer_idx, rows, query_slots, key_slots, query_positions, key_positions, attention_mask,
+                      query.dtype)
+    if not eager:
+        output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                                enable_gqa=groups > 1)
+        return output.transpose(1, 2).contiguous(), None
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool else scores + mask
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = F.dropout(probs, p=dropout, training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 
 
 def query_blocks(query_positions: torch.Tensor, step: int, max_spread: float | None = None) -> list[slice]:

@@ -25,6 +25,7 @@ from ..errors import PosEncError
 from ..methods.base import AbsolutePositionMethod, PositionalMethod, RotaryMethod
 
 STATE_ATTR = "hf_posenc_state"
+ATTENTION_BACKENDS = ("sdpa", "eager", None)  # None: not chosen yet, transformers' default (sdpa)
 KEY_POSITIONS_ATTR = "hf_posenc_key_positions"  # on a KV cache: [B or 1, n] positions of the n cached tokens
 
 
@@ -44,20 +45,37 @@ class CallPositions:
     shift: torch.Tensor | None
     seq_len: int = 0  # highest position + 1: what length-dependent rotary scalings depend on
     rotation: Any = None  # a rotary method's rotation of the queries (its `rotation()`: by default cos/sin)
+    # Set under torch.compile (see PositionState.update_traced): `slot_offset` may be a 0-d tensor and
+    # `key_positions` holds only the position of slot 0 [B or 1, 1]: each key sits at its slot plus that.
+    traced: bool = False
 
 
 class PositionState:
     """The method a model was patched with, its attention backend, and the positions of the current forward
     (per thread)."""
 
-    def __init__(self, method: PositionalMethod, backend: str):
+    def __init__(self, method: PositionalMethod, model_config=None, backend: str | None = None):
         self.method = method
-        self.backend = backend  # the attention implementation the model had before patching
+        self.model_config = model_config  # the model's own config: its attention implementation is the backend
+        self.fixed_backend = backend  # the backend where there is no model config (a bare attention module)
         self._calls = threading.local()
+
+    @property
+    def eager(self) -> bool:
+        """True when the model's config asks for eager attention (weights returned), False for sdpa; any other
+        implementation cannot carry the method's positions and is refused."""
+        backend = self.model_config._attn_implementation if self.model_config is not None else self.fixed_backend
+        if backend not in ATTENTION_BACKENDS:
+            raise PosEncError(
+                f"The model is patched with {self.method.config.method!r}, whose attention hf_posenc computes with "
+                f"'eager' or 'sdpa', but its attention implementation is now {backend!r}. Call "
+                "model.set_attn_implementation('sdpa') (or 'eager'), or hf_posenc.unpatch_model(model) first to use "
+                f"{backend!r} without the patch.")
+        return backend == "eager"
 
     # A thread-local cannot be copied or pickled; a copy starts with no forward in flight.
     def __getstate__(self) -> dict:
-        return {"method": self.method, "backend": self.backend}
+        return {"method": self.method, "model_config": self.model_config, "fixed_backend": self.fixed_backend}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -68,6 +86,28 @@ class PositionState:
         call = getattr(self._calls, "current", None)
         if call is None:
             raise RuntimeError("hf_posenc: attention ran before the base model's pre-hook set the positions.")
+        return call
+
+    def update_traced(self, query_positions: torch.Tensor, slot_offset,
+                      coordinates: torch.Tensor | None = None) -> CallPositions:
+        """`update` inside torch.compile, where no decision may depend on tensor values: `slot_offset` may be a
+        0-d tensor (a StaticCache's length) and every token is taken to sit at its slot plus the last query's
+        shift (position - slot); the attention path then computes from positions (shift None). That is exact for
+        consecutive ids and for left padding (whose padding, masked anyway, gets other positions from generate)."""
+        q = query_positions.shape[-1]
+        first_key = query_positions[:, -1:] - (slot_offset + q - 1)
+        call = CallPositions(query_positions, first_key, slot_offset, None, traced=True)
+        if isinstance(self.method, RotaryMethod):
+            if self.method.scores_per_query_block:
+                raise PosEncError(
+                    f"{self.method.config.method!r} chooses per query block between two position assignments, which "
+                    "torch.compile cannot trace as one graph here; run the model uncompiled.")
+            if self.method.length_dependent:
+                raise PosEncError(
+                    f"{self.method.config.method!r} rescales with the length of each forward, which torch.compile "
+                    "cannot trace; run the model uncompiled, or use a fixed RoPE scaling ('yarn', 'linear', 'ntk').")
+            call.rotation = self.method.rotation(query_positions if coordinates is None else coordinates, 0)
+        self._calls.current = call
         return call
 
     def update(self, query_positions: torch.Tensor, slot_offset: int, past_positions: torch.Tensor | None = None,
@@ -97,6 +137,11 @@ class PositionState:
     def slots(self, q: int, kv: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache slots of the q queries and the kv keys seen by attention."""
         offset = self.call.slot_offset
+        if self.call.traced:  # offset may be a tensor: slot arithmetic without reading its value
+            query_slots = offset + torch.arange(q, device=device)
+            key_slots = (offset + q - kv).clamp_min(0) + torch.arange(kv, device=device) \
+                if isinstance(offset, torch.Tensor) else max(0, offset + q - kv) + torch.arange(kv, device=device)
+            return query_slots, key_slots
         query_slots = torch.arange(offset, offset + q, device=device)
         # A dynamic cache holds exactly offset + q keys, a static one more (the extra slots are masked), a
         # sliding-window cache fewer (only the last kv).
@@ -110,6 +155,8 @@ class PositionState:
         position."""
         query_slots, key_slots = self.slots(q, kv, device)
         call = self.call
+        if call.traced:
+            return query_slots, key_slots, call.query_positions.to(device), call.key_positions.to(device) + key_slots
         first_key = int(key_slots[0]) if kv else 0
         key_positions = call.key_positions[:, first_key:first_key + kv].to(device)
         missing = kv - key_positions.shape[-1]
@@ -141,8 +188,10 @@ class PositionCapture:
     adapter-wrapped embedding (resize_token_embeddings, PEFT) is the one used."""
 
     def __init__(self, state: PositionState, parameter_names: list[str],
-                 default_positions: Callable[[dict[str, Any], int, int, torch.device], torch.Tensor], replay=None):
+                 default_positions: Callable[[dict[str, Any], int, int, torch.device], torch.Tensor], replay=None,
+                 adds_embeddings: bool = True):
         self.state = state
+        self.adds_embeddings = adds_embeddings  # False: the model calls the absolute method itself (GPT-2's wpe)
         self.parameter_names = parameter_names  # the base model's forward parameters, in order
         self.default_positions = default_positions
         self.replay = replay  # a PrefixReplay for length-dependent RoPE scalings with exact caching
@@ -156,19 +205,29 @@ class PositionCapture:
             return None
         q = source.shape[-2] if inputs_embeds is not None else source.shape[-1]
         cache = arguments.get("past_key_values")
-        offset = int(cache.get_seq_length()) if cache is not None else 0
+        traced = torch.compiler.is_compiling()
+        offset = cache.get_seq_length() if cache is not None else 0
+        if not traced:
+            offset = int(offset)
+        elif isinstance(offset, torch.Tensor):
+            # Under torch.compile a StaticCache's length stays a tensor (reading its value would break the graph);
+            # a copy, because the first layer's cache update increments that tensor in place.
+            offset = offset.clone()
         positions = arguments.get("position_ids")
         if positions is None:
             positions = self.default_positions(arguments, q, offset, source.device)
         positions, coordinates = self.split_coordinates(arguments, positions, q, offset, source.device)
         embed_tokens = module.get_input_embeddings()
-        if self.replay is not None:
-            arguments, positions, offset = self.replay.prepare(arguments, positions, offset, cache, embed_tokens)
-        past = getattr(cache, KEY_POSITIONS_ATTR, None) if offset else None
-        self.state.update(positions, offset, past, attended_tokens(arguments.get("attention_mask"), offset + q),
-                          coordinates)
+        if traced:
+            self.state.update_traced(positions, offset, coordinates)
+        else:
+            if self.replay is not None:
+                arguments, positions, offset = self.replay.prepare(arguments, positions, offset, cache, embed_tokens)
+            past = getattr(cache, KEY_POSITIONS_ATTR, None) if offset else None
+            self.state.update(positions, offset, past, attended_tokens(arguments.get("attention_mask"), offset + q),
+                              coordinates)
 
-        if not isinstance(self.state.method, AbsolutePositionMethod):
+        if not (self.adds_embeddings and isinstance(self.state.method, AbsolutePositionMethod)):
             return ((), arguments) if self.replay is not None or coordinates is not None else None
         if inputs_embeds is None:
             inputs_embeds = embed_tokens(input_ids)
@@ -213,8 +272,10 @@ class RecordKeyPositions:
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output):
         cache = getattr(output, "past_key_values", None)
-        if cache is not None:
+        if cache is not None and not self.state.call.traced:
             setattr(cache, KEY_POSITIONS_ATTR, self.state.call.key_positions)
+        elif cache is not None:  # a compiled forward does not track positions: later calls take them as consecutive
+            setattr(cache, KEY_POSITIONS_ATTR, None)
         return output
 
 
@@ -231,5 +292,6 @@ def forward_parameter_names(module: nn.Module) -> list[str]:
 
 
 def positions_after_offset(arguments: dict[str, Any], q: int, offset: int, device: torch.device) -> torch.Tensor:
-    """What LLaMA and GPT-2 use when no position_ids are given: consecutive positions after the cache."""
-    return torch.arange(offset, offset + q, device=device)[None]
+    """What LLaMA and GPT-2 use when no position_ids are given: consecutive positions after the cache (`offset`
+    may be a 0-d tensor under torch.compile)."""
+    return (offset + torch.arange(q, device=device))[None]

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..engine.attention import ATTENTION_NAME, register_attention
+from ..engine.attention import RoutedAttentionConfig, register_attention
 from ..engine.replay import PrefixReplay
 from ..engine.state import (STATE_ATTR, PositionCapture, PositionState, RecordKeyPositions, forward_parameter_names,
                             positions_after_offset)
@@ -80,15 +80,17 @@ class ModelFamily:
 
     def install(self, model: nn.Module, method: PositionalMethod, info: ModelInfo, log: UndoLog) -> PositionState:
         base = self.base_model(model)
-        state = PositionState(method, backend=model.config._attn_implementation)
-        log.set_attr(base, "posenc", method)  # registers the method's parameters under the base model
+        state = PositionState(method, model.config)
+        attribute = self.method_attribute(method)
+        log.set_attr(base, attribute, method)  # registers the method's parameters under the base model
         parameter_names = forward_parameter_names(base)
         replay = None
         if isinstance(method, RotaryMethod) and method.length_dependent and method.exact_cache:
             replay = PrefixReplay(method, "position_ids" in parameter_names, model.config)
             log.add_forward_hook(base, replay.cut_outputs, with_kwargs=True)
-        log.add_forward_pre_hook(base, PositionCapture(state, parameter_names, self.default_positions, replay),
-                                 with_kwargs=True)
+        capture = PositionCapture(state, parameter_names, self.default_positions, replay,
+                                  adds_embeddings=attribute == "posenc")
+        log.add_forward_pre_hook(base, capture, with_kwargs=True)
         log.add_forward_hook(base, RecordKeyPositions(state), with_kwargs=True)
         if self.keeps_native(method, info):
             return state
@@ -100,15 +102,20 @@ class ModelFamily:
             self.add_rotary(model, method, state, log)
         return state
 
+    def method_attribute(self, method: PositionalMethod) -> str:
+        """The attribute of the base model the method module is installed as (its parameters are named
+        `<base model>.<attribute>.*`). Absolute methods installed as "posenc" are added to the input embeddings by
+        the position capture; a family that names its own position-embedding module here calls the method there."""
+        return "posenc"
+
     def route_attention(self, model: nn.Module, state: PositionState, log: UndoLog) -> None:
-        """Send attention through the shared path (for families that use transformers' AttentionInterface)."""
+        """Send attention through the shared path (for families that use transformers' AttentionInterface): each
+        self-attention module looks its implementation up in a view of the model's config that names the shared
+        path (RoutedAttentionConfig); the model's config keeps the user's implementation as its backend."""
         register_attention()
         for attention in self.attention_modules(model):
             log.set_attr(attention, STATE_ATTR, state)
-        config = model.config
-        # Recorded through set_attr so that undo puts back the exact value, whatever set_attn_implementation does.
-        log.set_attr(config, "_attn_implementation_internal", config._attn_implementation_internal)
-        model.set_attn_implementation(ATTENTION_NAME)
+            log.set_attr(attention, "config", RoutedAttentionConfig(model.config))
 
 
 class RotateProjectionOutput:

@@ -74,7 +74,10 @@ class BloomFamily(ModelFamily):
         mask = arguments.get("attention_mask")
         if mask is None or mask.dim() != 2:
             return super().default_positions(arguments, q, offset, device)
-        return (mask.long().cumsum(-1) - 1).clamp_min(0)[:, offset:offset + q].to(device)
+        positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
+        if isinstance(offset, torch.Tensor):  # under torch.compile (a StaticCache's length): the mask ends with the queries
+            return positions[:, -q:].to(device)
+        return positions[:, offset:offset + q].to(device)
 
     def remove_native(self, model, state, log):
         for block in self.base_model(model).h:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..methods.base import AbsolutePositionMethod
 from ..model_info import ModelInfo
 from ..registry import register_family
 from .base import ModelFamily, RotateProjectionOutput
@@ -21,6 +22,17 @@ class NoPositionEmbedding(nn.Module):
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
         return self.dtype_reference.new_zeros((*position_ids.shape, self.hidden_size))
+
+
+class EmbeddingDtype:
+    """Forward hook on an absolute method standing in `wpe`: its output in the token embeddings' dtype (methods
+    compute in float32; GPT2Model adds wpe's output to the token embeddings as it is)."""
+
+    def __init__(self, base: nn.Module):
+        self.base = base
+
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return output.to(self.base.get_input_embeddings().weight.dtype)
 
 
 @register_family
@@ -51,8 +63,17 @@ class GPT2Family(ModelFamily):
     def attention_modules(self, model):
         return [block.attn for block in self.base_model(model).h]
 
+    def method_attribute(self, method):
+        # An absolute method stands in `wpe` itself: GPT2Model adds wpe(position_ids) for any input shape (3-D
+        # input_ids of GPT2DoubleHeadsModel included), and learned positions keep their name
+        # `transformer.wpe.weight`, so a `learned` patch leaves the state dict as it was.
+        return "wpe" if isinstance(method, AbsolutePositionMethod) else "posenc"
+
     def remove_native(self, model, state, log):
         base = self.base_model(model)
+        if isinstance(state.method, AbsolutePositionMethod):  # install put the method in wpe's place
+            log.add_forward_hook(state.method, EmbeddingDtype(base))
+            return
         log.set_attr(base, "wpe", NoPositionEmbedding(model.config.n_embd, base.wte.weight.dtype))
 
     def add_rotary(self, model, method, state, log):

@@ -81,6 +81,11 @@ class AbsolutePositionMethod(PositionalMethod):
         """positions [B or 1, q] (long) -> float32 [B or 1, q, hidden]."""
         raise NotImplementedError
 
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """As a model's own position-embedding module (GPT-2's wpe): position_ids [..., q] -> [..., q, hidden]."""
+        return self.embed(position_ids.reshape(-1, position_ids.shape[-1]).long()).reshape(
+            *position_ids.shape, -1)
+
 
 class AttentionBiasMethod(PositionalMethod):
     def bias(self, layer_idx: int, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:

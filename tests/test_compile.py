@@ -1,0 +1,62 @@
+"""Patched models under torch.compile: one graph (fullgraph), no recompilation on an identical second call, and the
+numbers of the uncompiled model; `generate` with a fullgraph CompileConfig. The "eager" dynamo backend traces
+exactly as inductor would (graph breaks and guards are dynamo's), without the C++ compile time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from transformers import CompileConfig
+
+import hf_posenc
+from hf_posenc.engine import attention
+
+from helpers import left_pad, max_diff
+from tiny_models import random_ids, tiny_model
+
+TOLERANCE = 1e-4
+
+
+@pytest.mark.parametrize("model_type, method, options", [
+    ("llama", "alibi", {}),
+    ("llama", "rope", {}),
+    ("llama", "yarn", {"factor": 2.0}),
+    ("llama", "fire", {}),
+    ("gpt2", "learned", {}),
+    ("gpt2", "rope", {}),
+])
+def test_compiled_forward_is_one_graph_compiled_once(model_type, method, options):
+    model = hf_posenc.patch_model(tiny_model(model_type), method, **options)
+    ids = random_ids(2, 8)
+    with torch.no_grad():
+        expected = model(ids).logits
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    paths_before = attention.last_paths.copy()
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        first = compiled(ids).logits
+        second = compiled(ids).logits  # raises if dynamo guarded on anything the first call changed
+    assert max_diff(first, expected) < TOLERANCE
+    assert max_diff(second, expected) < TOLERANCE
+    assert attention.last_paths == paths_before  # no bookkeeping inside the traced region
+
+
+@pytest.mark.parametrize("model_type, method", [("llama", "alibi"), ("bloom", "alibi")])
+def test_generate_with_fullgraph_compile_config_matches_eager(model_type, method):
+    model = hf_posenc.patch_model(tiny_model(model_type), method)
+    ids, mask = left_pad([random_ids(1, 6)[0], random_ids(1, 4, seed=2)[0]])
+    options = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, cache_implementation="static",
+                   output_logits=True, return_dict_in_generate=True)
+    expected = model.generate(ids, **options)
+    compile_config = CompileConfig(fullgraph=True, backend="eager")
+    compile_config._compile_all_devices = True  # transformers compiles on CPU only when told to
+    compiled_calls = []
+    compiled_call = model.get_compiled_call
+    model.get_compiled_call = lambda config: compiled_calls.append(config) or compiled_call(config)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        result = model.generate(ids, compile_config=compile_config, **options)
+    assert compiled_calls, "generate did not take its compiled path"
+    assert torch.equal(result.sequences, expected.sequences)
+    assert max(max_diff(a, b) for a, b in zip(result.logits, expected.logits)) < TOLERANCE

@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python -m pytest -q "$@"
+# -n auto: one test process per CPU core (pytest-xdist, in the test extras); the suite is independent per test.
+exec .venv/bin/python -m pytest -q -n auto "$@"

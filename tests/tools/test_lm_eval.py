@@ -13,6 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import hf_posenc
 from hf_posenc.tools import lm_eval_run
 
+pytestmark = pytest.mark.skipif(not BOOK.is_file(), reason="../shared/data is not there")
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

@@ -12,6 +12,8 @@ from tool_helpers import BOOK, byte_tokenizer, launch, run_cli, save_tiny_model
 
 from hf_posenc.tools import niah
 
+pytestmark = pytest.mark.skipif(not BOOK.is_file(), reason="../shared/data is not there")
+
 
 @pytest.fixture(scope="module")
 def tok():

@@ -8,6 +8,8 @@ from tool_helpers import BOOK, run_cli, save_tiny_model
 import hf_posenc
 from hf_posenc.tools import collect
 
+pytestmark = pytest.mark.skipif(not BOOK.is_file(), reason="../shared/data is not there")
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):

@@ -109,7 +109,8 @@ def build_report(run_dirs: list[Path], output: Path, title: str = "Evaluation") 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hf-posenc report", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("run_dirs", nargs="+", type=Path, help="output folders of eval-ppl, main-job, passkey, niah, lm-eval")
+    p.add_argument("run_dirs", nargs="+", type=Path,
+                   help="output folders of eval-ppl, main-job, passkey, niah, lm-eval")
     p.add_argument("--title", default="Evaluation")
     p.add_argument("--output-dir", type=Path, default=Path("runs/report"))
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)

@@ -35,7 +35,7 @@ from . import report
 from .report import row_label
 from .estimates import announce_run_time, check_memory, estimate_forward_bytes, model_forward_seconds
 from ..registry import get_family
-from .models import SMOLLM2, load_model
+from .models import SMOLLM2, load_model, model_name
 from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir_on_main, write_json
 from .perplexity import perplexity_at_length, window_plan
 from .runtime import (DTYPES, UNPATCHED, MethodRequest, UsageError, accelerator_if_launched, check_at_least, is_main,
@@ -293,7 +293,7 @@ def _evaluate_model(args: argparse.Namespace, run: EvalRun, model, model_spec: s
     from hf_posenc import get_posenc_config
 
     loaded_patched = get_posenc_config(model) is not None
-    name = Path(model_spec).name if Path(model_spec).exists() else model_spec
+    name = model_name(model_spec)
     for j, request in enumerate(requests):
         if j and loaded_patched:  # a patched checkpoint: start again from it rather than stack patches
             model, _ = _load(args, model_spec, accelerator)

@@ -12,8 +12,8 @@ others are sentences from elsewhere in the text; lm-eval scores it as multiple c
 ``--include-path DIR`` adds your own lm-eval task YAML files.
 
 Outputs in ``--output-dir``: ``lm_eval.csv`` (model, task, metric, value, stderr), ``lm_eval.json`` (lm-eval's results
-and the settings) and ``lm_eval.png`` (a bar per model and metric). One process: lm-eval does not split the requests of a
-model object that is passed in already built.
+and the settings) and ``lm_eval.png`` (a bar per model and metric). One process: lm-eval does not split the
+requests of a model object that is passed in already built.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import re
 from pathlib import Path
 
 from . import report
-from .models import SMOLLM2, load_model
+from .models import SMOLLM2, load_model, loader, model_name
 from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir, write_json
-from .runtime import (DTYPES, UNPATCHED, MethodRequest, UsageError, check_at_least, each_method, set_threads,
-                      settings_of, versions)
+from .runtime import (DTYPES, MethodRequest, UNPATCHED, UsageError, add_model_arguments, check_at_least, each_method,
+                      set_threads, settings_of, versions)
 from .text import DEFAULT_ENCODING, DataError, check_encoding, data_dir, read_text
 
 CLOZE_TASK = "cloze"
@@ -74,7 +74,8 @@ def build_cloze_task(text: str, directory: Path, n_docs: int = 200, seed: int = 
     to lm-eval's ``TaskManager(include_path=...)``."""
     directory.mkdir(parents=True, exist_ok=True)
     data = directory / "cloze.jsonl"
-    data.write_text("".join(json.dumps(d) + "\n" for d in cloze_documents(text, n_docs, context_sentences, seed, max_words)), encoding="utf-8")
+    docs = cloze_documents(text, n_docs, context_sentences, seed, max_words)
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs), encoding="utf-8")
     # JSON is YAML: lm-eval reads this task definition like its own task files.
     task = {"task": CLOZE_TASK, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
             "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "{{context}}",
@@ -126,9 +127,7 @@ def metric_rows(label: str, results: dict) -> list[dict]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hf-posenc lm-eval", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", action="append", default=None, help="as eval-ppl; repeatable (default: smollm2)")
-    p.add_argument("--tokenizer", default=None)
-    p.add_argument("--method", action="append", default=None, help="'none' or NAME[:KEY=VALUE,...]; repeatable")
+    add_model_arguments(p)
     p.add_argument("--tasks", default=CLOZE_TASK, help="lm-eval task names, comma-separated")
     p.add_argument("--include-path", type=Path, default=None, help="a folder of your own lm-eval task YAML files")
     p.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
@@ -188,11 +187,9 @@ def run_lm_eval(args: argparse.Namespace, work_dir: Path) -> tuple[list[dict], d
         model.to(device)
         for request in requests:
             request.check_patchable(model)
-        name = Path(model_spec).name if Path(model_spec).exists() else model_spec
-        def reload():
-            return load_model(model_spec, dtype=DTYPES[args.dtype], tokenizer=args.tokenizer, verbose=False)[0].to(device)
-
-        for request, model, replaced in each_method(model, requests, reload):
+        name = model_name(model_spec)
+        load = loader(model_spec, DTYPES[args.dtype], args.tokenizer, device)
+        for request, model, replaced in each_method(model, requests, load):
             label = report.row_label(name, request.label, replaced or None)
             results[label] = evaluate_model(model, tokenizer, tasks, include, args.limit, args.num_fewshot,
                                             args.batch_size, args.seed, args.max_length)

@@ -65,6 +65,17 @@ def load_model(spec: str, dtype: torch.dtype | None = None, tokenizer: str | Non
     return model, tok
 
 
+def model_name(spec: str) -> str:
+    """The row name of ``--model spec``: a local folder's or file's name, else the spec itself (a Hub id, smollm2)."""
+    return Path(spec).name if Path(spec).exists() else spec
+
+
+def loader(spec: str, dtype: torch.dtype | None, tokenizer: str | None, device):
+    """A function that loads ``--model spec`` afresh onto ``device``, quietly: a patched checkpoint is reloaded for
+    each method evaluated on it (runtime.each_method)."""
+    return lambda: load_model(spec, dtype=dtype, tokenizer=tokenizer, verbose=False)[0].to(device)
+
+
 def _load_checkpoint(spec: str, dtype: torch.dtype):
     from hf_posenc import from_pretrained
 

@@ -32,10 +32,11 @@ from pathlib import Path
 
 from . import report
 from .estimates import check_memory, estimate_forward_bytes
-from .models import SMOLLM2, load_model
+from .models import SMOLLM2, load_model, loader, model_name
 from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir_on_main, write_json
-from .runtime import (DTYPES, UNPATCHED, MethodRequest, UsageError, accelerator_if_launched, check_at_least,
-                      each_method, gather_in_order, is_main, parse_numbers, process_count, set_threads, settings_of, versions)
+from .runtime import (DTYPES, MethodRequest, UNPATCHED, UsageError, accelerator_if_launched, add_model_arguments,
+                      check_at_least, each_method, gather_in_order, is_main, parse_numbers, process_count, set_threads,
+                      settings_of, versions)
 from .text import DEFAULT_ENCODING, DataError, check_encoding, data_dir, read_text
 
 TASK = ("Some special magic numbers are hidden within the following text. Make sure to memorize them. "
@@ -196,9 +197,7 @@ def write_outputs(directory: Path, questions: list[Question], settings: dict, le
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hf-posenc niah", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", action="append", default=None, help="as eval-ppl; repeatable (default: smollm2)")
-    p.add_argument("--tokenizer", default=None)
-    p.add_argument("--method", action="append", default=None, help="'none' or NAME[:KEY=VALUE,...]; repeatable")
+    add_model_arguments(p)
     p.add_argument("--lengths", default="1024,2048,4096", help="prompt lengths in tokens")
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="depths of the (first) needle in [0, 1]")
     p.add_argument("--trials", type=int, default=3, help="trials per length and depth")
@@ -266,11 +265,9 @@ def run_niah(args: argparse.Namespace, accelerator=None) -> tuple[list[Question]
             check_memory(estimate_forward_bytes(model, max(lengths) + 16), f"a {max(lengths)}-token prompt")
         for request in requests:
             request.check_patchable(model)
-        name = Path(model_spec).name if Path(model_spec).exists() else model_spec
-        def reload():
-            return load_model(model_spec, dtype=DTYPES[args.dtype], tokenizer=args.tokenizer, verbose=False)[0].to(device)
-
-        for request, model, replaced in each_method(model, requests, reload):
+        name = model_name(model_spec)
+        load = loader(model_spec, DTYPES[args.dtype], args.tokenizer, device)
+        for request, model, replaced in each_method(model, requests, load):
             started = time.perf_counter()
             got = run_questions(model, tokenizer, name, request.label, plan, haystack_ids, args.max_new_tokens,
                                 accelerator, not args.no_progress)

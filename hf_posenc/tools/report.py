@@ -208,7 +208,8 @@ def metric_markdown(rows: list[dict]) -> str:
     """A row per task and metric, a column per model: ``value +- stderr``."""
     models = list(dict.fromkeys(r["model"] for r in rows))
     cells = {(r["task"], r["metric"], r["model"]): r for r in rows}
-    lines = ["| task | metric | " + " | ".join(models) + " |", "| --- | --- | " + " | ".join("---:" for _ in models) + " |"]
+    lines = ["| task | metric | " + " | ".join(models) + " |",
+             "| --- | --- | " + " | ".join("---:" for _ in models) + " |"]
     for task, metric in dict.fromkeys((r["task"], r["metric"]) for r in rows):
         values = []
         for model in models:

@@ -3,6 +3,7 @@ code, option checks, the method asked for on the command line, and processes sta
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -135,6 +136,14 @@ def settings_from(parser, **overrides):
 def settings_of(args) -> dict[str, Any]:
     """The parsed options as JSON-ready values (paths as strings), for the settings a run writes down."""
     return {key: (str(value) if isinstance(value, os.PathLike) else value) for key, value in vars(args).items()}
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model, --tokenizer and --method, as the evaluation commands take them."""
+    parser.add_argument("--model", action="append", default=None, help="as eval-ppl; repeatable (default: smollm2)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer to use instead of the model's own")
+    parser.add_argument("--method", action="append", default=None,
+                        help="'none' or NAME[:KEY=VALUE,...]; repeatable")
 
 
 # --- the method asked for -------------------------------------------------------------------------------------

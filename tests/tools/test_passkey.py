@@ -107,8 +107,9 @@ def test_hard_variant_several_doors_one_asked(tok):
     assert len(ids) == 1500 and text.endswith(passkey.question(door))
     assert all(passkey.info_line(d.passkey, d.door) in text for d in distractors)
     asked = text.index(passkey.info_line(passkey_value, door))
+    doors = [(passkey_value, door)] + [(d.passkey, d.door) for d in distractors]
     body = len(text) - len(passkey.TASK) - len(passkey.question(door)) - sum(
-        len(passkey.info_line(k, n)) + 2 for k, n in [(passkey_value, door)] + [(d.passkey, d.door) for d in distractors])
+        len(passkey.info_line(k, n)) + 2 for k, n in doors)
     earlier = sum(len(passkey.info_line(d.passkey, d.door)) + 2 for d in distractors if d.depth < 0.25)
     assert abs((asked - len(passkey.TASK) - 2 - earlier) / body - 0.25) < 0.01
     # a single 5-digit key draws exactly what the original prompt drew: earlier results stay comparable

@@ -28,20 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_rope_cache import build_model  # noqa: E402 (the same model as the other decode benchmark)
 
 from hf_posenc import patch_model, unpatch_model  # noqa: E402
+from hf_posenc.engine.replay import replay_count  # noqa: E402
 
 EVERY = (1, 64, 256, 1024)
-
-
-def count_replays(cache) -> list[int]:
-    """Exact mode empties the cache to replay the text: count those resets."""
-    replays = [0]
-    reset = cache.reset
-
-    def counting_reset():
-        replays[0] += 1
-        reset()
-    cache.reset = counting_reset
-    return replays
 
 
 @torch.inference_mode()
@@ -51,13 +40,12 @@ def decode(model, prompt: int, new_tokens: int) -> tuple[float, int]:
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (1, prompt + new_tokens), generator=generator)
     cache = DynamicCache(config=model.config)
-    replays = count_replays(cache)
     model(ids[:, :prompt], past_key_values=cache, use_cache=True)
-    replays[0] = 0
+    replayed_before = replay_count(cache)
     start = time.perf_counter()
     for t in range(prompt, prompt + new_tokens):
         model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
-    return (time.perf_counter() - start) / new_tokens, replays[0]
+    return (time.perf_counter() - start) / new_tokens, replay_count(cache) - replayed_before
 
 
 def run(method: str = "dynamic", every=EVERY, window: int = 1024, prompt: int = 1024, new_tokens: int = 512,

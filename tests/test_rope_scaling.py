@@ -14,6 +14,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import hf_posenc
 from hf_posenc import PosEncError
+from hf_posenc.engine.replay import replay_count
 from helpers import (CONTRACT, HALF, WINDOW, assert_same_fingerprint, decode_token_by_token, left_pad, max_diff,
                      model_fingerprint, patch_for_contract, positions_from_mask)
 from tiny_models import random_ids, tiny_model
@@ -343,6 +344,7 @@ def test_rescale_every_decodes_exactly_at_the_quantised_scale_with_one_replay_pe
             assert max_diff(fresh, unquantised) <= 1e-4, (t, max_diff(fresh, unquantised))
     buckets_past_window = -(-(ids.shape[1] - window) // every)
     assert replays[0] == buckets_past_window  # one replay per bucket entered past the window (a multiple of 8)
+    assert replay_count(cache) == replays[0]  # the count the cache itself keeps (benchmarks read it)
 
 
 def test_rescale_every_one_replays_at_every_step_past_the_window():
@@ -354,6 +356,7 @@ def test_rescale_every_one_replays_at_every_step_past_the_window():
         model(ids[:, :60], past_key_values=cache, use_cache=True)
         decode_token_by_token(model, ids[:, 60:], cache)
     assert replays[0] == 80 - 64
+    assert replay_count(cache) == replays[0]
 
 
 @pytest.mark.parametrize("method", ["dynamic", "dynamic-yarn"])

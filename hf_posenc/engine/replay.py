@@ -33,6 +33,13 @@ class ReplayRecord:
     embeds: torch.Tensor  # [B, n, hidden]: the input embeddings seen since the cache was empty
     positions: torch.Tensor  # [B, n]
     scale_key: Any  # the scale the cache was built at
+    replays: int = 0  # how often the text was run again since the cache was empty
+
+
+def replay_count(cache) -> int:
+    """How often exact mode emptied ``cache`` and ran the text again (0 for a cache it never replayed)."""
+    record: ReplayRecord | None = getattr(cache, REPLAY_ATTR, None)
+    return 0 if record is None else record.replays
 
 
 class PrefixReplay:
@@ -76,8 +83,9 @@ class PrefixReplay:
         all_embeds = torch.cat((seen.embeds[:, :offset], embeds.detach()), dim=1)
         all_positions = torch.cat((seen.positions[:, :offset], positions), dim=1)
         scale_key = self.method.scale_key(int(all_positions.max()) + 1)
-        self._calls.record = ReplayRecord(all_embeds, all_positions, scale_key)
-        if scale_key == seen.scale_key:
+        replaying = scale_key != seen.scale_key
+        self._calls.record = ReplayRecord(all_embeds, all_positions, scale_key, seen.replays + replaying)
+        if not replaying:
             return arguments, positions, offset
         cache.reset()
         self._calls.replayed_length = embeds.shape[1]

@@ -21,7 +21,7 @@ from ..config import BASE_WHY, MIN_BASE, PosEncConfig
 from ..errors import PosEncError
 from ..model_info import ModelInfo
 from .base import RotaryMethod
-from .rope import RopeConfig, default_inv_freq
+from .rope import RopeConfig, default_inv_freq, theta_to_build_on
 
 WINDOW_NONE_MEANS = "a quarter of the model's trained window"
 
@@ -48,12 +48,7 @@ class NeighbourWindowRope(RotaryMethod):
 
     def __init__(self, config: NeighbourWindowConfig, info: ModelInfo):
         super().__init__(config, info)
-        base_theta = info.rope_theta or info.patched_rope_theta
-        if base_theta is None:
-            raise PosEncError(
-                f"{config.method!r} remaps RoPE positions, and this {info.model_type} model has no rotary embedding. "
-                f"Patch it to 'rope' first: patch_model(model, 'rope'), then patch_model(model, {config.method!r}, "
-                "...).")
+        base_theta = theta_to_build_on(info, config.method, "remaps RoPE positions")
         self.theta = float(config.rope_theta or base_theta)
         self.rotary_dim = info.rotary_dim
         self.original_window = config.original_max_position_embeddings or info.original_window

@@ -15,6 +15,17 @@ from .base import RotaryMethod
 DEFAULT_THETA = 10000.0
 
 
+def theta_to_build_on(info: ModelInfo, method: str, what: str) -> float:
+    """The RoPE theta that a method working on RoPE (``what`` it does, for the message) builds on: the model's own,
+    else that of the `rope` patch it replaces; refused on a model that has neither."""
+    theta = info.rope_theta or info.patched_rope_theta
+    if theta is None:
+        raise PosEncError(
+            f"{method!r} {what}, and this {info.model_type} model has no rotary embedding. Patch it to 'rope' first: "
+            f"patch_model(model, 'rope'), then patch_model(model, {method!r}, ...).")
+    return theta
+
+
 def default_inv_freq(theta: float, dim: int) -> torch.Tensor:
     """theta^(-2k/dim) for k < dim/2, computed as transformers' default RoPE computes it."""
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))

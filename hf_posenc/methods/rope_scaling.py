@@ -26,7 +26,7 @@ from ..errors import PosEncError
 from ..model_info import ModelInfo
 from ..registry import register_method
 from .base import RotaryMethod
-from .rope import RopeConfig, default_inv_freq
+from .rope import RopeConfig, default_inv_freq, theta_to_build_on
 
 
 RESCALE_EVERY_WHY = "the scale follows the length rounded up to a multiple of it; 1 follows the length exactly"
@@ -184,12 +184,7 @@ class ScaledRope(RotaryMethod):
 
     def __init__(self, config: RopeScalingConfig, info: ModelInfo):
         super().__init__(config, info)
-        base_theta = info.rope_theta or info.patched_rope_theta
-        if base_theta is None:
-            raise PosEncError(
-                f"{config.method!r} scales a rotary embedding, and this {info.model_type} model has none. Patch "
-                f"it to 'rope' first: patch_model(model, 'rope'), then patch_model(model, {config.method!r}, ...)."
-            )
+        base_theta = theta_to_build_on(info, config.method, "scales a rotary embedding")
         own = info.rope_parameters or {}
         self.theta = float(config.rope_theta or own.get("rope_theta") or base_theta)
         self.partial_rotary_factor = float(config.partial_rotary_factor or info.partial_rotary_factor)

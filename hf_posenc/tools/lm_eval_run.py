@@ -87,6 +87,20 @@ def build_cloze_task(text: str, directory: Path, n_docs: int = 200, seed: int = 
     return directory
 
 
+def check_cloze_fits(tokenizer, task_dir: Path, model, max_length: int | None) -> None:
+    """Refuse, before lm-eval runs, a cloze choice longer than the input lm-eval allows (``max_length``, else the
+    window in the model's config as lm-eval reads it): lm-eval would stop on an assertion of its own."""
+    config = model.config
+    allowed = max_length or getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if not allowed:
+        return
+    docs = [json.loads(line) for line in (task_dir / "cloze.jsonl").read_text(encoding="utf-8").splitlines()]
+    longest = max(len(tokenizer(" " + choice)["input_ids"]) for doc in docs for choice in doc["choices"])
+    if longest > allowed:
+        raise UsageError(f"a cloze choice has {longest} tokens and lm-eval takes inputs of at most {allowed}; pass "
+                         f"--max-length {longest * 4} or more (lm-eval cuts the context from the left)")
+
+
 def evaluate_model(model, tokenizer, tasks: list[str], include_path: Path | None = None, limit: int | None = None,
                    num_fewshot: int | None = None, batch_size: int = 1, seed: int = 0,
                    max_length: int | None = None) -> dict:
@@ -187,6 +201,8 @@ def run_lm_eval(args: argparse.Namespace, work_dir: Path) -> tuple[list[dict], d
         model.to(device)
         for request in requests:
             request.check_patchable(model)
+        if CLOZE_TASK in tasks:
+            check_cloze_fits(tokenizer, include, model, args.max_length)
         name = model_name(model_spec)
         load = loader(model_spec, DTYPES[args.dtype], args.tokenizer, device)
         for request, model, replaced in each_method(model, requests, load):

@@ -86,7 +86,8 @@ def test_command_outputs_and_bad_input(tiny, tmp_path, capsys):
     bad = tmp_path / "bad"
     for extra, message in ((["--tasks", "no_such_task"], "lm-eval knows no task 'no_such_task'"),
                            (["--include-path", str(tmp_path / "nowhere")], "is not a folder"),
-                           (["--limit", "0"], "--limit must be an integer >= 1, got 0")):
+                           (["--limit", "0"], "--limit must be an integer >= 1, got 0"),
+                           (["--max-length", "16"], "and lm-eval takes inputs of at most 16; pass --max-length")):
         assert run_cli("lm-eval", [*argv[:-1], str(bad), *extra]) == 2
         err = capsys.readouterr().err
         assert message in err.rstrip().splitlines()[-1] and "Traceback" not in err, err

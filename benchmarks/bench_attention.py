@@ -3,17 +3,24 @@ relative-bias method and attention path, at several lengths, batch 1: forward ti
 peak memory, as ratios to native in the same run. Prints a table and writes bench_attention.json and
 bench_attention.png to --output-dir.
 
-    .venv/bin/python benchmarks/bench_attention.py --lengths 512,1024 --output-dir runs/bench_attention
+    .venv/bin/python benchmarks/bench_attention.py --lengths 512,1024 --mode train --output-dir runs/bench_attention
+
+--mode: "train" (the default) times what a fine-tune runs: logits and a cross-entropy loss over every position,
+backward through everything; "last-logit" times a prompt's prefill (the last position's logits only, and a backward
+from them). Methods take options as on the command line (`alibi:trainable=true`); the default list has every
+learned bias (T5, KERPLE, FIRE, trainable ALiBi) beside the fixed ones.
 
 Each row names the path that served its attention calls (`hf_posenc.attention.last_paths`), which is not always
 the one asked for: "flex" or "flash" fall back to "blocked" for calls they cannot serve or that the kernel check
 refused on this machine (`attention.kernel_status()`), and a method without a bias over a plain causal square takes
 SDPA's own causal kernel ("causal"). Native RoPE never enters hf_posenc's attention path: its rows say "sdpa".
 
-Peak memory on CPU is the process's resident high-water mark (VmHWM, reset through /proc/self/clear_refs before
-each measurement) with glibc's mmap threshold fixed low, so freed tensors go back to the system at once and the
-mark follows live tensor memory. "extra" is the peak minus native's; it is compared with the size of one
-materialised float32 bias [1, H, L, L].
+Times are taken first, for every case, with the allocator as users have it. Memory is measured afterwards, in a
+second pass: the resident high-water mark (VmHWM, reset through /proc/self/clear_refs before each measurement) with
+glibc's mmap threshold lowered so that freed tensors go back to the system at once and the mark follows live tensor
+memory. (That setting makes every freed block a page fault when it is allocated again, a tax on code that allocates
+many per-block tensors: timing under it overstated the blocked path's cost, up to 1.56x instead of 1.17x for T5 at
+4096.) "extra" is the peak minus native's; it is compared with the size of one materialised float32 bias [1, H, L, L].
 """
 
 from __future__ import annotations
@@ -31,13 +38,14 @@ import torch
 
 from hf_posenc import attention, patch_model, unpatch_model
 
-METHODS = ["alibi", "fire", "t5", "kerple", "sandwich", "xpos"]
+METHODS = ["alibi", "alibi:trainable=true", "fire", "t5", "kerple", "sandwich", "xpos"]
+MODES = ("train", "last-logit")
 LENGTHS = [512, 1024, 2048, 4096, 8192]
 
 
 @dataclass
 class Row:
-    method: str
+    method: str  # with its options, as given (`alibi:trainable=true`)
     path: str  # the path(s) that served the attention calls, most calls first ("blocked", "flex+blocked", ...)
     requested_path: str
     length: int
@@ -50,6 +58,7 @@ class Row:
     forward_backward_ratio: float = 1.0
     extra_forward_mib: float = 0.0
     extra_vs_materialised_bias: float = 0.0  # extra forward peak / size of a materialised [1, H, L, L] bias
+    mode: str = "train"
 
 
 def served_path(calls: Counter) -> str:
@@ -95,87 +104,119 @@ def build_model(layers: int, heads: int, head_dim: int, max_length: int):
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
 
 
-def measure(model, ids, repeats: int, backward_repeats: int) -> tuple[float, float, float, float]:
-    model.eval()
+def step_functions(model, ids, mode: str):
+    """(forward, forward_backward) for `mode` (see the module docstring)."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: use one of {', '.join(MODES)}")
 
     def forward():
         with torch.no_grad():
-            model(ids, use_cache=False, logits_to_keep=1)
+            model(ids, use_cache=False, logits_to_keep=1 if mode == "last-logit" else 0)
 
     def forward_backward():
         model.train()
-        model(ids, use_cache=False, logits_to_keep=1).logits.float().pow(2).mean().backward()
+        if mode == "train":
+            model(ids, labels=ids, use_cache=False).loss.backward()
+        else:
+            model(ids, use_cache=False, logits_to_keep=1).logits.float().pow(2).mean().backward()
         model.zero_grad(set_to_none=True)
         model.eval()
 
-    forward()  # warm-up (and compilation, for flex)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        forward()
-        times.append(time.perf_counter() - start)
-    forward_peak = peak_mib(forward)
-    forward_backward()
-    backward_times = []
-    for _ in range(backward_repeats):
-        start = time.perf_counter()
-        forward_backward()
-        backward_times.append(time.perf_counter() - start)
-    backward_peak = peak_mib(forward_backward)
-    return statistics.median(times), statistics.median(backward_times), forward_peak, backward_peak
+    return forward, forward_backward
+
+
+def measure_time(model, ids, mode: str, repeats: int, backward_repeats: int) -> tuple[float, float]:
+    """Median seconds of a forward and of a forward+backward, after one warm-up of each (and compilation, for
+    flex)."""
+    model.eval()
+    forward, forward_backward = step_functions(model, ids, mode)
+    medians = []
+    for fn, count in ((forward, repeats), (forward_backward, backward_repeats)):
+        fn()
+        times = []
+        for _ in range(count):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        medians.append(statistics.median(times))
+    return medians[0], medians[1]
+
+
+def measure_memory(model, ids, mode: str) -> tuple[float, float]:
+    """Peak resident MiB above the start of a forward and of a forward+backward (needs _fix_mmap_threshold)."""
+    model.eval()
+    forward, forward_backward = step_functions(model, ids, mode)
+    forward_backward()  # gradients allocated once, as in the timing pass
+    return peak_mib(forward), peak_mib(forward_backward)
 
 
 def run_benchmark(lengths=LENGTHS, methods=METHODS, paths=("blocked",), layers: int = 2, heads: int = 8,
                   head_dim: int = 64, repeats: int = 3, backward_repeats: int = 2, threads: int | None = None,
-                  progress: bool = True) -> list[Row]:
-    """Run every (method, path) at every length; returns rows with ratios to native RoPE (sdpa)."""
+                  mode: str = "train", memory: bool = True, progress: bool = True) -> list[Row]:
+    """Run every (method, path) at every length; returns rows with ratios to native RoPE (sdpa). Times first for
+    every case, then (with `memory`) peak memory for every case with the mmap threshold lowered."""
     from tqdm import tqdm
 
-    _fix_mmap_threshold()
+    from hf_posenc.tools.runtime import MethodRequest
+
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: use one of {', '.join(MODES)}")
     if threads:
         torch.set_num_threads(threads)
+    requests = {spec: MethodRequest.parse(spec) for spec in methods}
+    for request in requests.values():
+        request.check()
     model = build_model(layers, heads, head_dim, max(lengths))
     jobs = [(length, "rope (native)", "sdpa") for length in lengths]
     for length in lengths:
         for method in methods:
             for path in paths:
-                if path == "blocked" or method != "xpos":  # xPos has no bias table: flex does not apply
+                if path == "blocked" or requests[method].name != "xpos":  # xPos has no bias table: no flex
                     jobs.append((length, method, path))
     jobs.sort(key=lambda job: job[0])
+
+    def each_job(desc):
+        for length, method, path in tqdm(jobs, disable=not progress, desc=desc):
+            ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(length))
+            unpatch_model(model)
+            if method != "rope (native)":
+                requests[method].apply(model)
+            attention.last_paths.clear()
+            with attention.attention_path(path if path != "sdpa" else "auto"):
+                yield length, method, path, ids
+
     rows: list[Row] = []
     native: dict[int, Row] = {}
-    for length, method, path in tqdm(jobs, disable=not progress, desc="bench_attention"):
-        ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(length))
-        if method == "rope (native)":
-            unpatch_model(model)
-        else:
-            patch_model(model, method)
-        attention.last_paths.clear()
-        with attention.attention_path(path if path != "sdpa" else "auto"):
-            forward_s, backward_s, forward_peak, backward_peak = measure(model, ids, repeats, backward_repeats)
+    for length, method, path, ids in each_job(f"bench_attention ({mode}): time"):
+        forward_s, backward_s = measure_time(model, ids, mode, repeats, backward_repeats)
         calls = Counter(attention.last_paths)
-        row = Row(method, served_path(calls), path, length, forward_s, backward_s, forward_peak, backward_peak,
-                  dict(calls))
+        row = Row(method, served_path(calls), path, length, forward_s, backward_s, float("nan"), float("nan"),
+                  dict(calls), mode=mode)
         if method == "rope (native)":
             native[length] = row
-        base = native[length]
-        row.forward_ratio = forward_s / base.forward_s
-        row.forward_backward_ratio = backward_s / base.forward_backward_s
-        row.extra_forward_mib = forward_peak - base.forward_peak_mib
-        row.extra_vs_materialised_bias = row.extra_forward_mib / (heads * length * length * 4 / 2**20)
+        row.forward_ratio = forward_s / native[length].forward_s
+        row.forward_backward_ratio = backward_s / native[length].forward_backward_s
         rows.append(row)
+    if memory:
+        _fix_mmap_threshold()
+        for row, (length, method, path, ids) in zip(rows, each_job(f"bench_attention ({mode}): memory")):
+            row.forward_peak_mib, row.forward_backward_peak_mib = measure_memory(model, ids, mode)
+            base = native[length]
+            row.extra_forward_mib = row.forward_peak_mib - base.forward_peak_mib
+            row.extra_vs_materialised_bias = row.extra_forward_mib / (heads * length * length * 4 / 2**20)
     unpatch_model(model)
     return rows
 
 
 def format_table(rows: list[Row]) -> str:
     """A markdown table; the path column says what served, and what was asked for when that differs."""
-    lines = ["| method | path | L | forward s | x native | fwd+bwd s | x native | extra fwd peak MiB | % of bias |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| method | path | L | forward s | x native | fwd+bwd s | x native | fwd+bwd peak MiB | extra fwd peak MiB "
+             "| % of bias |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         path = r.path if r.path == r.requested_path else f"{r.path} ({r.requested_path} asked)"
         lines.append(f"| {r.method} | {path} | {r.length} | {r.forward_s:.3f} | {r.forward_ratio:.2f} | "
-                     f"{r.forward_backward_s:.3f} | {r.forward_backward_ratio:.2f} | {r.extra_forward_mib:.0f} | "
+                     f"{r.forward_backward_s:.3f} | {r.forward_backward_ratio:.2f} | {r.forward_backward_peak_mib:.0f} | "
+                     f"{r.extra_forward_mib:.0f} | "
                      f"{100 * r.extra_vs_materialised_bias:.1f}% |")
     return "\n".join(lines)
 
@@ -229,7 +270,13 @@ def save(rows: list[Row], output_dir: str | Path) -> dict[str, Path]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="comma-separated sequence lengths")
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods")
+    parser.add_argument("--methods", default=";".join(METHODS),
+                        help="semicolon-separated methods, with options as on the command line "
+                             "(default %(default)s)")
+    parser.add_argument("--mode", default="train", choices=MODES,
+                        help="train: loss over every position; last-logit: a prefill's last logits (default "
+                             "%(default)s)")
+    parser.add_argument("--no-memory", action="store_true", help="times only (no second pass for peak memory)")
     parser.add_argument("--paths", default="blocked",
                         help="comma-separated attention paths to ask for: blocked, flex (compiles per shape: minutes "
                              "on CPU), flash (CUDA with flash-attn); each row says which path served")
@@ -239,9 +286,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--output-dir", default="runs/bench_attention")
     args = parser.parse_args()
-    rows = run_benchmark(lengths=[int(x) for x in args.lengths.split(",")], methods=args.methods.split(","),
+    rows = run_benchmark(lengths=[int(x) for x in args.lengths.split(",")], methods=args.methods.split(";"),
                          paths=tuple(args.paths.split(",")), layers=args.layers, repeats=args.repeats,
-                         backward_repeats=args.backward_repeats, threads=args.threads)
+                         backward_repeats=args.backward_repeats, threads=args.threads, mode=args.mode,
+                         memory=not args.no_memory)
     print(format_table(rows))
     for line in refused_kernels():
         print(f"refused by the kernel check: {line}")

@@ -57,6 +57,7 @@ from .kernel_check import (PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, K
                            kernel_status, reset_kernel_status, serve as serve_checked, table_attention_reference)
 from ..methods.base import AttentionBiasMethod, PositionalMethod, RotaryMethod
 from .state import STATE_ATTR, PositionState
+from .table_attention import TableBiasAttention
 
 ATTENTION_NAME = "hf_posenc"
 BLOCK_BYTES = 16 * 2**20
@@ -156,8 +157,9 @@ def _combine(state, allowed, bias, given, query_positions, key_positions, dtype,
     if bias is None:
         return allowed[None, None] if allowed.dim() == 2 else allowed
     low = torch.finfo(dtype).min
-    if not fresh or bias.dtype != torch.float32 or torch.broadcast_shapes(bias.shape, allowed.shape) != bias.shape:
-        return torch.where(allowed, bias.clamp_min(low), low).to(dtype)
+    if (not fresh or bias.dtype != torch.float32 or dtype == torch.float64
+            or torch.broadcast_shapes(bias.shape, allowed.shape) != bias.shape):
+        return torch.where(allowed, bias.to(dtype).clamp_min(low), low)
     # In place, so that no second [B, H, r, k] tensor is made.
     bias = bias.clamp_min_(low).masked_fill_(~allowed, low)
     return bias if dtype == torch.float32 else bias.to(dtype)
@@ -175,7 +177,7 @@ def padded_table(table: torch.Tensor, pad: int, dtype: torch.dtype) -> torch.Ten
     """[H, pad + n]: the distance table in `dtype` behind `pad` entries of dtype's minimum, which stand for the
     negative distances (keys after the query), so that a Toeplitz view of it is the causally masked bias."""
     low = torch.finfo(dtype).min
-    table = table.clamp_min(low).to(dtype)
+    table = table.to(dtype).clamp_min(low)  # clamped after the cast: -inf from fp16 overflow becomes its minimum
     return torch.cat([table.new_full((table.shape[0], pad), low), table], dim=1)
 
 
@@ -265,6 +267,14 @@ def _blocked(module, state, layer_idx, query, key, value, attention_mask, scalin
     else:
         step = block_rows(batch, heads, kv, state.method.block_cost)
     rotate_blocks = isinstance(state.method, RotaryMethod) and state.method.rotates_per_query_block
+    if as_view and dropout == 0.0 and padded.requires_grad and torch.is_grad_enabled():
+        # A learned table in training: SDPA takes the bias as a constant, the backward recomputes each block and
+        # sends dS into the table (table_attention.py), rather than SDPA's math path for a mask with a gradient.
+        blocks = [(rows.start, rows.stop - rows.start, max(1, min(kv, query_offset + rows.stop)),
+                   step + query_offset + rows.start - max(1, min(kv, query_offset + rows.stop)) + 1)
+                  for rows in query_blocks(query_positions, step)]
+        output = TableBiasAttention.apply(query, key, value, padded, blocks, scaling)
+        return output.transpose(1, 2).contiguous(), None
 
     outputs, weights = [], []
     for rows in query_blocks(query_positions, step, state.method.max_query_spread if rotate_blocks else None):

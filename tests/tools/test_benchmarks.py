@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from tool_helpers import load_script
 
 
@@ -20,7 +23,7 @@ def test_attention_benchmark_rows_name_the_path_that_served(tmp_path):
     native RoPE never enters hf_posenc's attention path."""
     bench = load_script("benchmarks/bench_attention.py")
     rows = bench.run_benchmark(lengths=[16], methods=["alibi"], paths=("blocked", "flash"), layers=1, heads=2,
-                               head_dim=8, repeats=1, backward_repeats=1, progress=False)
+                               head_dim=8, repeats=1, backward_repeats=1, mode="last-logit", progress=False)
     served = {(r.method, r.requested_path): r.path for r in rows}
     assert served == {("rope (native)", "sdpa"): "sdpa", ("alibi", "blocked"): "blocked",
                       ("alibi", "flash"): "blocked"}
@@ -28,6 +31,28 @@ def test_attention_benchmark_rows_name_the_path_that_served(tmp_path):
     assert "| alibi | blocked (flash asked) | 16 |" in bench.format_table(rows)
     written = bench.save(rows, tmp_path)
     assert written["json"].stat().st_size > 0 and written["png"].stat().st_size > 0
+
+
+def test_attention_benchmark_training_mode_times_a_loss_over_every_position(monkeypatch):
+    """Train mode runs a loss over every position (the logits of every position are computed), methods take options,
+    and memory is measured in a pass after all the timings."""
+    bench = load_script("benchmarks/bench_attention.py")
+    logits_kept, order = [], []
+    real_time, real_memory = bench.measure_time, bench.measure_memory
+    monkeypatch.setattr(bench, "measure_time", lambda *a, **k: order.append("time") or real_time(*a, **k))
+    monkeypatch.setattr(bench, "measure_memory", lambda *a, **k: order.append("memory") or real_memory(*a, **k))
+    rows = bench.run_benchmark(lengths=[16], methods=["t5", "alibi:trainable=true"], layers=1, heads=2,
+                               head_dim=8, repeats=1, backward_repeats=1, mode="train", progress=False)
+    assert [r.method for r in rows] == ["rope (native)", "t5", "alibi:trainable=true"]
+    assert order == ["time"] * 3 + ["memory"] * 3
+    assert all(r.mode == "train" and r.forward_backward_peak_mib == r.forward_backward_peak_mib for r in rows)
+    model = bench.build_model(1, 2, 8, 16)
+    forward, _ = bench.step_functions(model, torch.randint(0, 256, (1, 16)), "train")
+    model.register_forward_hook(lambda module, args, output: logits_kept.append(output.logits.shape[1]))
+    forward()
+    assert logits_kept == [16]
+    with pytest.raises(ValueError, match="mode"):
+        bench.run_benchmark(lengths=[16], methods=["t5"], mode="inference", progress=False)
 
 
 def test_rescale_every_benchmark_counts_one_replay_per_bucket(tmp_path):

@@ -1,0 +1,117 @@
+"""The backward of learned distance-table biases (hf_posenc/engine/table_attention.py): gradients of queries, keys,
+values and the table against autograd of the materialised computation in float64, and the blocked path using it
+(and only it) when a table takes a gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_posenc
+from hf_posenc import attention
+from hf_posenc.engine import table_attention
+from hf_posenc.engine.table_attention import TableBiasAttention, diagonal_sums
+from helpers import max_diff
+from tiny_models import random_ids, tiny_model
+
+
+def test_diagonal_sums_equal_a_loop():
+    block = torch.randn(3, 5, 7, dtype=torch.float64)
+    expected = torch.zeros(3, 11, dtype=torch.float64)
+    for r in range(5):
+        for c in range(7):
+            expected[:, r + c] += block[:, r, c]
+    assert torch.allclose(diagonal_sums(block), expected)
+
+
+def materialised(query, key, value, table, offset, scaling):
+    """Attention with bias table[i - j] over slots (queries at offset..offset+q-1, keys at 0..kv-1), causal, all
+    materialised in float64; keys in their natural order."""
+    q, kv = query.shape[2], key.shape[2]
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    distance = (torch.arange(q)[:, None] + offset) - torch.arange(kv)[None, :]
+    bias = table[:, distance.clamp(0, table.shape[1] - 1)]
+    bias = bias.masked_fill(distance < 0, float("-inf"))
+    scores = query @ key.transpose(2, 3) * scaling + bias
+    return scores.softmax(-1) @ value
+
+
+@pytest.mark.parametrize("batch,heads,kv_heads,q,offset,step", [
+    (1, 2, 2, 9, 0, 4),     # prefill, blocks of 4 rows
+    (2, 4, 2, 7, 5, 3),     # a chunk after a cache of 5, grouped-query attention
+    (1, 2, 1, 12, 0, 256),  # one block
+])
+def test_gradients_equal_materialised_autograd(batch, heads, kv_heads, q, offset, step):
+    generator = torch.Generator().manual_seed(0)
+    kv, dim, scaling = offset + q, 8, 0.3
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64, requires_grad=True)
+
+    query, key, value = rand(batch, heads, q, dim), rand(batch, kv_heads, kv, dim), rand(batch, kv_heads, kv, dim)
+    table = rand(heads, kv)
+    grad_out = torch.randn(batch, heads, q, dim, generator=generator, dtype=torch.float64)
+
+    expected = materialised(query, key, value, table, offset, scaling)
+    expected_grads = torch.autograd.grad(expected, (query, key, value, table), grad_out)
+
+    padded = attention.padded_table(table, step, torch.float64)
+    blocks = [(rows.start, rows.stop - rows.start, min(kv, offset + rows.stop),
+               step + offset + rows.start - min(kv, offset + rows.stop) + 1)
+              for rows in attention.query_blocks(torch.arange(q)[None], step)]
+    output = TableBiasAttention.apply(query, key.flip(2), value.flip(2), padded, blocks, scaling)
+    grads = torch.autograd.grad(output, (query, key, value, table), grad_out)
+
+    assert torch.allclose(output, expected, atol=1e-10)
+    for name, got, want in zip(("query", "key", "value", "table"), grads, expected_grads):
+        assert torch.allclose(got, want, atol=1e-10), name
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gpt2"])  # BLOOM's attention is eager: no table path
+@pytest.mark.parametrize("method,options", [("t5", {}), ("kerple", {}), ("fire", {}), ("alibi", {"trainable": True})])
+def test_training_step_gradients_equal_the_eager_path(model_type, method, options, monkeypatch):
+    """A patched tiny model's loss gradients (every parameter, the positional ones included) equal those of the eager
+    backend, which materialises each block's softmax and leaves the gradient to autograd; and the custom backward
+    served the attention calls."""
+    ids = random_ids(2, 30)  # within the tiny GPT-2 window, where FIRE has a distance table
+
+    def gradients(backend):
+        model = tiny_model(model_type).double()
+        for module in model.modules():  # GPT-2's dropouts: a step must be deterministic to compare
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        hf_posenc.patch_model(model, method, **options)
+        model.set_attn_implementation(backend)
+        model.train()
+        model(ids, labels=ids).loss.backward()
+        return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+    calls = []
+    original = TableBiasAttention.apply
+    monkeypatch.setattr(table_attention.TableBiasAttention, "apply",
+                        staticmethod(lambda *args: calls.append(1) or original(*args)))
+    monkeypatch.setattr(attention, "VIEW_BLOCK_ROWS", 16)  # several blocks over 30 tokens
+    fast = gradients("sdpa")
+    assert calls, "the table backward did not serve the training step"
+    calls.clear()
+    reference = gradients("eager")
+    assert not calls
+    positional = [name for name in fast if "posenc" in name]
+    assert positional, "no positional parameter got a gradient"
+    assert fast.keys() == reference.keys()
+    for name in fast:  # the eager backend's softmax runs in float32 even for a float64 model: hence 1e-6
+        assert max_diff(fast[name], reference[name]) < 1e-6 * max(1.0, reference[name].abs().max().item()), name
+
+
+def test_not_used_without_gradient_or_for_fixed_biases(monkeypatch):
+    calls = []
+    monkeypatch.setattr(table_attention.TableBiasAttention, "apply",
+                        staticmethod(lambda *args: calls.append(1)))
+    ids = random_ids(1, 20)
+    trained = hf_posenc.patch_model(tiny_model("llama"), "t5")
+    with torch.no_grad():
+        trained(ids)
+    fixed = hf_posenc.patch_model(tiny_model("llama"), "alibi").train()
+    fixed(ids, labels=ids).loss.backward()
+    assert not calls

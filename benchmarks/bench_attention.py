@@ -150,6 +150,12 @@ def measure_memory(model, ids, mode: str) -> tuple[float, float]:
     return peak_mib(forward), peak_mib(forward_backward)
 
 
+def measure(model, ids, repeats: int, backward_repeats: int, mode: str = "last-logit"):
+    """(forward s, forward+backward s, forward peak MiB, forward+backward peak MiB) of one case, times first (for
+    scripts that measure a case at a time, such as bench_rotations.py; peaks need _fix_mmap_threshold)."""
+    return (*measure_time(model, ids, mode, repeats, backward_repeats), *measure_memory(model, ids, mode))
+
+
 def run_benchmark(lengths=LENGTHS, methods=METHODS, paths=("blocked",), layers: int = 2, heads: int = 8,
                   head_dim: int = 64, repeats: int = 3, backward_repeats: int = 2, threads: int | None = None,
                   mode: str = "train", memory: bool = True, progress: bool = True) -> list[Row]:

@@ -63,3 +63,24 @@ def test_rescale_every_benchmark_counts_one_replay_per_bucket(tmp_path):
     assert replays == {"native rope": 0, "dynamic, rescale_every=1": 16, "dynamic, rescale_every=8": 2}
     assert report["rows"]["native rope"]["ratio_to_native"] == 1.0
     assert (tmp_path / "results.json").exists()
+
+
+def test_finetune_benchmark_times_the_finetune_step_beside_native(tmp_path, monkeypatch):
+    """Every case runs hf-posenc finetune's own training step (the optimizer moves the weights), native first, and
+    each row's throughput ratio is to native's at the same length and checkpointing."""
+    bench = load_script("benchmarks/bench_finetune.py")
+    from hf_posenc.tools import finetune
+
+    steps = []
+    real_step = finetune.training_step
+    monkeypatch.setattr(finetune, "training_step", lambda *a, **k: steps.append(a[2].shape) or real_step(*a, **k))
+    rows = bench.run_benchmark(lengths=[32], methods=["t5"], layers=1, steps=1, checkpointing=(False, True),
+                               progress=False)
+    assert [(r.method, r.checkpointing) for r in rows] == [("native", False), ("t5", False), ("native", True),
+                                                         ("t5", True)]
+    assert steps and all(shape == (1, 32) for shape in steps)
+    assert [r.throughput_ratio for r in rows if r.method == "native"] == [1.0, 1.0]
+    assert all(r.peak_mib > 0 and r.tokens_per_s > 0 for r in rows)
+    assert "| t5 | 32 | yes |" in bench.format_table(rows)
+    assert bench.save(rows, tmp_path)["png"].stat().st_size > 0
+    assert "rope" not in bench.default_methods() and "alibi:trainable=true" in bench.default_methods()

@@ -1,0 +1,191 @@
+"""Fine-tune throughput: tokens/s and peak memory of `hf-posenc finetune`'s own training step (forward, loss over
+every position, backward, gradient clipping, AdamW) on SmolLM2-135M's shapes (LLaMA: hidden 576, 9 heads, 3 KV
+heads, MLP 1536, vocabulary 49152, tied embeddings; random weights, since speed does not depend on them), for native
+RoPE and every method, with and without gradient checkpointing, as ratios to native in the same run. Prints a table
+and writes bench_finetune.json and bench_finetune.png to --output-dir.
+
+    .venv/bin/python benchmarks/bench_finetune.py --lengths 512,2048,4096 --layers 30 --output-dir runs/bench_finetune
+
+--layers 30 is the real depth; fewer layers keep the same per-layer work at a fraction of the time (the ratios to
+native change little, since every layer is the same). Times are taken first for every case with the allocator as
+users have it; peak memory afterwards, as in bench_attention.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import _fix_mmap_threshold, peak_mib  # noqa: E402
+
+from hf_posenc import available_methods  # noqa: E402
+
+LENGTHS = [512, 2048, 4096]
+# What the contract suite needs to patch a method with no options of its own (RoPE scalings need a factor, ...).
+OPTIONS = {"alibi": "alibi:trainable=true", "linear": "linear:factor=2", "ntk": "ntk:factor=4",
+           "dynamic": "dynamic:factor=4", "yarn": "yarn:factor=4", "dynamic-yarn": "dynamic-yarn:factor=4",
+           "llama3": "llama3:factor=8", "self-extend": "self-extend:window=256,group=4",
+           "rerope": "rerope:window=256"}
+SKIP = {"rope-2d": "takes 2-D position_ids", "longrope": "needs per-frequency factors for the model",
+        "rope": "SmolLM2's own mechanism: the native row"}
+
+
+def default_methods() -> list[str]:
+    return [OPTIONS.get(name, name) for name in available_methods() if name not in SKIP]
+
+
+@dataclass
+class Row:
+    method: str
+    length: int
+    checkpointing: bool
+    step_s: float
+    tokens_per_s: float
+    peak_mib: float = float("nan")
+    throughput_ratio: float = 1.0  # tokens/s over native's (same length and checkpointing)
+    peak_ratio: float = float("nan")
+
+
+def smollm2_shaped(layers: int, max_length: int):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=max(8192, max_length),
+                         rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, tie_word_embeddings=True,
+                         rms_norm_eps=1e-5)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
+
+
+def training(model, length: int, checkpointing: bool, steps: int):
+    """The fine-tune's training objects (finetune.prepare_training) over random blocks, and its step function."""
+    from accelerate import Accelerator
+
+    from hf_posenc.tools import finetune
+
+    args = finetune.settings(max_length=length, batch_size=1, max_steps=steps + 1, gradient_checkpointing=checkpointing,
+                             no_memory_check=True, lr=1e-5)
+    blocks = torch.randint(0, model.config.vocab_size, (steps + 1, length), generator=torch.Generator().manual_seed(0))
+    data = finetune.TrainingData([], blocks.numel(), blocks, blocks[:0])
+    prepared = finetune.prepare_training(args, Accelerator(cpu=not torch.cuda.is_available()), model, data)
+    prepared.model.train()
+    return lambda step: finetune.training_step(args, prepared, blocks[step % len(blocks)][None], step)
+
+
+def run_benchmark(lengths=LENGTHS, methods=None, layers: int = 30, steps: int = 2, checkpointing=(False, True),
+                  threads: int | None = None, memory: bool = True, progress: bool = True) -> list[Row]:
+    from tqdm import tqdm
+
+    from hf_posenc.tools.runtime import MethodRequest
+
+    if threads:
+        torch.set_num_threads(threads)
+    methods = list(methods or default_methods())
+    requests = {spec: MethodRequest.parse(spec) for spec in methods}
+    for request in requests.values():
+        request.check()
+    jobs = [(length, gc, method) for length in lengths for gc in checkpointing for method in ["native", *methods]]
+
+    def each_job(desc):
+        for length, gc, method in tqdm(jobs, disable=not progress, desc=desc):
+            model = smollm2_shaped(layers, length)
+            if method != "native":
+                requests[method].apply(model)
+            yield length, gc, method, training(model, length, gc, steps)
+
+    rows, native = [], {}
+    for length, gc, method, step in each_job("bench_finetune: time"):
+        step(0)  # warm-up
+        times = []
+        for index in range(1, steps + 1):
+            start = time.perf_counter()
+            step(index)
+            times.append(time.perf_counter() - start)
+        seconds = statistics.median(times)
+        row = Row(method, length, gc, seconds, length / seconds)
+        native.setdefault((length, gc), row)
+        row.throughput_ratio = row.tokens_per_s / native[length, gc].tokens_per_s
+        rows.append(row)
+    if memory:
+        _fix_mmap_threshold()
+        for row, (length, gc, method, step) in zip(rows, each_job("bench_finetune: memory")):
+            step(0)  # optimizer state allocated, as in the timed steps
+            row.peak_mib = peak_mib(lambda: step(1))
+            row.peak_ratio = row.peak_mib / native[length, gc].peak_mib
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    lines = ["| method | L | checkpointing | step s | tokens/s | x native | peak MiB | x native |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r.method} | {r.length} | {'yes' if r.checkpointing else 'no'} | {r.step_s:.2f} | "
+                     f"{r.tokens_per_s:.0f} | {r.throughput_ratio:.2f} | {r.peak_mib:.0f} | {r.peak_ratio:.2f} |")
+    return "\n".join(lines)
+
+
+def save(rows: list[Row], output_dir: str | Path) -> dict[str, Path]:
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "bench_finetune.json"}
+    paths["json"].write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return paths
+    settings = sorted({(r.length, r.checkpointing) for r in rows})
+    methods = list(dict.fromkeys(r.method for r in rows if r.method != "native"))
+    figure, axis = plt.subplots(figsize=(max(8, 0.45 * len(methods) * len(settings)), 4.5))
+    width = 0.8 / len(settings)
+    for index, (length, gc) in enumerate(settings):
+        ratios = {r.method: r.throughput_ratio for r in rows if (r.length, r.checkpointing) == (length, gc)}
+        axis.bar([m + index * width for m in range(len(methods))], [ratios.get(m, float("nan")) for m in methods],
+                 width, label=f"L={length}{', checkpointing' if gc else ''}")
+    axis.axhline(1.0, color="k", linewidth=0.8)
+    axis.axhline(0.9, color="k", linestyle="--", linewidth=0.8)
+    axis.set_xticks([m + 0.4 - width / 2 for m in range(len(methods))], methods, rotation=60, ha="right")
+    axis.set_ylabel("tokens/s / native RoPE")
+    axis.set_title("fine-tune step throughput on SmolLM2-135M shapes")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    paths["png"] = out / "bench_finetune.png"
+    figure.savefig(paths["png"], dpi=120)
+    plt.close(figure)
+    return paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="comma-separated (default %(default)s)")
+    parser.add_argument("--methods", default=None,
+                        help="semicolon-separated methods with options (default: every method but "
+                             f"{', '.join(SKIP)})")
+    parser.add_argument("--layers", type=int, default=30, help="decoder layers (SmolLM2-135M: 30; default %(default)s)")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per case, after one warm-up (median)")
+    parser.add_argument("--checkpointing", default="no,yes", help="gradient checkpointing: no, yes or no,yes")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--no-memory", action="store_true", help="times only")
+    parser.add_argument("--output-dir", default="runs/bench_finetune")
+    args = parser.parse_args()
+    checkpointing = tuple({"no": False, "yes": True}[x.strip()] for x in args.checkpointing.split(","))
+    rows = run_benchmark([int(x) for x in args.lengths.split(",")],
+                         args.methods.split(";") if args.methods else None, args.layers, args.steps, checkpointing,
+                         args.threads, not args.no_memory)
+    print(format_table(rows))
+    for kind, path in save(rows, args.output_dir).items():
+        print(f"{kind}: {path}")
+
+
+if __name__ == "__main__":
+    main()

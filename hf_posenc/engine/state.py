@@ -23,6 +23,7 @@ from torch import nn
 
 from ..errors import PosEncError
 from ..methods.base import AbsolutePositionMethod, PositionalMethod, RotaryMethod
+from .sink_cache import SinkCache
 
 STATE_ATTR = "hf_posenc_state"
 ATTENTION_BACKENDS = ("sdpa", "eager", None)  # None: not chosen yet, transformers' default (sdpa)
@@ -218,8 +219,14 @@ class PositionCapture:
             positions = self.default_positions(arguments, q, offset, source.device)
         positions, coordinates = self.split_coordinates(arguments, positions, q, offset, source.device)
         embed_tokens = module.get_input_embeddings()
+        bounded = isinstance(cache, SinkCache)
         if traced:
             self.state.update_traced(positions, offset, coordinates)
+        elif bounded:
+            # A cache that evicts: the slots the attention sees are the held tokens, not every token seen.
+            cache.check_for(self.state.method)
+            held, past, attended = cache.prepare(arguments, positions, q)
+            self.state.update(positions, held, past, attended, coordinates)
         else:
             if self.replay is not None:
                 arguments, positions, offset = self.replay.prepare(arguments, positions, offset, cache, embed_tokens)
@@ -228,7 +235,7 @@ class PositionCapture:
                               coordinates)
 
         if not (self.adds_embeddings and isinstance(self.state.method, AbsolutePositionMethod)):
-            return ((), arguments) if self.replay is not None or coordinates is not None else None
+            return ((), arguments) if self.replay is not None or coordinates is not None or bounded else None
         if inputs_embeds is None:
             inputs_embeds = embed_tokens(input_ids)
         inputs_embeds = inputs_embeds + self.state.method.embed(positions).to(inputs_embeds.dtype)

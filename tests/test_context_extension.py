@@ -68,7 +68,7 @@ CASES = [
     ("rerope", {"window": 6}),
     ("rerope", {"window": 4, "log_scaling": True, "original_max_position_embeddings": 8}),
     ("sinks", {"num_sinks": 3, "window": 6}),
-    ("sinks", {"num_sinks": 0, "window": 5}),  # window attention alone
+    ("sinks", {"num_sinks": 1, "window": 5}),
 ]
 
 
@@ -252,8 +252,8 @@ def test_sinks_bad_caches_and_options_are_refused():
         alibi(ids, past_key_values=hf_posenc.SinkCache(2, num_sinks=2, window=6), use_cache=True)
     with pytest.raises(PosEncError, match=r"needs a model patched with 'sinks'; this one is not patched"):
         hf_posenc.sink_cache(tiny_model("llama"))
-    with pytest.raises(PosEncError, match=r"SinksConfig.num_sinks=-1 .*pass an integer"):
-        hf_posenc.patch_model(tiny_model("llama"), "sinks", num_sinks=-1)
+    with pytest.raises(PosEncError, match=r"SinksConfig.num_sinks=0 .*pass an integer"):
+        hf_posenc.patch_model(tiny_model("llama"), "sinks", num_sinks=0)
     with pytest.raises(PosEncError, match=r"leaves no room for a window"):
         hf_posenc.patch_model(tiny_model("llama"), "sinks", num_sinks=64)
     with pytest.raises(PosEncError, match=r"SinksConfig.window is required"):

@@ -5,7 +5,7 @@ peak memory, as ratios to native RoPE in the same run. Reuses bench_attention's 
     .venv/bin/python benchmarks/bench_rotations.py --lengths 1024,4096 --output benchmarks/bench_rotations.json
 
 ComRoPE and LieRE rotate inside the shared attention path (a b x b matrix per block and position: matrix_exp once
-per layer and call, float32); FoPE and 2-D RoPE are cos/sin pairs that the layers apply as native RoPE does.
+per forward, float32, shared by the layers); FoPE and 2-D RoPE are cos/sin pairs that the layers apply as native RoPE does.
 """
 
 from __future__ import annotations

@@ -212,3 +212,36 @@ def test_rope_2d_refuses_1d_positions_and_1d_methods_refuse_2d_positions():
     rope_model = hf_posenc.patch_model(tiny_model("gpt2"), "comrope-ap")
     with pytest.raises(hf_posenc.PosEncError, match=r"pass position_ids of shape \[B, 6\]"):
         rope_model(random_ids(1, 6), position_ids=grid(2, 3))
+
+
+# --- one rotation per forward ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method,options", [("comrope-ap", {"block_size": 4}), ("liere", {}),
+                                            ("dynamic", {"factor": 2.0})])
+def test_rotations_are_computed_once_per_forward_and_shared_by_the_layers(method, options, monkeypatch):
+    """Methods that rotate inside the attention path (matrix exponentials for ComRoPE/LieRE, the length-dependent
+    cos/sin of the dynamic scalings) compute each rotation once per forward, not once per layer: a full forward makes
+    one (queries and keys have the same positions), a decoding step two (the new queries, the whole key cache), for
+    the tiny model's 2 layers; the logits equal those of computing them in every layer."""
+    extra = {} if method == "dynamic" else {"init": "random", "init_std": 0.2}
+    model, module = method_on("llama", method, **options, **extra)
+    ids = random_ids(2, 12)
+    calls = []
+    rotation = module.rotation
+    monkeypatch.setattr(module, "rotation", lambda *args, **kwargs: calls.append(1) or rotation(*args, **kwargs))
+    with torch.no_grad():
+        full = model(ids).logits
+        assert len(calls) == 1
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :8], past_key_values=cache, use_cache=True)
+        calls.clear()
+        step = model(ids[:, 8:9], past_key_values=cache, use_cache=True).logits
+        assert len(calls) == 2
+        # per layer, as before: every layer computes its own rotations
+        monkeypatch.setattr(hf_posenc.engine.state.PositionState, "rotation_of",
+                            lambda state, positions: state.method.rotation(positions, state.call.seq_len))
+        assert torch.equal(model(ids).logits, full)
+        calls.clear()
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :8], past_key_values=cache, use_cache=True)
+        assert torch.equal(model(ids[:, 8:9], past_key_values=cache, use_cache=True).logits, step)
+        assert len(calls) == 1 + 2 * 2 + 1 + 2 * 2  # queries once, keys per layer (prefill and step)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -46,6 +46,8 @@ class CallPositions:
     shift: torch.Tensor | None
     seq_len: int = 0  # highest position + 1: what length-dependent rotary scalings depend on
     rotation: Any = None  # a rotary method's rotation of the queries (its `rotation()`: by default cos/sin)
+    # (positions, rotation) pairs computed in this forward, shared by its layers (PositionState.rotation_of)
+    rotations: list = field(default_factory=list)
     # Set under torch.compile (see PositionState.update_traced): `slot_offset` may be a 0-d tensor and
     # `key_positions` holds only the position of slot 0 [B or 1, 1]: each key sits at its slot plus that.
     traced: bool = False
@@ -132,8 +134,32 @@ class PositionState:
         if isinstance(self.method, RotaryMethod):
             call.seq_len = int(query_positions.max()) + 1 if self.method.length_dependent else 0
             call.rotation = self.method.rotation(query_positions if coordinates is None else coordinates, call.seq_len)
+            if coordinates is None:
+                call.rotations.append((query_positions, call.rotation))
         self._calls.current = call
         return call
+
+    def rotate_query_key(self, query: torch.Tensor, key: torch.Tensor, query_positions: torch.Tensor,
+                         key_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The method's rotate_query_key for one layer, with each rotation computed once per forward and reused by
+        every layer (`rotation_of`): for ComRoPE/LieRE a matrix exponential per position, for the dynamic scalings
+        cos/sin of the whole key cache. A method that overrides rotate_query_key (xPos) is called as it is."""
+        method, call = self.method, self.call
+        if call.traced or type(method).rotate_query_key is not RotaryMethod.rotate_query_key:
+            return method.rotate_query_key(query, key, query_positions, key_positions, call.seq_len)
+        return (method.rotate_heads(query, self.rotation_of(query_positions)),
+                method.rotate_heads(key, self.rotation_of(key_positions)))
+
+    def rotation_of(self, positions: torch.Tensor):
+        """The method's rotation of `positions` [B or 1, n] in the current forward: computed by the first layer that
+        asks (the queries' by `update`) and reused by the others, which see the same positions."""
+        call = self.call
+        for known, rotation in call.rotations:
+            if known.shape == positions.shape and known.device == positions.device and torch.equal(known, positions):
+                return rotation
+        rotation = self.method.rotation(positions, call.seq_len)
+        call.rotations.append((positions, rotation))
+        return rotation
 
     def slots(self, q: int, kv: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache slots of the q queries and the kv keys seen by attention."""

@@ -7,7 +7,8 @@ consecutive dimensions (b/2 RoPE pairs each). RoPE is the special case where eac
 [[0, -w_k], [w_k, 0]] with the model's frequencies w_k on its diagonal (`rope_generators`).
 
 The rotation of every position is exp(p A) in float32: closed form (cos, sin) for b = 2, torch.linalg.matrix_exp
-otherwise. LLaMA-family layers can only apply cos/sin pairs themselves, so these methods rotate queries and the
+otherwise, computed once per forward for the queries and once for the keys and shared by every layer
+(engine/state.py: PositionState.rotation_of). LLaMA-family layers can only apply cos/sin pairs themselves, so these methods rotate queries and the
 (un-rotated) key cache inside the shared attention path, on every family alike.
 """
 

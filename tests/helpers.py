@@ -52,7 +52,7 @@ CONTRACT = {
     "sandwich": ContractCase(),
     "xpos": ContractCase(),
     "comrope-ap": ContractCase(),
-    "comrope-ld": ContractCase(),
+    "comrope-ld": ContractCase(options={"per_head": True}),  # the per-head generators (comrope-ap: shared ones)
     "liere": ContractCase(),
     "fope": ContractCase(),
     "rope-2d": ContractCase(unsupported={

@@ -17,7 +17,9 @@ from hf_posenc.methods.block_rotation import block_exponentials
 from tiny_models import random_ids, tiny_model
 
 ROPE_LIKE = [("comrope-ap", {}), ("comrope-ap", {"block_size": 2}), ("comrope-ld", {"block_size": 8}),
-             ("liere", {}), ("fope", {"clip_floor": False}), ("rope-2d", {})]
+             ("liere", {}), ("fope", {"clip_floor": False}), ("rope-2d", {}),
+             ("comrope-ap", {"per_head": True}), ("liere", {"block_size": 8, "per_head": True}),
+             ("fope", {"clip_floor": False, "per_head": True})]
 
 
 def method_on(model_type: str, method: str, **options):
@@ -245,3 +247,48 @@ def test_rotations_are_computed_once_per_forward_and_shared_by_the_layers(method
         model(ids[:, :8], past_key_values=cache, use_cache=True)
         assert torch.equal(model(ids[:, 8:9], past_key_values=cache, use_cache=True).logits, step)
         assert len(calls) == 1 + 2 * 2 + 1 + 2 * 2  # queries once, keys per layer (prefill and step)
+
+
+# --- per-head parameters -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method,options", [("comrope-ap", {"block_size": 4}), ("comrope-ld", {"block_size": 2}),
+                                            ("liere", {})])
+def test_per_head_block_rotations_match_a_float64_reference(method, options):
+    """per_head=True: each key-value head rotates by exp(p A_g) with its own generator, and the query heads of its
+    group (tiny LLaMA: 4 query heads, 2 key-value heads) by the same."""
+    torch.manual_seed(7)
+    _, module = method_on("llama", method, init="random", init_std=0.3, per_head=True, **options)
+    generators = module.generators().detach().double().numpy()
+    assert generators.shape[0] == 2 and np.abs(generators[0] - generators[1]).max() > 1e-2
+    query = torch.randn(1, 4, 5, 16)
+    positions = torch.tensor([[0, 1, 7, 20, 33]])
+    rotated = module.rotate_heads(query, module.rotation(positions)).detach()
+    keys = module.rotate_heads(query[:, ::2], module.rotation(positions)).detach()  # 2 heads: the kv heads
+    for slot, position in enumerate(positions[0].tolist()):
+        for head in range(4):
+            expected = query[0, head, slot].double().numpy() @ reference_rotation(generators[head // 2], position,
+                                                                                  16).T
+            assert np.abs(rotated[0, head, slot].double().numpy() - expected).max() <= 5e-5
+        for head in range(2):
+            expected = query[0, 2 * head, slot].double().numpy() @ reference_rotation(generators[head], position,
+                                                                                      16).T
+            assert np.abs(keys[0, head, slot].double().numpy() - expected).max() <= 5e-5
+
+
+def test_per_head_fope_matches_a_float64_reference_and_decodes_exactly():
+    torch.manual_seed(8)
+    model, module = method_on("llama", "fope", init="random", sigma=0.3, per_head=True)
+    assert module.cos_coefficients.shape == (2, 8, 8) and module.rotates_in_attention
+    positions = torch.tensor([[0, 9, 63, 200]])
+    cos, sin = (part.detach() for part in module.cos_sin(positions))  # [1, 4, heads, 16]
+    freqs = 10000.0 ** (-np.arange(0, 16, 2) / 16)
+    freqs = np.where(freqs < 2 * math.pi / 64, 0.0, freqs)
+    angles = positions[0].numpy()[:, None] * freqs
+    for head in range(2):
+        expected_cos = np.cos(angles) @ module.cos_coefficients[head].detach().double().numpy()
+        expected_sin = np.sin(angles) @ module.sin_coefficients[head].detach().double().numpy()
+        assert np.abs(cos[0, :, head, :8].double().numpy() - expected_cos).max() <= 1e-4
+        assert np.abs(sin[0, :, head, 8:].double().numpy() - expected_sin).max() <= 1e-4
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        full = model(ids).logits
+        assert max_diff(full, decode_token_by_token(model, ids, DynamicCache(config=model.config))) <= 1e-4

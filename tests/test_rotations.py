@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 import hf_posenc
 from helpers import decode_token_by_token, left_pad, max_diff
@@ -19,7 +19,7 @@ from tiny_models import random_ids, tiny_model
 ROPE_LIKE = [("comrope-ap", {}), ("comrope-ap", {"block_size": 2}), ("comrope-ld", {"block_size": 8}),
              ("liere", {}), ("fope", {"clip_floor": False}), ("rope-2d", {}),
              ("comrope-ap", {"per_head": True}), ("liere", {"block_size": 8, "per_head": True}),
-             ("fope", {"clip_floor": False, "per_head": True})]
+             ("fope", {"clip_floor": False, "per_head": True}), ("rope-2d", {"per_head": True})]
 
 
 def method_on(model_type: str, method: str, **options):
@@ -292,3 +292,30 @@ def test_per_head_fope_matches_a_float64_reference_and_decodes_exactly():
     with torch.no_grad():
         full = model(ids).logits
         assert max_diff(full, decode_token_by_token(model, ids, DynamicCache(config=model.config))) <= 1e-4
+
+
+def test_per_head_rope_2d_matches_a_float64_reference_and_decodes_on_a_grid():
+    """Mixed 2-D RoPE with per_head=True: angle_k = x wx_hk + y wy_hk per key-value head, rotated inside the attention
+    path by the coordinates of the queries and of the cached keys (kept on the cache beside their positions)."""
+    torch.manual_seed(9)
+    model, module = method_on("llama", "rope-2d", init="random", per_head=True)
+    assert module.column_rates.shape == (2, 8) and module.rotates_in_attention
+    coordinates = torch.tensor([[[0, 0], [2, 5], [7, 1]]])
+    cos, sin = module.cos_sin(coordinates)  # [1, 3, heads, 16]
+    column, row = module.column_rates.detach().double().numpy(), module.row_rates.detach().double().numpy()
+    for head in range(2):
+        angles = coordinates[0, :, 1:].double().numpy() * column[head] + coordinates[0, :, :1].double().numpy() * \
+            row[head]
+        assert np.abs(cos[0, :, head, :8].detach().double().numpy() - np.cos(angles)).max() <= 1e-5
+        assert np.abs(sin[0, :, head, 8:].detach().double().numpy() - np.sin(angles)).max() <= 1e-5
+    ids, positions = random_ids(2, 12), grid(3, 4).expand(2, -1, -1)
+    with torch.no_grad():
+        full = model(ids, position_ids=positions).logits
+        assert max_diff(full, model(ids, position_ids=positions + torch.tensor([4, 7])).logits) <= 1e-5
+        assert max_diff(full, model(ids, position_ids=positions.flip(-1)).logits) > 1e-4
+        for cache in (DynamicCache(config=model.config), StaticCache(config=model.config, max_cache_len=16)):
+            steps = [model(ids[:, i:i + 1], position_ids=positions[:, i:i + 1], past_key_values=cache,
+                           use_cache=True).logits for i in range(12)]
+            assert max_diff(full, torch.cat(steps, dim=1)) <= 1e-4
+    with pytest.raises(hf_posenc.PosEncError, match=r"Rope2dConfig.per_head=True has nothing to learn per head"):
+        hf_posenc.Rope2dConfig(variant="axial", per_head=True)

@@ -28,6 +28,8 @@ from .sink_cache import SinkCache
 STATE_ATTR = "hf_posenc_state"
 ATTENTION_BACKENDS = ("sdpa", "eager", None)  # None: not chosen yet, transformers' default (sdpa)
 KEY_POSITIONS_ATTR = "hf_posenc_key_positions"  # on a KV cache: [B or 1, n] positions of the n cached tokens
+# on a KV cache, for a method over several position axes that rotates in attention: [B or 1, n, axes]
+KEY_COORDINATES_ATTR = "hf_posenc_key_coordinates"
 
 
 @dataclass
@@ -48,6 +50,10 @@ class CallPositions:
     rotation: Any = None  # a rotary method's rotation of the queries (its `rotation()`: by default cos/sin)
     # (positions, rotation) pairs computed in this forward, shared by its layers (PositionState.rotation_of)
     rotations: list = field(default_factory=list)
+    # For a method over several position axes (rope-2d): the coordinates [B or 1, q, axes] of the queries and
+    # [B or 1, slot_offset + q, axes] of every key, in slot order (what it rotates by inside attention).
+    query_coordinates: torch.Tensor | None = None
+    key_coordinates: torch.Tensor | None = None
     # Set under torch.compile (see PositionState.update_traced): `slot_offset` may be a 0-d tensor and
     # `key_positions` holds only the position of slot 0 [B or 1, 1]: each key sits at its slot plus that.
     traced: bool = False
@@ -114,7 +120,8 @@ class PositionState:
         return call
 
     def update(self, query_positions: torch.Tensor, slot_offset: int, past_positions: torch.Tensor | None = None,
-               attended: torch.Tensor | None = None, coordinates: torch.Tensor | None = None) -> CallPositions:
+               attended: torch.Tensor | None = None, coordinates: torch.Tensor | None = None,
+               past_coordinates: torch.Tensor | None = None) -> CallPositions:
         """Record the positions of a forward: `query_positions` [B or 1, q]; `past_positions` [B or 1, >= offset],
         those of the cached tokens (None: consecutive before the first query, as a cache filled outside hf_posenc's
         view would be); `attended` [B, offset + q] bool, the tokens that are not padding (None: all);
@@ -134,10 +141,39 @@ class PositionState:
         if isinstance(self.method, RotaryMethod):
             call.seq_len = int(query_positions.max()) + 1 if self.method.length_dependent else 0
             call.rotation = self.method.rotation(query_positions if coordinates is None else coordinates, call.seq_len)
-            if coordinates is None:
-                call.rotations.append((query_positions, call.rotation))
+            call.rotations.append((query_positions if coordinates is None else coordinates, call.rotation))
+            if coordinates is not None:
+                call.query_coordinates = coordinates
+                call.key_coordinates = self._key_coordinates(coordinates, call.key_positions, slot_offset,
+                                                             past_coordinates)
         self._calls.current = call
         return call
+
+    def _key_coordinates(self, coordinates, key_positions, slot_offset, past_coordinates):
+        """The coordinates of every key: the cached ones (else the default coordinates of their positions, for a
+        cache filled outside this view), then the queries'."""
+        if slot_offset == 0:
+            return coordinates
+        if past_coordinates is None or past_coordinates.shape[-2] < slot_offset or \
+                past_coordinates.shape[0] not in (1, coordinates.shape[0]):
+            past_coordinates = self.method.default_coordinates(key_positions[:, :slot_offset])
+        past_coordinates = past_coordinates[:, :slot_offset].to(coordinates.device)
+        rows = max(past_coordinates.shape[0], coordinates.shape[0])
+        return torch.cat((past_coordinates.expand(rows, -1, -1), coordinates.expand(rows, -1, -1)), dim=-2)
+
+    def attention_coordinates(self, kv: int, device: torch.device):
+        """(query coordinates, key coordinates) of the keys attention sees ([.., kv, axes], sliced and padded as
+        `relative_positions` does the positions), or None for a call without coordinates."""
+        call = self.call
+        if call.key_coordinates is None:
+            return None
+        _, key_slots = self.slots(call.query_coordinates.shape[-2], kv, device)
+        first_key = int(key_slots[0]) if kv else 0
+        keys = call.key_coordinates[:, first_key:first_key + kv].to(device)
+        missing = kv - keys.shape[-2]
+        if missing > 0:
+            keys = torch.cat((keys, keys[:, -1:].expand(-1, missing, -1)), dim=-2)
+        return call.query_coordinates.to(device), keys
 
     def rotate_query_key(self, query: torch.Tensor, key: torch.Tensor, query_positions: torch.Tensor,
                          key_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,6 +183,9 @@ class PositionState:
         method, call = self.method, self.call
         if call.traced or type(method).rotate_query_key is not RotaryMethod.rotate_query_key:
             return method.rotate_query_key(query, key, query_positions, key_positions, call.seq_len)
+        coordinates = self.attention_coordinates(key.shape[2], key.device)
+        if coordinates is not None:  # a method over several axes rotates by the tokens' coordinates
+            query_positions, key_positions = coordinates
         return (method.rotate_heads(query, self.rotation_of(query_positions)),
                 method.rotate_heads(key, self.rotation_of(key_positions)))
 
@@ -257,8 +296,10 @@ class PositionCapture:
             if self.replay is not None:
                 arguments, positions, offset = self.replay.prepare(arguments, positions, offset, cache, embed_tokens)
             past = getattr(cache, KEY_POSITIONS_ATTR, None) if offset else None
+            past_coordinates = getattr(cache, KEY_COORDINATES_ATTR, None) if offset and coordinates is not None \
+                else None
             self.state.update(positions, offset, past, attended_tokens(arguments.get("attention_mask"), offset + q),
-                              coordinates)
+                              coordinates, past_coordinates)
 
         if not (self.adds_embeddings and isinstance(self.state.method, AbsolutePositionMethod)):
             return ((), arguments) if self.replay is not None or coordinates is not None or bounded else None
@@ -307,6 +348,8 @@ class RecordKeyPositions:
         cache = getattr(output, "past_key_values", None)
         if cache is not None and not self.state.call.traced:
             setattr(cache, KEY_POSITIONS_ATTR, self.state.call.key_positions)
+            if self.state.call.key_coordinates is not None:
+                setattr(cache, KEY_COORDINATES_ATTR, self.state.call.key_coordinates)
         elif cache is not None:  # a compiled forward does not track positions: later calls take them as consecutive
             setattr(cache, KEY_POSITIONS_ATTR, None)
         return output

@@ -39,6 +39,8 @@ _EXPORTS = {
     "RopeConfig": "methods.rope",
     "ReropeConfig": "methods.rerope",
     "SelfExtendConfig": "methods.self_extend",
+    **dict.fromkeys(("SinksConfig", "sink_cache"), "methods.sinks"),
+    "SinkCache": "engine.sink_cache",
     **dict.fromkeys(("DynamicConfig", "DynamicYarnConfig", "LinearConfig", "Llama3Config", "LongRopeConfig",
                      "NtkConfig", "RopeScalingConfig", "YarnConfig"), "methods.rope_scaling"),
     "SandwichConfig": "methods.sandwich",
@@ -55,12 +57,13 @@ __all__ = [
     # patching, loading, publishing
     "available_methods", "from_pretrained", "get_method", "get_positional_module", "get_posenc_config",
     "load_adapter", "make_model_card", "patch_model", "push_to_hub", "save_adapter", "supported_model_types",
-    "unpatch_model", "PosEncError",
+    "unpatch_model", "PosEncError", "sink_cache", "SinkCache",
     # every built-in method's config
     "AlibiConfig", "ComRopeApConfig", "ComRopeConfig", "ComRopeLdConfig", "FopeConfig", "LiereConfig",
     "Rope2dConfig", "DynamicConfig", "DynamicYarnConfig", "FireConfig", "KerpleConfig", "LearnedConfig",
     "LinearConfig", "Llama3Config", "LongRopeConfig", "NopeConfig", "NtkConfig", "RopeConfig", "RopeScalingConfig",
-    "ReropeConfig", "SandwichConfig", "SelfExtendConfig", "SinusoidalConfig", "T5Config", "XposConfig", "YarnConfig",
+    "ReropeConfig", "SandwichConfig", "SelfExtendConfig", "SinksConfig", "SinusoidalConfig", "T5Config", "XposConfig",
+    "YarnConfig",
     # extending: methods and families
     "AbsolutePositionMethod", "AttentionBiasMethod", "ModelFamily", "ModelInfo", "PosEncConfig", "PositionalMethod",
     "RotaryMethod", "register_family", "register_method",

@@ -52,7 +52,7 @@ CONTRACT = {
     "sandwich": ContractCase(),
     "xpos": ContractCase(),
     "comrope-ap": ContractCase(),
-    "comrope-ld": ContractCase(),
+    "comrope-ld": ContractCase(options={"per_head": True}),  # the per-head generators (comrope-ap: shared ones)
     "liere": ContractCase(),
     "fope": ContractCase(),
     "rope-2d": ContractCase(unsupported={
@@ -71,6 +71,8 @@ CONTRACT = {
     # A window shorter than the contract's texts, so that the remapped positions are exercised.
     "self-extend": ContractCase(options={"window": 4, "group": 2}, scales_rope=True),
     "rerope": ContractCase(options={"window": 4, "log_scaling": True}, scales_rope=True),
+    # Sinks and a window shorter than the contract's texts, so that keys are hidden and the sinks' positions moved.
+    "sinks": ContractCase(options={"num_sinks": 2, "window": 4}, scales_rope=True),
 }
 
 

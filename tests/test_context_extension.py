@@ -1,6 +1,6 @@
-"""Training-free context extension by remapped positions (Self-Extend, ReRoPE): the shared attention path against an
-independent float64 reference that materialises the whole score matrix, and whole models against the unpatched
-model within the window. (The contract suite, test_contract.py, checks caches, padding, unpatch, gradients, low
+"""Training-free context extension by remapped positions (Self-Extend, ReRoPE, attention sinks): the shared attention
+path against an independent float64 reference that materialises the whole score matrix, whole models against the
+unpatched model within the window, and the sinks' bounded cache. (The contract suite, test_contract.py, checks caches, padding, unpatch, gradients, low
 precision and checkpoints for both on every model type.)"""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import hf_posenc
 from hf_posenc.engine import attention as attention_module
 from hf_posenc.engine.state import STATE_ATTR
 from hf_posenc import PosEncError
-from helpers import decode_token_by_token, max_diff, patch_for_contract
+from helpers import decode_token_by_token, left_pad, max_diff, patch_for_contract
 from tiny_models import random_ids, tiny_model
 
 THETA = 10000.0
@@ -36,7 +36,15 @@ def reference_attention(method: str, options: dict, query, key, value, query_pos
     softmax over the causal keys (by position)."""
     window = options["window"]
     distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]
-    if method == "self-extend":
+    visible = torch.ones_like(distance, dtype=torch.bool)
+    if method == "sinks":
+        # StreamingLLM with positions by cache slot: the query at min(t, S + W - 1), a sink j at j; beyond the window
+        # only the sinks are visible.
+        sinks = options["num_sinks"]
+        far_query = query_positions.clamp(max=sinks + window - 1)
+        far_key = key_positions
+        visible = (key_positions[:, None, None, :] < sinks) | (distance < window)
+    elif method == "self-extend":
         group = options["group"]
         far_query = torch.div(query_positions, group, rounding_mode="floor") + window - window // group
         far_key = torch.div(key_positions, group, rounding_mode="floor")
@@ -50,7 +58,7 @@ def reference_attention(method: str, options: dict, query, key, value, query_pos
     near = rotate_float64(query, query_positions) @ rotate_float64(key, key_positions).transpose(-1, -2)
     far = rotate_float64(query, far_query) @ rotate_float64(key, far_key).transpose(-1, -2)
     scores = torch.where(distance < window, near, far) * scaling
-    scores = scores.masked_fill(distance < 0, -math.inf)
+    scores = scores.masked_fill((distance < 0) | ~visible, -math.inf)
     return (scores.softmax(-1) @ value).transpose(1, 2)
 
 
@@ -59,6 +67,8 @@ CASES = [
     ("self-extend", {"window": 5, "group": 4}),
     ("rerope", {"window": 6}),
     ("rerope", {"window": 4, "log_scaling": True, "original_max_position_embeddings": 8}),
+    ("sinks", {"num_sinks": 3, "window": 6}),
+    ("sinks", {"num_sinks": 1, "window": 5}),
 ]
 
 
@@ -143,3 +153,121 @@ def test_a_model_without_rope_is_told_to_patch_rope_first(method):
         hf_posenc.patch_model(tiny_model("gpt2"), method)
     with pytest.raises(PosEncError, match=r"window is required"):
         hf_posenc.patch_model(hf_posenc.patch_model(tiny_model("bloom"), "rope"), method)
+
+
+# --- attention sinks (StreamingLLM) ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "bloom"])
+def test_sinks_within_sinks_plus_window_logits_equal_the_unpatched_model(model_type):
+    model = tiny_model(model_type)
+    if model_type != "llama":
+        hf_posenc.patch_model(model, "rope")
+    ids = random_ids(2, 24)
+    with torch.no_grad():
+        original = model(ids).logits
+        hf_posenc.patch_model(model, "sinks", num_sinks=4, window=20)  # 4 + 20 = the whole text
+        patched = model(ids).logits
+        hf_posenc.patch_model(model, "sinks", num_sinks=2, window=8)
+        streamed = model(ids).logits
+    assert max_diff(patched, original) <= 1e-5
+    assert max_diff(streamed[:, :10], original[:, :10]) <= 1e-5  # queries 0..9 see every earlier key
+    assert max_diff(streamed[:, 10:], original[:, 10:]) > 2e-5  # later ones lose the middle of the text
+
+
+def sink_model(model_type: str = "llama", **options):
+    model = tiny_model(model_type)
+    if model_type != "llama":
+        hf_posenc.patch_model(model, "rope")
+    return hf_posenc.patch_model(model, "sinks", **options)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "bloom"])
+def test_sinks_decoding_with_the_bounded_cache_equals_a_full_forward(model_type):
+    model = sink_model(model_type, num_sinks=2, window=6)
+    ids = random_ids(2, 40)
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = hf_posenc.sink_cache(model)
+        decoded = decode_token_by_token(model, ids, cache)
+        chunked_cache = hf_posenc.sink_cache(model)  # a prompt longer than the cache in one chunk, then more chunks
+        chunks = [model(ids[:, a:b], past_key_values=chunked_cache, use_cache=True).logits
+                  for a, b in ((0, 13), (13, 20), (20, 21), (21, 40))]
+        dynamic = decode_token_by_token(model, ids, DynamicCache(config=model.config))  # unbounded, same numbers
+    assert max_diff(full, decoded) <= 1e-5
+    assert max_diff(full, torch.cat(chunks, dim=1)) <= 1e-5
+    assert max_diff(full, dynamic) <= 1e-5
+    for layer in (*cache.layers, *chunked_cache.layers):
+        assert layer.keys.shape[-2] == layer.values.shape[-2] == 2 + 6 - 1
+    assert cache.get_seq_length() == 40
+    assert torch.equal(cache.hf_posenc_key_positions, torch.cat((torch.arange(2), torch.arange(35, 40)))[None])
+
+
+def test_sinks_generate_ten_times_the_window_in_bounded_memory(monkeypatch):
+    model = sink_model("llama")  # window: the tiny model's 64 - 4 sinks
+    held = []
+    prepare = hf_posenc.SinkCache.prepare
+
+    def recording(cache, *args, **kwargs):
+        held.append(sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers if layer.is_initialized))
+        return prepare(cache, *args, **kwargs)
+
+    monkeypatch.setattr(hf_posenc.SinkCache, "prepare", recording)
+    prompt = random_ids(1, 8)
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=640, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+    cache = out.past_key_values
+    assert isinstance(cache, hf_posenc.SinkCache) and cache.get_seq_length() == 8 + 640 - 1
+    capacity = 4 + 60 - 1
+    per_token = 2 * 2 * 2 * 16  # layers x (keys, values) x kv heads x head size
+    assert len(held) == 640 and max(held) == capacity * per_token  # full after the window, never more
+    assert held[-1] == held[100] == capacity * per_token
+    with torch.no_grad():  # every step equals a full forward of the text so far (10x the trained window)
+        full = model(out.sequences[:, :-1]).logits[0, 7:]
+    assert max_diff(torch.stack(out.scores, dim=1)[0], full) <= 1e-4
+
+
+def test_sinks_left_padded_generation_past_the_window_equals_each_row_alone():
+    model = sink_model("llama", num_sinks=2, window=5)
+    sequences = [random_ids(1, 11, seed=3)[0], random_ids(1, 4, seed=4)[0]]
+    ids, mask = left_pad(sequences)
+    options = dict(max_new_tokens=12, do_sample=False, output_scores=True, return_dict_in_generate=True,
+                   pad_token_id=0)
+    with torch.no_grad():
+        batch = model.generate(ids, attention_mask=mask, **options)
+        for row, seq in enumerate(sequences):
+            alone = model.generate(seq[None], **options)
+            assert torch.equal(batch.sequences[row, ids.shape[1]:], alone.sequences[0, len(seq):])
+            for step_batch, step_alone in zip(batch.scores, alone.scores):
+                assert max_diff(step_batch[row], step_alone[0]) <= 1e-4
+    assert batch.past_key_values.layers[0].keys.shape[-2] == 2 + 5 - 1
+
+
+def test_sinks_bad_caches_and_options_are_refused():
+    model = sink_model("llama", num_sinks=2, window=6)
+    ids = random_ids(1, 10)
+    with pytest.raises(PosEncError, match=r"keeps 4 sinks and a window of 6.*hf_posenc.sink_cache\(model\)"):
+        model(ids, past_key_values=hf_posenc.SinkCache(2, num_sinks=4, window=6), use_cache=True)
+    alibi = hf_posenc.patch_model(tiny_model("llama"), "alibi")
+    with pytest.raises(PosEncError, match=r"patched with 'alibi', which attends to all of them"):
+        alibi(ids, past_key_values=hf_posenc.SinkCache(2, num_sinks=2, window=6), use_cache=True)
+    with pytest.raises(PosEncError, match=r"needs a model patched with 'sinks'; this one is not patched"):
+        hf_posenc.sink_cache(tiny_model("llama"))
+    with pytest.raises(PosEncError, match=r"SinksConfig.num_sinks=0 .*pass an integer"):
+        hf_posenc.patch_model(tiny_model("llama"), "sinks", num_sinks=0)
+    with pytest.raises(PosEncError, match=r"leaves no room for a window"):
+        hf_posenc.patch_model(tiny_model("llama"), "sinks", num_sinks=64)
+    with pytest.raises(PosEncError, match=r"SinksConfig.window is required"):
+        hf_posenc.patch_model(hf_posenc.patch_model(tiny_model("bloom"), "rope"), "sinks")
+    with pytest.raises(PosEncError, match=r"Patch it to 'rope' first"):
+        hf_posenc.patch_model(tiny_model("gpt2"), "sinks", window=8)
+
+
+def test_sinks_unpatch_removes_the_bounded_cache_from_generate():
+    model = sink_model("llama", num_sinks=2, window=6)
+    assert "_prepare_cache_for_generation" in vars(model)
+    hf_posenc.unpatch_model(model)
+    assert "_prepare_cache_for_generation" not in vars(model)
+    with torch.no_grad():
+        out = model.generate(random_ids(1, 4), max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
+                             pad_token_id=0)
+    assert type(out.past_key_values) is DynamicCache

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 import hf_posenc
 from helpers import decode_token_by_token, left_pad, max_diff
@@ -17,7 +17,9 @@ from hf_posenc.methods.block_rotation import block_exponentials
 from tiny_models import random_ids, tiny_model
 
 ROPE_LIKE = [("comrope-ap", {}), ("comrope-ap", {"block_size": 2}), ("comrope-ld", {"block_size": 8}),
-             ("liere", {}), ("fope", {"clip_floor": False}), ("rope-2d", {})]
+             ("liere", {}), ("fope", {"clip_floor": False}), ("rope-2d", {}),
+             ("comrope-ap", {"per_head": True}), ("liere", {"block_size": 8, "per_head": True}),
+             ("fope", {"clip_floor": False, "per_head": True}), ("rope-2d", {"per_head": True})]
 
 
 def method_on(model_type: str, method: str, **options):
@@ -212,3 +214,108 @@ def test_rope_2d_refuses_1d_positions_and_1d_methods_refuse_2d_positions():
     rope_model = hf_posenc.patch_model(tiny_model("gpt2"), "comrope-ap")
     with pytest.raises(hf_posenc.PosEncError, match=r"pass position_ids of shape \[B, 6\]"):
         rope_model(random_ids(1, 6), position_ids=grid(2, 3))
+
+
+# --- one rotation per forward ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method,options", [("comrope-ap", {"block_size": 4}), ("liere", {}),
+                                            ("dynamic", {"factor": 2.0})])
+def test_rotations_are_computed_once_per_forward_and_shared_by_the_layers(method, options, monkeypatch):
+    """Methods that rotate inside the attention path (matrix exponentials for ComRoPE/LieRE, the length-dependent
+    cos/sin of the dynamic scalings) compute each rotation once per forward, not once per layer: a full forward makes
+    one (queries and keys have the same positions), a decoding step two (the new queries, the whole key cache), for
+    the tiny model's 2 layers; the logits equal those of computing them in every layer."""
+    extra = {} if method == "dynamic" else {"init": "random", "init_std": 0.2}
+    model, module = method_on("llama", method, **options, **extra)
+    ids = random_ids(2, 12)
+    calls = []
+    rotation = module.rotation
+    monkeypatch.setattr(module, "rotation", lambda *args, **kwargs: calls.append(1) or rotation(*args, **kwargs))
+    with torch.no_grad():
+        full = model(ids).logits
+        assert len(calls) == 1
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :8], past_key_values=cache, use_cache=True)
+        calls.clear()
+        step = model(ids[:, 8:9], past_key_values=cache, use_cache=True).logits
+        assert len(calls) == 2
+        # per layer, as before: every layer computes its own rotations
+        monkeypatch.setattr(hf_posenc.engine.state.PositionState, "rotation_of",
+                            lambda state, positions: state.method.rotation(positions, state.call.seq_len))
+        assert torch.equal(model(ids).logits, full)
+        calls.clear()
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :8], past_key_values=cache, use_cache=True)
+        assert torch.equal(model(ids[:, 8:9], past_key_values=cache, use_cache=True).logits, step)
+        assert len(calls) == 1 + 2 * 2 + 1 + 2 * 2  # queries once, keys per layer (prefill and step)
+
+
+# --- per-head parameters -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method,options", [("comrope-ap", {"block_size": 4}), ("comrope-ld", {"block_size": 2}),
+                                            ("liere", {})])
+def test_per_head_block_rotations_match_a_float64_reference(method, options):
+    """per_head=True: each key-value head rotates by exp(p A_g) with its own generator, and the query heads of its
+    group (tiny LLaMA: 4 query heads, 2 key-value heads) by the same."""
+    torch.manual_seed(7)
+    _, module = method_on("llama", method, init="random", init_std=0.3, per_head=True, **options)
+    generators = module.generators().detach().double().numpy()
+    assert generators.shape[0] == 2 and np.abs(generators[0] - generators[1]).max() > 1e-2
+    query = torch.randn(1, 4, 5, 16)
+    positions = torch.tensor([[0, 1, 7, 20, 33]])
+    rotated = module.rotate_heads(query, module.rotation(positions)).detach()
+    keys = module.rotate_heads(query[:, ::2], module.rotation(positions)).detach()  # 2 heads: the kv heads
+    for slot, position in enumerate(positions[0].tolist()):
+        for head in range(4):
+            expected = query[0, head, slot].double().numpy() @ reference_rotation(generators[head // 2], position,
+                                                                                  16).T
+            assert np.abs(rotated[0, head, slot].double().numpy() - expected).max() <= 5e-5
+        for head in range(2):
+            expected = query[0, 2 * head, slot].double().numpy() @ reference_rotation(generators[head], position,
+                                                                                      16).T
+            assert np.abs(keys[0, head, slot].double().numpy() - expected).max() <= 5e-5
+
+
+def test_per_head_fope_matches_a_float64_reference_and_decodes_exactly():
+    torch.manual_seed(8)
+    model, module = method_on("llama", "fope", init="random", sigma=0.3, per_head=True)
+    assert module.cos_coefficients.shape == (2, 8, 8) and module.rotates_in_attention
+    positions = torch.tensor([[0, 9, 63, 200]])
+    cos, sin = (part.detach() for part in module.cos_sin(positions))  # [1, 4, heads, 16]
+    freqs = 10000.0 ** (-np.arange(0, 16, 2) / 16)
+    freqs = np.where(freqs < 2 * math.pi / 64, 0.0, freqs)
+    angles = positions[0].numpy()[:, None] * freqs
+    for head in range(2):
+        expected_cos = np.cos(angles) @ module.cos_coefficients[head].detach().double().numpy()
+        expected_sin = np.sin(angles) @ module.sin_coefficients[head].detach().double().numpy()
+        assert np.abs(cos[0, :, head, :8].double().numpy() - expected_cos).max() <= 1e-4
+        assert np.abs(sin[0, :, head, 8:].double().numpy() - expected_sin).max() <= 1e-4
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        full = model(ids).logits
+        assert max_diff(full, decode_token_by_token(model, ids, DynamicCache(config=model.config))) <= 1e-4
+
+
+def test_per_head_rope_2d_matches_a_float64_reference_and_decodes_on_a_grid():
+    """Mixed 2-D RoPE with per_head=True: angle_k = x wx_hk + y wy_hk per key-value head, rotated inside the attention
+    path by the coordinates of the queries and of the cached keys (kept on the cache beside their positions)."""
+    torch.manual_seed(9)
+    model, module = method_on("llama", "rope-2d", init="random", per_head=True)
+    assert module.column_rates.shape == (2, 8) and module.rotates_in_attention
+    coordinates = torch.tensor([[[0, 0], [2, 5], [7, 1]]])
+    cos, sin = module.cos_sin(coordinates)  # [1, 3, heads, 16]
+    column, row = module.column_rates.detach().double().numpy(), module.row_rates.detach().double().numpy()
+    for head in range(2):
+        angles = coordinates[0, :, 1:].double().numpy() * column[head] + coordinates[0, :, :1].double().numpy() * \
+            row[head]
+        assert np.abs(cos[0, :, head, :8].detach().double().numpy() - np.cos(angles)).max() <= 1e-5
+        assert np.abs(sin[0, :, head, 8:].detach().double().numpy() - np.sin(angles)).max() <= 1e-5
+    ids, positions = random_ids(2, 12), grid(3, 4).expand(2, -1, -1)
+    with torch.no_grad():
+        full = model(ids, position_ids=positions).logits
+        assert max_diff(full, model(ids, position_ids=positions + torch.tensor([4, 7])).logits) <= 1e-5
+        assert max_diff(full, model(ids, position_ids=positions.flip(-1)).logits) > 1e-4
+        for cache in (DynamicCache(config=model.config), StaticCache(config=model.config, max_cache_len=16)):
+            steps = [model(ids[:, i:i + 1], position_ids=positions[:, i:i + 1], past_key_values=cache,
+                           use_cache=True).logits for i in range(12)]
+            assert max_diff(full, torch.cat(steps, dim=1)) <= 1e-4
+    with pytest.raises(hf_posenc.PosEncError, match=r"Rope2dConfig.per_head=True has nothing to learn per head"):
+        hf_posenc.Rope2dConfig(variant="axial", per_head=True)

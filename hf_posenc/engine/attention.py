@@ -215,7 +215,7 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if rotary and not state.method.rotates_per_query_block:
         # Keys are cached un-rotated; rotating the whole cache here costs O(kv * D) per layer and step, the same
         # order as attention itself, and is what keeps length-dependent scalings exact under a KV cache.
-        query, key = state.method.rotate_query_key(query, key, query_positions, key_positions, state.call.seq_len)
+        query, key = state.rotate_query_key(query, key, query_positions, key_positions)  # once per forward
     dropout = dropout if module.training else 0.0
     eager = state.eager
     layer_idx = getattr(module, "layer_idx", 0) or 0

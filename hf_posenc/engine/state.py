@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -23,10 +23,13 @@ from torch import nn
 
 from ..errors import PosEncError
 from ..methods.base import AbsolutePositionMethod, PositionalMethod, RotaryMethod
+from .sink_cache import SinkCache
 
 STATE_ATTR = "hf_posenc_state"
 ATTENTION_BACKENDS = ("sdpa", "eager", None)  # None: not chosen yet, transformers' default (sdpa)
 KEY_POSITIONS_ATTR = "hf_posenc_key_positions"  # on a KV cache: [B or 1, n] positions of the n cached tokens
+# on a KV cache, for a method over several position axes that rotates in attention: [B or 1, n, axes]
+KEY_COORDINATES_ATTR = "hf_posenc_key_coordinates"
 
 
 @dataclass
@@ -45,6 +48,12 @@ class CallPositions:
     shift: torch.Tensor | None
     seq_len: int = 0  # highest position + 1: what length-dependent rotary scalings depend on
     rotation: Any = None  # a rotary method's rotation of the queries (its `rotation()`: by default cos/sin)
+    # (positions, rotation) pairs computed in this forward, shared by its layers (PositionState.rotation_of)
+    rotations: list = field(default_factory=list)
+    # For a method over several position axes (rope-2d): the coordinates [B or 1, q, axes] of the queries and
+    # [B or 1, slot_offset + q, axes] of every key, in slot order (what it rotates by inside attention).
+    query_coordinates: torch.Tensor | None = None
+    key_coordinates: torch.Tensor | None = None
     # Set under torch.compile (see PositionState.update_traced): `slot_offset` may be a 0-d tensor and
     # `key_positions` holds only the position of slot 0 [B or 1, 1]: each key sits at its slot plus that.
     traced: bool = False
@@ -111,7 +120,8 @@ class PositionState:
         return call
 
     def update(self, query_positions: torch.Tensor, slot_offset: int, past_positions: torch.Tensor | None = None,
-               attended: torch.Tensor | None = None, coordinates: torch.Tensor | None = None) -> CallPositions:
+               attended: torch.Tensor | None = None, coordinates: torch.Tensor | None = None,
+               past_coordinates: torch.Tensor | None = None) -> CallPositions:
         """Record the positions of a forward: `query_positions` [B or 1, q]; `past_positions` [B or 1, >= offset],
         those of the cached tokens (None: consecutive before the first query, as a cache filled outside hf_posenc's
         view would be); `attended` [B, offset + q] bool, the tokens that are not padding (None: all);
@@ -131,8 +141,64 @@ class PositionState:
         if isinstance(self.method, RotaryMethod):
             call.seq_len = int(query_positions.max()) + 1 if self.method.length_dependent else 0
             call.rotation = self.method.rotation(query_positions if coordinates is None else coordinates, call.seq_len)
+            call.rotations.append((query_positions if coordinates is None else coordinates, call.rotation))
+            if coordinates is not None:
+                call.query_coordinates = coordinates
+                call.key_coordinates = self._key_coordinates(coordinates, call.key_positions, slot_offset,
+                                                             past_coordinates)
         self._calls.current = call
         return call
+
+    def _key_coordinates(self, coordinates, key_positions, slot_offset, past_coordinates):
+        """The coordinates of every key: the cached ones (else the default coordinates of their positions, for a
+        cache filled outside this view), then the queries'."""
+        if slot_offset == 0:
+            return coordinates
+        if past_coordinates is None or past_coordinates.shape[-2] < slot_offset or \
+                past_coordinates.shape[0] not in (1, coordinates.shape[0]):
+            past_coordinates = self.method.default_coordinates(key_positions[:, :slot_offset])
+        past_coordinates = past_coordinates[:, :slot_offset].to(coordinates.device)
+        rows = max(past_coordinates.shape[0], coordinates.shape[0])
+        return torch.cat((past_coordinates.expand(rows, -1, -1), coordinates.expand(rows, -1, -1)), dim=-2)
+
+    def attention_coordinates(self, kv: int, device: torch.device):
+        """(query coordinates, key coordinates) of the keys attention sees ([.., kv, axes], sliced and padded as
+        `relative_positions` does the positions), or None for a call without coordinates."""
+        call = self.call
+        if call.key_coordinates is None:
+            return None
+        _, key_slots = self.slots(call.query_coordinates.shape[-2], kv, device)
+        first_key = int(key_slots[0]) if kv else 0
+        keys = call.key_coordinates[:, first_key:first_key + kv].to(device)
+        missing = kv - keys.shape[-2]
+        if missing > 0:
+            keys = torch.cat((keys, keys[:, -1:].expand(-1, missing, -1)), dim=-2)
+        return call.query_coordinates.to(device), keys
+
+    def rotate_query_key(self, query: torch.Tensor, key: torch.Tensor, query_positions: torch.Tensor,
+                         key_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The method's rotate_query_key for one layer, with each rotation computed once per forward and reused by
+        every layer (`rotation_of`): for ComRoPE/LieRE a matrix exponential per position, for the dynamic scalings
+        cos/sin of the whole key cache. A method that overrides rotate_query_key (xPos) is called as it is."""
+        method, call = self.method, self.call
+        if call.traced or type(method).rotate_query_key is not RotaryMethod.rotate_query_key:
+            return method.rotate_query_key(query, key, query_positions, key_positions, call.seq_len)
+        coordinates = self.attention_coordinates(key.shape[2], key.device)
+        if coordinates is not None:  # a method over several axes rotates by the tokens' coordinates
+            query_positions, key_positions = coordinates
+        return (method.rotate_heads(query, self.rotation_of(query_positions)),
+                method.rotate_heads(key, self.rotation_of(key_positions)))
+
+    def rotation_of(self, positions: torch.Tensor):
+        """The method's rotation of `positions` [B or 1, n] in the current forward: computed by the first layer that
+        asks (the queries' by `update`) and reused by the others, which see the same positions."""
+        call = self.call
+        for known, rotation in call.rotations:
+            if known.shape == positions.shape and known.device == positions.device and torch.equal(known, positions):
+                return rotation
+        rotation = self.method.rotation(positions, call.seq_len)
+        call.rotations.append((positions, rotation))
+        return rotation
 
     def slots(self, q: int, kv: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache slots of the q queries and the kv keys seen by attention."""
@@ -218,17 +284,25 @@ class PositionCapture:
             positions = self.default_positions(arguments, q, offset, source.device)
         positions, coordinates = self.split_coordinates(arguments, positions, q, offset, source.device)
         embed_tokens = module.get_input_embeddings()
+        bounded = isinstance(cache, SinkCache)
         if traced:
             self.state.update_traced(positions, offset, coordinates)
+        elif bounded:
+            # A cache that evicts: the slots the attention sees are the held tokens, not every token seen.
+            cache.check_for(self.state.method)
+            held, past, attended = cache.prepare(arguments, positions, q)
+            self.state.update(positions, held, past, attended, coordinates)
         else:
             if self.replay is not None:
                 arguments, positions, offset = self.replay.prepare(arguments, positions, offset, cache, embed_tokens)
             past = getattr(cache, KEY_POSITIONS_ATTR, None) if offset else None
+            past_coordinates = getattr(cache, KEY_COORDINATES_ATTR, None) if offset and coordinates is not None \
+                else None
             self.state.update(positions, offset, past, attended_tokens(arguments.get("attention_mask"), offset + q),
-                              coordinates)
+                              coordinates, past_coordinates)
 
         if not (self.adds_embeddings and isinstance(self.state.method, AbsolutePositionMethod)):
-            return ((), arguments) if self.replay is not None or coordinates is not None else None
+            return ((), arguments) if self.replay is not None or coordinates is not None or bounded else None
         if inputs_embeds is None:
             inputs_embeds = embed_tokens(input_ids)
         inputs_embeds = inputs_embeds + self.state.method.embed(positions).to(inputs_embeds.dtype)
@@ -274,6 +348,8 @@ class RecordKeyPositions:
         cache = getattr(output, "past_key_values", None)
         if cache is not None and not self.state.call.traced:
             setattr(cache, KEY_POSITIONS_ATTR, self.state.call.key_positions)
+            if self.state.call.key_coordinates is not None:
+                setattr(cache, KEY_COORDINATES_ATTR, self.state.call.key_coordinates)
         elif cache is not None:  # a compiled forward does not track positions: later calls take them as consecutive
             setattr(cache, KEY_POSITIONS_ATTR, None)
         return output

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..engine.attention import RoutedAttentionConfig, register_attention
 from ..engine.replay import PrefixReplay
+from ..engine.sink_cache import GenerateWithBoundedCache
 from ..engine.state import (STATE_ATTR, PositionCapture, PositionState, RecordKeyPositions, forward_parameter_names,
                             positions_after_offset)
 from ..engine.undo import UndoLog
@@ -92,6 +93,8 @@ class ModelFamily:
                                   adds_embeddings=attribute == "posenc")
         log.add_forward_pre_hook(base, capture, with_kwargs=True)
         log.add_forward_hook(base, RecordKeyPositions(state), with_kwargs=True)
+        if method.kv_cache(0) is not None:  # generate creates the method's bounded cache
+            log.set_attr(model, "_prepare_cache_for_generation", GenerateWithBoundedCache(model, method))
         if self.keeps_native(method, info):
             return state
         self.remove_native(model, state, log)

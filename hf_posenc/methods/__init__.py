@@ -12,6 +12,7 @@ from .rope_2d import Rope2d, Rope2dConfig
 from .rope_scaling import (DynamicConfig, DynamicYarnConfig, Llama3Config, LinearConfig, LongRopeConfig, NtkConfig,
                            RopeScalingConfig, ScaledRope, YarnConfig)
 from .self_extend import SelfExtend, SelfExtendConfig
+from .sinks import AttentionSinks, SinksConfig
 from .sinusoidal import Sinusoidal, SinusoidalConfig
 from .relative_biases import *  # noqa: F401,F403  (fire, t5, kerple, sandwich, xpos)
 
@@ -21,4 +22,5 @@ __all__ = [
     "Rope", "RopeConfig", "Sinusoidal", "SinusoidalConfig",
     "DynamicConfig", "DynamicYarnConfig", "Llama3Config", "LinearConfig", "LongRopeConfig", "NtkConfig",
     "RopeScalingConfig", "ScaledRope", "YarnConfig", "Rerope", "ReropeConfig", "SelfExtend", "SelfExtendConfig",
+    "AttentionSinks", "SinksConfig",
 ]

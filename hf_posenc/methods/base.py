@@ -65,6 +65,12 @@ class PositionalMethod(nn.Module):
         """An extra key mask [B or 1, 1, q, kv] (True = may attend) on top of causality, or None."""
         return None
 
+    def kv_cache(self, num_layers: int):
+        """A bounded KV cache (a transformers Cache) holding only the keys this method can still attend to, which
+        `generate` creates in place of its DynamicCache (StreamingLLM's sinks: engine/sink_cache.py); None for
+        methods that may attend to every earlier token."""
+        return None
+
     def is_native(self, info: ModelInfo) -> bool:
         """True when the model's own positional mechanism already computes exactly this method (the patch then
         removes and adds nothing)."""

@@ -7,7 +7,8 @@ consecutive dimensions (b/2 RoPE pairs each). RoPE is the special case where eac
 [[0, -w_k], [w_k, 0]] with the model's frequencies w_k on its diagonal (`rope_generators`).
 
 The rotation of every position is exp(p A) in float32: closed form (cos, sin) for b = 2, torch.linalg.matrix_exp
-otherwise. LLaMA-family layers can only apply cos/sin pairs themselves, so these methods rotate queries and the
+otherwise, computed once per forward for the queries and once for the keys and shared by every layer
+(engine/state.py: PositionState.rotation_of). LLaMA-family layers can only apply cos/sin pairs themselves, so these methods rotate queries and the
 (un-rotated) key cache inside the shared attention path, on every family alike.
 """
 
@@ -51,8 +52,9 @@ def rope_generators(inv_freq: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def block_exponentials(generators: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """generators [num_blocks, b, b] (skew), positions [B or 1, q] -> exp(p A) float32 [B or 1, q, num_blocks, b, b]."""
-    angles = positions[..., None, None, None].float() * generators.float()
+    """generators [..., num_blocks, b, b] (skew; with a leading heads axis when per head), positions [B or 1, q] ->
+    exp(p A) float32 [B or 1, q, ..., num_blocks, b, b]."""
+    angles = positions[(...,) + (None,) * generators.dim()].float() * generators.float()
     if generators.shape[-1] == 2:  # closed form: a plane rotation by the angle in entry (1, 0)
         angle = angles[..., 1, 0]
         cos, sin = angle.cos(), angle.sin()
@@ -76,6 +78,8 @@ class BlockRotationMethod(RotaryMethod):
 
     def __init__(self, config: PosEncConfig, info: ModelInfo, block_size: int):
         super().__init__(config, info)
+        # per_head: one generator per key-value head (its query heads share it, as they share its keys)
+        self.rotation_heads = info.num_kv_heads if getattr(config, "per_head", False) else None
         dim = info.rotary_dim
         if block_size % 2 or dim % block_size:
             raise PosEncError(f"{type(self).__name__}: block_size={block_size} must be even and divide the rotary "
@@ -88,13 +92,15 @@ class BlockRotationMethod(RotaryMethod):
         self.rope_inv_freq = default_inv_freq(self.initial_theta, dim)
 
     def initial_upper(self, init: str, init_std: float) -> torch.Tensor:
-        """Strict-upper entries [num_blocks, upper_size(b)] of the starting generator."""
+        """Strict-upper entries [num_blocks, upper_size(b)] of the starting generator ([heads, num_blocks, ...] per
+        head: RoPE's for every head, or independent random ones)."""
+        heads = () if self.rotation_heads is None else (self.rotation_heads,)
         if init == "rope":
-            return rope_generators(self.rope_inv_freq, self.block_size)
-        return torch.randn(self.num_blocks, upper_size(self.block_size)) * init_std
+            return rope_generators(self.rope_inv_freq, self.block_size).expand(*heads, -1, -1).clone()
+        return torch.randn(*heads, self.num_blocks, upper_size(self.block_size)) * init_std
 
     def generators(self) -> torch.Tensor:
-        """The skew-symmetric blocks [num_blocks, b, b] of A (float32)."""
+        """The skew-symmetric blocks [num_blocks, b, b] of A (float32; [kv heads, num_blocks, b, b] per head)."""
         raise NotImplementedError
 
     def rotation(self, positions, seq_len=0):
@@ -104,7 +110,12 @@ class BlockRotationMethod(RotaryMethod):
         dim = self.rotary_dim
         rotary, rest = x[..., :dim], x[..., dim:]
         blocks = to_pair_neighbours(rotary).unflatten(-1, (self.num_blocks, self.block_size))  # [B, H, q, n, b]
-        matrices = rotation.to(x.dtype).expand(x.shape[0], -1, -1, -1, -1)  # [B, q, n, b, b]
-        rotated = torch.einsum("zqnij,zhqnj->zhqni", matrices, blocks)  # no copy of the matrices per head
+        if self.rotation_heads is None:
+            matrices = rotation.to(x.dtype).expand(x.shape[0], -1, -1, -1, -1)  # [B, q, n, b, b]
+            rotated = torch.einsum("zqnij,zhqnj->zhqni", matrices, blocks)  # no copy of the matrices per head
+        else:  # [B, q, kv heads, n, b, b]; x's heads are the kv heads (keys) or groups of them (queries)
+            matrices = rotation.to(x.dtype).expand(x.shape[0], -1, -1, -1, -1, -1)
+            grouped = blocks.unflatten(1, (self.rotation_heads, -1))  # [B, kv heads, group, q, n, b]
+            rotated = torch.einsum("zqknij,zkgqnj->zkgqni", matrices, grouped).flatten(1, 2)
         rotated = to_half_split(rotated.flatten(-2))
         return rotated if rest.shape[-1] == 0 else torch.cat((rotated, rest), dim=-1)

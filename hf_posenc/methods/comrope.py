@@ -10,7 +10,9 @@ only. Two ways to make them commute:
 A causal LM's positions have one axis (x = the token's position), so here R(p) = exp(p A) with A = blockdiag(B_j)
 (AP) or A = theta B (LD: the scalar theta trains the overall rate apart from the planes). Queries become R(i) q and
 keys R(j) k, so q_i . k_j = q^T R(j - i) k. b = 2 is RoPE with trainable frequencies; init="rope" starts every block
-at the model's own RoPE frequencies (see block_rotation.py for the layout), reproducing its logits.
+at the model's own RoPE frequencies (see block_rotation.py for the layout), reproducing its logits. per_head=True
+gives every key-value head its own angle matrices (and LD its own theta), as the paper's per-head matrices; the
+query heads of a GQA group share their key head's, since they attend to the same keys.
 """
 
 from __future__ import annotations
@@ -32,12 +34,14 @@ class ComRopeConfig(PosEncConfig):
     init: str = "rope"  # "rope": the model's own RoPE (its logits exactly); "random": entries ~ N(0, init_std^2)
     init_std: float = 0.02
     theta: float | None = None  # RoPE base for init="rope"; None: the model's own, else 10000
+    per_head: bool = False  # one generator per key-value head (as the paper), not one shared by all heads
 
     def validate(self) -> None:
         self.require_int("block_size", 2, even=True)
         self.require_choice("init", INIT_CHOICES)
         self.require_number("init_std", 0.0, INIT_STD_MAX)
         self.require_number("theta", MIN_BASE, none_means="the model's own RoPE theta, else 10000", why=BASE_WHY)
+        self.require_bool("per_head")
 
 
 @dataclass
@@ -65,7 +69,8 @@ class ComRopeLd(BlockRotationMethod):
     def __init__(self, config: ComRopeLdConfig, info: ModelInfo):
         super().__init__(config, info, config.block_size)
         self.base_matrix = nn.Parameter(self.initial_upper(config.init, config.init_std))
-        self.axis_scale = nn.Parameter(torch.ones(1))
+        heads = () if self.rotation_heads is None else (self.rotation_heads, 1, 1)
+        self.axis_scale = nn.Parameter(torch.ones(*heads, 1))
 
     def generators(self):
         return self.axis_scale.float() * skew_from_upper(self.base_matrix.float(), self.block_size)

@@ -7,7 +7,8 @@ A causal LM's positions have one axis: R(p) = exp(p A) with one generator, which
 arithmetic; in float32 the deviation of matrix_exp grows with |p| ||A|| (tests/test_rotations.py measures both).
 `block_size` None makes A dense over the whole rotary dimension (the paper's generic generator); a smaller even
 divisor makes it block-diagonal (cheaper). init="rope" starts A at the model's own RoPE generator (its logits
-exactly); the off-plane entries then learn.
+exactly); the off-plane entries then learn. per_head=True learns one generator per key-value head (the paper's are
+per head; GQA query heads share their key head's).
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ class LiereConfig(PosEncConfig):
     init: str = "rope"  # "rope": the model's own RoPE (its logits exactly); "random": entries ~ N(0, init_std^2)
     init_std: float = 0.02
     theta: float | None = None  # RoPE base for init="rope"; None: the model's own, else 10000
+    per_head: bool = False  # one generator per key-value head (as the paper), not one shared by all heads
 
     def validate(self) -> None:
         self.require_int("block_size", 2, even=True, none_means="the whole rotary dimension")
         self.require_choice("init", INIT_CHOICES)
         self.require_number("init_std", 0.0, INIT_STD_MAX)
         self.require_number("theta", MIN_BASE, none_means="the model's own RoPE theta, else 10000", why=BASE_WHY)
+        self.require_bool("per_head")
 
 
 @register_method("liere", LiereConfig)

@@ -4,8 +4,9 @@ column x), given as `position_ids` of shape [B, L, 2], for decoders over patch g
 - "axial": half of the rotary pairs turn with the column, half with the row, each with RoPE frequencies over d/4:
   angle_k = x * w_k for k < d/4, y * w_(k - d/4) otherwise (fixed: no parameters);
 - "mixed": every pair turns with both, angle_k = x * wx_k + y * wy_k, with trainable frequencies wx and wy
-  (RoPE-Mixed; the paper learns them per head and layer, here one set shared by heads and layers, as the cos/sin
-  of LLaMA-family layers are).
+  (RoPE-Mixed; the paper learns them per head and layer; here one set shared by heads and layers, as the cos/sin
+  of LLaMA-family layers are, or with per_head=True one set per key-value head, rotated inside the shared attention
+  path by the coordinates of the queries and of the cached keys).
 
 Either way q_(y,x) . k_(y',x') depends on (y' - y, x' - x) only. Mixed, init="rope" starts wx at the model's own
 RoPE frequencies and wy at 0: on a 1 x L grid (row 0, column = token position), which is what a call without
@@ -27,7 +28,7 @@ from ..config import BASE_WHY, MIN_BASE, PosEncConfig
 from ..errors import PosEncError
 from ..model_info import ModelInfo
 from ..registry import register_method
-from .base import RotaryMethod
+from .base import RotaryMethod, rotate
 from .rope import DEFAULT_THETA, default_inv_freq
 
 
@@ -36,11 +37,16 @@ class Rope2dConfig(PosEncConfig):
     variant: str = "mixed"  # "mixed" (trainable frequencies) or "axial" (fixed, half the pairs per axis)
     init: str = "rope"  # mixed: "rope" (the model's RoPE on a 1 x L grid) or "random" (the paper's random angles)
     theta: float | None = None  # RoPE base; None: the model's own, else 10000
+    per_head: bool = False  # mixed: frequencies per key-value head (rotated inside the attention path), not shared
 
     def validate(self) -> None:
         self.require_choice("variant", ("mixed", "axial"))
         self.require_choice("init", ("rope", "random"))
         self.require_number("theta", MIN_BASE, none_means="the model's own RoPE theta, else 10000", why=BASE_WHY)
+        self.require_bool("per_head")
+        if self.per_head and self.variant == "axial":
+            self.refuse("per_head", "has nothing to learn per head with variant='axial' (fixed frequencies)",
+                        "False, or variant='mixed'")
 
 
 @register_method("rope-2d", Rope2dConfig)
@@ -53,12 +59,19 @@ class Rope2d(RotaryMethod):
         if dim % 4:
             raise PosEncError(f"2-D RoPE needs a rotary dimension divisible by 4; this model's is {dim}.")
         self.initial_theta = float(config.theta or info.rope_theta or info.patched_rope_theta or DEFAULT_THETA)
+        self.heads = info.num_kv_heads if config.per_head else None
         if config.variant == "axial":
             quarter = default_inv_freq(self.initial_theta, dim // 2)
             zeros = torch.zeros_like(quarter)
             self._column_rates, self._row_rates = torch.cat((quarter, zeros)), torch.cat((zeros, quarter))
             return
+        if config.per_head:
+            # A cos/sin per head cannot go through the layers' own rotation (one cos/sin for all heads): rotate
+            # queries and the un-rotated key cache inside the shared attention path, by the tokens' coordinates.
+            self.rotates_in_attention = True
         rates = default_inv_freq(self.initial_theta, dim)
+        if self.heads is not None:
+            rates = rates.expand(self.heads, -1).clone()
         if config.init == "rope":
             column, row = rates, torch.zeros_like(rates)
         else:
@@ -77,9 +90,19 @@ class Rope2d(RotaryMethod):
         return torch.stack((torch.zeros_like(positions), positions), dim=-1)
 
     def cos_sin(self, positions, seq_len=0):
-        """positions [B or 1, q, 2] (row, column) -> float32 (cos, sin), each [B or 1, q, rotary_dim]."""
+        """positions [B or 1, q, 2] (row, column) -> float32 (cos, sin), each [B or 1, q, rotary_dim] ([B or 1, q,
+        kv heads, rotary_dim] per head)."""
         column, row = (rate.to(positions.device) for rate in self.rates())
         coordinates = positions.float()
+        if self.heads is not None:
+            coordinates = coordinates[..., None, :]  # [B, q, 1, 2] against rates [heads, d/2]
         angles = coordinates[..., 1:] * column + coordinates[..., :1] * row
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos(), angles.sin()
+
+    def rotate_heads(self, x, rotation):
+        if self.heads is None:
+            return super().rotate_heads(x, rotation)
+        group = x.shape[1] // self.heads  # x's heads: the kv heads (keys) or groups of them (queries)
+        cos, sin = (part.transpose(1, 2).repeat_interleave(group, dim=1).to(x.dtype) for part in rotation)
+        return rotate(x, cos, sin)

@@ -1,0 +1,109 @@
+"""Attention sinks (StreamingLLM: Xiao et al. 2024, "Efficient Streaming Language Models with Attention Sinks"): each
+query attends to the first `num_sinks` tokens of the text (the sinks, where pretrained models park attention) and to
+the `window` most recent tokens (itself included), and RoPE positions are assigned within the cache, not in the text.
+
+With S = num_sinks and W = window, query t sees key j <= t when j < S or t - j < W. In the paper's cache, which holds
+the S sinks and the W - 1 keys before the query, every token takes its cache slot as its position: the query sits at
+slot min(t, S + W - 1) and a window key j at the same distance t - j as in the text, while a sink j, at slot j, is
+seen at distance min(t, S + W - 1) - j. So distances never exceed S + W - 1, and a text of any length is read at
+positions the model was trained on (the default W is the trained window minus S). That is the definition this
+module computes for every forward, with or without a cache: a full forward of a text longer than S + W equals
+token-by-token decoding with the bounded cache (a float64 materialised reference checks it in
+tests/test_context_extension.py), and a text of at most S + W tokens is the unpatched model's.
+
+Keys are cached un-rotated and rotated inside the shared attention path per query block (`scores_per_query_block`):
+the window keys at their ordinary positions, the sinks with the query moved to min(t, S + W - 1). The bounded cache
+itself (engine/sink_cache.py: SinkCache) is created by `model.generate(...)` or `hf_posenc.sink_cache(model)`; with a
+DynamicCache or StaticCache the results are the same and memory grows with the text. On a model without RoPE of its
+own (GPT-2, BLOOM) this builds on a `rope` patch, as the RoPE scalings do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import BASE_WHY, MIN_BASE, PosEncConfig
+from ..errors import PosEncError
+from ..model_info import ModelInfo
+from ..registry import register_method
+from ..engine.sink_cache import SinkCache
+from .neighbour_window import NeighbourWindowRope
+
+
+@dataclass
+class SinksConfig(PosEncConfig):
+    num_sinks: int = 4  # the paper's default: the first 4 tokens
+    window: int | None = None  # recent tokens each query sees (itself included); None: trained window - num_sinks
+    rope_theta: float | None = None  # None: the model's own (or that of the `rope` patch it builds on)
+    original_max_position_embeddings: int | None = None  # the trained window; None: read from the model's config
+
+    def validate(self) -> None:
+        self.require_int("num_sinks", 1, why="the first tokens every query attends to (without them window attention "
+                                             "breaks down, the paper's point)")
+        self.require_int("window", 1, none_means="the model's trained window minus num_sinks",
+                         why="each query attends to this many recent tokens, itself included")
+        self.require_number("rope_theta", MIN_BASE, none_means="the model's own", why=BASE_WHY)
+        self.require_int("original_max_position_embeddings", 1, none_means="read from the model's config")
+
+
+@register_method("sinks", SinksConfig)
+class AttentionSinks(NeighbourWindowRope):
+    def __init__(self, config: SinksConfig, info: ModelInfo):
+        trained = config.original_max_position_embeddings or info.original_window
+        if config.window is None and not trained:
+            raise PosEncError("SinksConfig.window is required: this model's config states no trained window to fill. "
+                              "Pass window=..., e.g. 1020 with num_sinks=4.")
+        if config.window is None and trained <= config.num_sinks:
+            raise PosEncError(f"SinksConfig.num_sinks={config.num_sinks} leaves no room for a window in this model's "
+                              f"trained window of {trained}; pass fewer sinks or window=...")
+        super().__init__(config, info)
+        self.num_sinks = config.num_sinks
+        self.window = config.window or trained - config.num_sinks
+        self.last_slot = self.num_sinks + self.window - 1  # the query's slot in a full cache
+
+    @property
+    def masks_keys(self) -> bool:
+        return True
+
+    def allowed_keys(self, query_positions, key_positions):
+        sink = key_positions[:, None, None, :] < self.num_sinks
+        near = (query_positions[:, None, :, None] - key_positions[:, None, None, :]) < self.window
+        return sink | near
+
+    def far_positions(self, query_positions, key_positions):
+        return query_positions.clamp_max(self.last_slot), key_positions
+
+    def block_scores(self, query, key, query_positions, key_positions):
+        scores = self.rotated_scores(query, key, query_positions, key_positions)
+        far = (query_positions[:, None, :, None] - key_positions[:, None, None, :]) >= self.window
+        sinks = key_positions < self.num_sinks
+        if not bool((far & sinks[:, None, None, :]).any()):
+            return scores  # every visible key at its ordinary distance (texts within S + W, most decoding blocks)
+        # Only the sink columns take the moved query (the others beyond the window are masked).
+        columns = sinks.any(0).nonzero().squeeze(-1)
+        key_columns = key_positions[:, columns]
+        far_query, far_key = self.far_positions(query_positions, key_columns)
+        moved = self.rotated_scores(query, key[:, :, columns], far_query, far_key)
+        use = far[..., columns] & sinks[:, None, None, columns]
+        return scores.index_copy(-1, columns, torch.where(use, moved, scores[..., columns]))
+
+    def kv_cache(self, num_layers: int) -> SinkCache:
+        return SinkCache(num_layers, self.num_sinks, self.window)
+
+
+def sink_cache(model) -> SinkCache:
+    """The bounded KV cache for a model patched with `sinks` (what `model.generate` creates by itself): pass it as
+    `past_key_values` to your own decoding loop; memory stays at num_sinks + window - 1 keys per layer."""
+    from ..engine.install import applied_patch
+    from ..engine.sink_cache import num_layers
+
+    applied = applied_patch(model)
+    cache = applied.method.kv_cache(num_layers(model)) if applied is not None else None
+    if cache is None:
+        method = applied.config.method if applied is not None else None
+        raise PosEncError(f"sink_cache(model) needs a model patched with 'sinks'; this one is "
+                          f"{'patched with ' + repr(method) if method else 'not patched'}. Call "
+                          "hf_posenc.patch_model(model, 'sinks', num_sinks=4, window=...) first.")
+    return cache

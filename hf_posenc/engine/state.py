@@ -27,6 +27,8 @@ from ..methods.base import AbsolutePositionMethod, PositionalMethod, RotaryMetho
 STATE_ATTR = "hf_posenc_state"
 ATTENTION_BACKENDS = ("sdpa", "eager", None)  # None: not chosen yet, transformers' default (sdpa)
 KEY_POSITIONS_ATTR = "hf_posenc_key_positions"  # on a KV cache: [B or 1, n] positions of the n cached tokens
+# On a KV cache after a compiled forward, instead: [B or 1, 1], each cached token's position is its slot plus this.
+KEY_SHIFT_ATTR = "hf_posenc_key_shift"
 
 
 @dataclass
@@ -223,7 +225,7 @@ class PositionCapture:
         else:
             if self.replay is not None:
                 arguments, positions, offset = self.replay.prepare(arguments, positions, offset, cache, embed_tokens)
-            past = getattr(cache, KEY_POSITIONS_ATTR, None) if offset else None
+            past = cached_key_positions(cache, offset) if offset else None
             self.state.update(positions, offset, past, attended_tokens(arguments.get("attention_mask"), offset + q),
                               coordinates)
 
@@ -274,9 +276,23 @@ class RecordKeyPositions:
         cache = getattr(output, "past_key_values", None)
         if cache is not None and not self.state.call.traced:
             setattr(cache, KEY_POSITIONS_ATTR, self.state.call.key_positions)
-        elif cache is not None:  # a compiled forward does not track positions: later calls take them as consecutive
+            setattr(cache, KEY_SHIFT_ATTR, None)
+        elif cache is not None:
+            # A compiled forward took every cached token to sit at its slot plus one shift per row (its number of
+            # tokens may be a tensor there, so no [B, n] positions): that shift is recorded, for later eager calls.
             setattr(cache, KEY_POSITIONS_ATTR, None)
+            setattr(cache, KEY_SHIFT_ATTR, self.state.call.key_positions)
         return output
+
+
+def cached_key_positions(cache: Any, offset: int) -> torch.Tensor | None:
+    """The positions [B or 1, >= offset] of the tokens in a KV cache, as the last forward with it recorded them
+    (RecordKeyPositions); None if no patched forward filled it."""
+    positions = getattr(cache, KEY_POSITIONS_ATTR, None)
+    shift = getattr(cache, KEY_SHIFT_ATTR, None)
+    if positions is None and shift is not None:
+        positions = shift + torch.arange(offset, device=shift.device)
+    return positions
 
 
 def attended_tokens(attention_mask: Any, length: int) -> torch.Tensor | None:

@@ -56,11 +56,21 @@ class PositionState:
     """The method a model was patched with, its attention backend, and the positions of the current forward
     (per thread)."""
 
-    def __init__(self, method: PositionalMethod, model_config=None, backend: str | None = None):
-        self.method = method
+    def __init__(self, method: PositionalMethod, model_config=None, backend: str | None = None,
+                 holder: nn.Module | None = None, attribute: str | None = None):
+        self.installed = method
         self.model_config = model_config  # the model's own config: its attention implementation is the backend
         self.fixed_backend = backend  # the backend where there is no model config (a bare attention module)
+        self.holder, self.attribute = holder, attribute  # where the method is installed: holder.<attribute>
         self._calls = threading.local()
+
+    @property
+    def method(self) -> PositionalMethod:
+        """The method module that computes: the one installed, unless PEFT has put its own in that place (see
+        active_method)."""
+        if self.holder is None:
+            return self.installed
+        return active_method(self.holder._modules.get(self.attribute), self.installed)
 
     @property
     def eager(self) -> bool:
@@ -77,7 +87,8 @@ class PositionState:
 
     # A thread-local cannot be copied or pickled; a copy starts with no forward in flight.
     def __getstate__(self) -> dict:
-        return {"method": self.method, "model_config": self.model_config, "fixed_backend": self.fixed_backend}
+        return {"installed": self.installed, "model_config": self.model_config, "fixed_backend": self.fixed_backend,
+                "holder": self.holder, "attribute": self.attribute}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -165,6 +176,23 @@ class PositionState:
         if missing > 0:
             key_positions = torch.cat((key_positions, key_positions[:, -1:].expand(-1, missing)), dim=-1)
         return query_slots, key_slots, call.query_positions.to(device), key_positions
+
+
+def active_method(slot: nn.Module | None, installed: PositionalMethod) -> PositionalMethod:
+    """The method module in the place the patch installed `installed` (`slot`: what that place holds now). PEFT
+    trains a module listed in `modules_to_save` (hf_posenc.peft_modules_to_save) as a copy: it puts a wrapper
+    there holding the original (`original_module`) and one copy per adapter (`modules_to_save`), and
+    merge_and_unload puts the active copy there. The engine computes with the module PEFT trains and saves."""
+    if slot is None or slot is installed:
+        return installed
+    if isinstance(slot, PositionalMethod):  # merge_and_unload left the trained copy in the method's place
+        return slot
+    if getattr(slot, "original_module", None) is installed:  # PEFT's ModulesToSaveWrapper
+        active = getattr(slot, "active_adapters", None) or []
+        copies = getattr(slot, "modules_to_save", None)
+        if not getattr(slot, "disable_adapters", False) and active and copies is not None and active[0] in copies:
+            return copies[active[0]]
+    return installed
 
 
 def uniform_shift(key_positions: torch.Tensor, attended: torch.Tensor | None) -> torch.Tensor | None:

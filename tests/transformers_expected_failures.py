@@ -45,6 +45,13 @@ OWN_WEIGHTS = {
         "(test_checkpoint.py::test_missing_positional_weights_are_initialised_and_reported_as_transformers_does)"),
 }
 
+# A method other than `learned` on GPT-2 removes its position table wpe (checkpoints keep wpe.weight, for unpatching).
+REPLACES_GPT2_WPE = {
+    "GPT2ModelTest::test_model_weights_reload_no_missing_tied_weights": (
+        "the method removes GPT-2's wpe: transformers' loading info (computed before the plugin re-applies the saved "
+        "patch) lists wpe.weight missing, a weight the patched model no longer has"),
+}
+
 # (family, method) -> {"Class::test": reason}; a (family, method) not listed here is expected to pass everything.
 EXPECTED_FAILURES: dict[tuple[str, str], dict[str, str]] = {
     ("llama", "none"): {},
@@ -57,6 +64,9 @@ EXPECTED_FAILURES: dict[tuple[str, str], dict[str, str]] = {
     # other methods (scripts/transformers_tests.sh --all)
     ("llama", "alibi"): dict(REPLACES_LLAMA_ROPE),
     ("llama", "t5"): {**REPLACES_LLAMA_ROPE, **OWN_WEIGHTS},
+    ("gpt2", "alibi"): dict(REPLACES_GPT2_WPE),
+    ("gpt2", "rope"): dict(REPLACES_GPT2_WPE),
+    ("bloom", "rope"): dict(BLOOM_BASELINE),
 }
 
 

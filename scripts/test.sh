@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything into .venv and runs the whole test suite (slow cases included); with no arguments, also
-# transformers' own model tests on the identity patches (scripts/transformers_tests.sh: about 250 s of CPU time,
-# 2-3 min on 2 cores), where ../shared/transformers-tests is there.
+# transformers' own model tests on the identity patches (scripts/transformers_tests.sh: 127 s of CPU time measured
+# in one process, about 2-4 min on 2 cores), where ../shared/transformers-tests is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh

@@ -3,7 +3,7 @@
 # expected failures (tests/transformers_expected_failures.py): exit 1 on a failure not declared, or on a declared
 # failure that passes now.
 # usage: bash scripts/transformers_tests.sh            the identity patches (llama:rope gpt2:learned bloom:alibi); CI
-#        bash scripts/transformers_tests.sh --all      those and the other methods triaged (about 10x the time)
+#        bash scripts/transformers_tests.sh --all      those and the 5 other methods triaged (8 runs: about 3x the time)
 #        bash scripts/transformers_tests.sh FAMILY:METHOD ...
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -19,7 +19,6 @@ positional weights too; on an unpatched base it cannot apply the patch, which is
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 

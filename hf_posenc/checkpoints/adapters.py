@@ -15,6 +15,11 @@ writes `posenc_config.json` (with `"adapter": true`). PEFT's loader passes keys 
 to `load_state_dict`, so `PeftModel.from_pretrained` on a base patched with the same method restores the trained
 positional weights too; on an unpatched base it cannot apply the patch, which is what `load_adapter`
 (checkpoints/loading.py, beside from_pretrained, which it uses for the base model) adds.
+
+With PEFT's own API alone, `LoraConfig(modules_to_save=peft_modules_to_save(model))` makes PEFT train, save and
+load the positional module itself (no posenc_config.json: load such an adapter onto a base patched the same way).
+transformers' `model.add_adapter` route saves through the patched model's save_pretrained (checkpoints/saving.py),
+which writes the same form as save_adapter.
 """
 
 from __future__ import annotations

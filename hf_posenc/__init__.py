@@ -18,7 +18,7 @@ from .version import __version__
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "save_adapter": "checkpoints.adapters",
+    **dict.fromkeys(("save_adapter", "peft_modules_to_save"), "checkpoints.adapters"),
     **dict.fromkeys(("from_pretrained", "load_adapter"), "checkpoints.loading"),
     "push_to_hub": "checkpoints.hub",
     "make_model_card": "checkpoints.model_card",
@@ -56,8 +56,8 @@ _EXPORTS = {
 __all__ = [
     # patching, loading, publishing
     "available_methods", "from_pretrained", "get_method", "get_positional_module", "get_posenc_config",
-    "load_adapter", "make_model_card", "patch_model", "push_to_hub", "save_adapter", "supported_model_types",
-    "unpatch_model", "PosEncError", "sink_cache", "SinkCache",
+    "load_adapter", "make_model_card", "patch_model", "peft_modules_to_save", "push_to_hub", "save_adapter",
+    "supported_model_types", "unpatch_model", "PosEncError", "sink_cache", "SinkCache",
     # every built-in method's config
     "AlibiConfig", "ComRopeApConfig", "ComRopeConfig", "ComRopeLdConfig", "FopeConfig", "LiereConfig",
     "Rope2dConfig", "DynamicConfig", "DynamicYarnConfig", "FireConfig", "KerpleConfig", "LearnedConfig",

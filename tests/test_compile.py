@@ -60,3 +60,47 @@ def test_generate_with_fullgraph_compile_config_matches_eager(model_type, method
     assert compiled_calls, "generate did not take its compiled path"
     assert torch.equal(result.sequences, expected.sequences)
     assert max(max_diff(a, b) for a, b in zip(result.logits, expected.logits)) < TOLERANCE
+
+
+@pytest.mark.parametrize("model_type, method, cache_class", [
+    ("llama", "alibi", "DynamicCache"),
+    ("gpt2", "fire", "DynamicCache"),
+    ("llama", "alibi", "StaticCache"),
+    ("bloom", "alibi", "StaticCache"),
+])
+def test_eager_calls_after_a_compiled_forward_know_the_cached_positions(model_type, method, cache_class):
+    """A compiled forward records where its cached tokens sit (each at its slot plus one shift per row), so a later
+    eager call on the same cache with a gap in its positions (position_ids 20 after 0..7) computes what an
+    all-eager run computes, not positions 12..19 inferred as consecutive before the query."""
+    import transformers
+
+    model = hf_posenc.patch_model(tiny_model(model_type), method).eval()
+    ids, next_id = random_ids(2, 8), random_ids(2, 1, seed=3)
+    gap = torch.full((2, 1), 20)
+
+    def new_cache():
+        if cache_class == "StaticCache":
+            return transformers.StaticCache(config=model.config, max_cache_len=16)
+        return transformers.DynamicCache(config=model.config)
+
+    def decode(cache):
+        options = {"position_ids": gap} if model_type != "bloom" else {
+            "attention_mask": torch.ones(2, 9, dtype=torch.long)}
+        return model(next_id, past_key_values=cache, use_cache=True, **options).logits
+
+    with torch.no_grad():
+        cache = new_cache()
+        model(ids, past_key_values=cache, use_cache=True)
+        expected = decode(cache)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, backend="eager")
+        cache = new_cache()
+        compiled(ids, past_key_values=cache, use_cache=True)
+        after_compiled = decode(cache)
+        if model_type != "bloom":  # the gap is what tells a recorded position from one inferred from the query
+            cache = new_cache()
+            model(ids, past_key_values=cache, use_cache=True)
+            for name in ("hf_posenc_key_positions", "hf_posenc_key_shift"):
+                setattr(cache, name, None)  # as if nothing recorded them
+            assert max_diff(decode(cache), expected) > 1e-3
+    assert max_diff(after_compiled, expected) < TOLERANCE

@@ -82,3 +82,127 @@ def test_save_adapter_refuses_an_unpatched_base(tmp_path):
     with pytest.raises(hf_posenc.PosEncError, match="not patched"):
         hf_posenc.save_adapter(peft_model, tmp_path / "adapter")
     assert not (tmp_path / "adapter").exists()
+
+
+LORA_TARGETS = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"], "bloom": ["query_key_value"]}
+
+
+def assert_positional_weights_saved(directory, positional: dict, initial: dict, prefix: str):
+    from safetensors import safe_open
+
+    with safe_open(directory / "adapter_model.safetensors", framework="pt") as handle:
+        for name, value in positional.items():
+            saved = handle.get_tensor(f"{prefix}.{name}")
+            assert torch.equal(saved, value) and not torch.equal(saved, initial[name])
+
+
+@pytest.mark.parametrize("model_type, method, prefix", [
+    ("llama", "kerple", "base_model.model.model.posenc"),
+    ("gpt2", "learned", "base_model.model.transformer.wpe"),  # GPT-2's learned table stands in wpe
+    ("bloom", "fire", "base_model.model.transformer.posenc"),
+])
+def test_peft_own_save_pretrained_carries_the_positional_weights_listed_in_modules_to_save(
+        tmp_path, model_type, method, prefix):
+    """PEFT's own API, no hf_posenc call but the config's modules_to_save: PeftModel.save_pretrained writes the
+    trained positional weights and PeftModel.from_pretrained on a base patched the same way restores them."""
+    model = hf_posenc.patch_model(tiny_model(model_type), method)
+    initial = {key: value.clone() for key, value in hf_posenc.get_positional_module(model).state_dict().items()}
+    modules = hf_posenc.peft_modules_to_save(model)
+    peft_model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=LORA_TARGETS[model_type],
+                                                            init_lora_weights=False, modules_to_save=modules))
+    perturb_positional_state(model)  # the module PEFT trains: its copy in modules_to_save
+    ids = random_ids(2, 9)
+    with torch.no_grad():
+        logits = peft_model(ids).logits
+    peft_model.save_pretrained(tmp_path / "adapter")
+    assert_positional_weights_saved(tmp_path / "adapter", hf_posenc.get_positional_module(model).state_dict(),
+                                    initial, prefix)
+    loaded = peft.PeftModel.from_pretrained(hf_posenc.patch_model(tiny_model(model_type), method),
+                                            tmp_path / "adapter")
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, logits)
+
+
+def test_modules_to_save_train_a_copy_that_the_patch_computes_with(tmp_path):
+    """PEFT trains a copy of a module in modules_to_save: the patch computes with the copy while the adapter is
+    active, with the original when it is disabled, and with the trained copy after merge_and_unload (whose
+    save_pretrained and reload keep it)."""
+    model = hf_posenc.patch_model(tiny_model("llama"), "t5")
+    ids = random_ids(2, 9)
+    with torch.no_grad():
+        untouched = model(ids).logits
+    peft_model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"],
+                                                            modules_to_save=hf_posenc.peft_modules_to_save(model)))
+    trained = hf_posenc.get_positional_module(model)
+    assert trained is not peft_model.base_model.model.model.posenc.original_module
+    assert all(p.requires_grad for p in trained.parameters())
+    perturb_positional_state(model)
+    with torch.no_grad():
+        active = peft_model(ids).logits
+        with peft_model.disable_adapter():
+            assert torch.equal(peft_model(ids).logits, untouched)
+    assert not torch.equal(active, untouched)
+    merged = peft_model.merge_and_unload()
+    assert hf_posenc.get_positional_module(merged) is trained
+    with torch.no_grad():
+        assert torch.equal(merged(ids).logits, active)
+    merged.save_pretrained(tmp_path / "merged")
+    with torch.no_grad():
+        assert torch.equal(hf_posenc.from_pretrained(tmp_path / "merged")(ids).logits, active)
+
+
+def test_save_adapter_with_modules_to_save_loads_onto_an_unpatched_base(tmp_path):
+    model = hf_posenc.patch_model(tiny_model("llama"), "kerple")
+    peft_model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False,
+                                                            modules_to_save=hf_posenc.peft_modules_to_save(model)))
+    perturb_positional_state(model)
+    ids = random_ids(1, 7)
+    with torch.no_grad():
+        expected = peft_model(ids).logits
+    hf_posenc.save_adapter(peft_model, tmp_path / "adapter")
+    loaded = hf_posenc.load_adapter(tmp_path / "adapter", base_model=tiny_model("llama"))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, expected)
+
+
+def test_peft_modules_to_save_lists_only_trainable_positional_modules():
+    assert hf_posenc.peft_modules_to_save(hf_posenc.patch_model(tiny_model("llama"), "kerple")) == ["model.posenc"]
+    assert hf_posenc.peft_modules_to_save(hf_posenc.patch_model(tiny_model("llama"), "alibi")) == []  # fixed slopes
+    assert hf_posenc.peft_modules_to_save(hf_posenc.patch_model(tiny_model("llama"), "alibi", trainable=True)) == [
+        "model.posenc"]
+    with pytest.raises(hf_posenc.PosEncError, match="patched by hf_posenc"):
+        hf_posenc.peft_modules_to_save(tiny_model("llama"))
+
+
+# --- transformers' own PEFT integration: model.add_adapter / model.load_adapter -----------------------------------
+@pytest.mark.parametrize("model_type, method, with_modules_to_save", [
+    ("llama", "kerple", False),
+    ("llama", "kerple", True),
+    ("gpt2", "alibi", False),
+    ("bloom", "t5", False),
+])
+def test_transformers_add_adapter_and_load_adapter_on_a_patched_model(tmp_path, model_type, method,
+                                                                     with_modules_to_save):
+    """transformers' route: model.add_adapter(LoraConfig), LoRA (and positional) weights moved off their initial
+    values as training would, model.save_pretrained writes the adapter (with the positional weights and
+    posenc_config.json), and model.load_adapter on a base patched the same way gives identical logits."""
+    model = hf_posenc.patch_model(tiny_model(model_type), method)
+    modules = hf_posenc.peft_modules_to_save(model) if with_modules_to_save else None
+    model.add_adapter(peft.LoraConfig(r=4, target_modules=LORA_TARGETS[model_type], init_lora_weights=False,
+                                      modules_to_save=modules))
+    perturb_positional_state(model)
+    ids = random_ids(2, 9)
+    with torch.no_grad():
+        logits = model(ids).logits
+    model.save_pretrained(tmp_path / "adapter")
+    assert json.loads((tmp_path / "adapter" / "posenc_config.json").read_text())["adapter"] is True
+    base = hf_posenc.patch_model(tiny_model(model_type), method)
+    base.load_adapter(tmp_path / "adapter")
+    assert hf_posenc.get_posenc_config(base).method == method
+    with torch.no_grad():
+        assert torch.equal(base(ids).logits, logits)
+    loaded = hf_posenc.load_adapter(tmp_path / "adapter", base_model=tiny_model(model_type))  # onto an unpatched base
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, logits)
+    with pytest.raises(hf_posenc.PosEncError, match="carries a PEFT adapter"):
+        model.save_pretrained(tmp_path / "standalone", standalone=True)

@@ -15,23 +15,25 @@ writes `posenc_config.json` (with `"adapter": true`). PEFT's loader passes keys 
 to `load_state_dict`, so `PeftModel.from_pretrained` on a base patched with the same method restores the trained
 positional weights too; on an unpatched base it cannot apply the patch, which is what `load_adapter`
 (checkpoints/loading.py, beside from_pretrained, which it uses for the base model) adds.
+
+With PEFT's own API alone, `LoraConfig(modules_to_save=peft_modules_to_save(model))` makes PEFT train, save and
+load the positional module itself (no posenc_config.json: load such an adapter onto a base patched the same way).
+transformers' `model.add_adapter` route saves through the patched model's save_pretrained (checkpoints/saving.py),
+which writes the same form as save_adapter.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..engine.install import applied_patch
 from ..errors import PosEncError
-from .metadata import write_metadata
-from .saving import posenc_metadata, positional_state, share_weight_files
+from .saving import (ADAPTER_KEY_PREFIX, ADAPTER_WEIGHTS_NAME, posenc_metadata, positional_prefix,
+                     positional_state, write_adapter_patch)
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
-ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
-PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the base model's state-dict keys
+PEFT_PREFIX = ADAPTER_KEY_PREFIX
 
 
 def _patched_base(peft_model: nn.Module) -> nn.Module:
@@ -49,8 +51,6 @@ def _patched_base(peft_model: nn.Module) -> nn.Module:
 def save_adapter(peft_model: nn.Module, save_directory, is_main_process: bool = True, **kwargs) -> None:
     """PEFT's `save_pretrained` (the adapter only, keywords passed on), plus the positional patch: its trained
     weights in adapter_model.safetensors and posenc_config.json. Only the default adapter is supported."""
-    from safetensors.torch import load_file, save_file
-
     base = _patched_base(peft_model)
     if list(peft_model.peft_config) != ["default"] or kwargs.get("selected_adapters") not in (None, ["default"]):
         raise PosEncError("save_adapter saves one adapter, named 'default'; this PEFT model has "
@@ -59,17 +59,31 @@ def save_adapter(peft_model: nn.Module, save_directory, is_main_process: bool = 
         raise PosEncError("save_adapter writes safetensors; leave safe_serialization at its default (True).")
     method = applied_patch(base).method
     metadata = posenc_metadata(base, method)
-    metadata["adapter"] = True
     peft_model.save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)
-    if not is_main_process:
-        return
-    weights_path = Path(save_directory) / ADAPTER_WEIGHTS_NAME
-    tensors = load_file(weights_path)
-    for key, value in positional_state(base, method).items():
-        tensors[PEFT_PREFIX + key] = value.detach().to("cpu").contiguous()
-    save_file(tensors, weights_path, metadata={"format": "pt"})
-    share_weight_files(save_directory)
-    write_metadata(save_directory, metadata)
+    if is_main_process:
+        write_adapter_patch(save_directory, metadata, positional_state(base, method), PEFT_PREFIX)
+
+
+def peft_modules_to_save(model: nn.Module) -> list[str]:
+    """The positional module's name for PEFT's `modules_to_save`, so that PEFT's own API trains and saves the patch's
+    weights with the adapter:
+
+        config = LoraConfig(r=8, target_modules=[...], modules_to_save=hf_posenc.peft_modules_to_save(model))
+        peft_model = peft.get_peft_model(model, config)     # trains a copy of the positional module
+        peft_model.save_pretrained("adapter")                # LoRA + the trained positional weights
+        PeftModel.from_pretrained(patched_base, "adapter")   # on a base patched the same way: both restored
+
+    Empty when the method has no trainable weights (ALiBi's fixed slopes, RoPE): nothing to save. PEFT trains a copy
+    of a listed module; the patch computes with that copy while PEFT's adapter is active, and with the original when
+    it is disabled (engine/state.py: active_method). posenc_config.json is not written by PEFT: hf_posenc.save_adapter
+    adds it, for loading onto an unpatched base."""
+    applied = applied_patch(model)
+    if applied is None:
+        raise PosEncError("peft_modules_to_save needs a model patched by hf_posenc (hf_posenc.patch_model), before "
+                          "peft.get_peft_model.")
+    if not any(parameter.requires_grad for parameter in applied.installed.parameters()):
+        return []
+    return [positional_prefix(model, applied.installed)]
 
 
 def is_adapter_directory(metadata: dict | None) -> bool:

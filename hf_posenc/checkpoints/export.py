@@ -72,7 +72,10 @@ class {model_class}({base_class}):
         model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args,
                                               config=config_before_patch(config, metadata),
                                               output_loading_info=True, **kwargs)
-        load_saved_patch(model, pretrained_model_name_or_path, metadata, hub_kwargs)
+        missing = [] if want_info else None  # positional weights the files lack (initialised): reported, or logged
+        load_saved_patch(model, pretrained_model_name_or_path, metadata, hub_kwargs, missing_keys=missing)
+        if want_info:
+            info["missing_keys"] = set(info.get("missing_keys", ())) | set(missing)
         return (model, info) if want_info else model
 '''
 

@@ -99,11 +99,13 @@ def from_pretrained(pretrained_model_name_or_path, **kwargs) -> nn.Module:
         return (model, info) if want_info else model
     positional = set(metadata["positional_state"])
     info["unexpected_keys"] = set(info.get("unexpected_keys", ())) - positional
-    if info["unexpected_keys"] or info.get("missing_keys"):
+    missing_positional: list[str] = []  # positional weights the files lack: initialised by the patch, reported
+    load_saved_patch(model, pretrained_model_name_or_path, metadata, hub_kwargs, publish=publish_saved,
+                     missing_keys=missing_positional)
+    info["missing_keys"] = set(info.get("missing_keys", ())) | set(missing_positional)
+    if info["unexpected_keys"] or info["missing_keys"]:
         logger.warning("Loading %s: weights not used %s; weights newly initialised %s.",
-                       pretrained_model_name_or_path, sorted(info["unexpected_keys"]),
-                       sorted(info.get("missing_keys", ())))
-    load_saved_patch(model, pretrained_model_name_or_path, metadata, hub_kwargs, publish=publish_saved)
+                       pretrained_model_name_or_path, sorted(info["unexpected_keys"]), sorted(info["missing_keys"]))
     applied_patch(model).log.set_attr(model, BASE_MODEL_ATTR, {
         key: metadata.get(key) for key in BASE_MODEL_KEYS if metadata.get(key) is not None})
     return (model, info) if want_info else model

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,8 @@ from ..methods.base import PositionalMethod
 from ..registry import config_for, get_family, get_method
 from .metadata import POSENC_CONFIG_NAME
 from .saving import MODEL_FACTS, NATIVE_CONFIG_KEYS, Publish, attach_save_hook, positional_prefix
+
+logger = logging.getLogger(__name__)
 
 # from_pretrained keywords that say where files come from (passed on to transformers' cached_file).
 HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
@@ -85,11 +88,13 @@ def planned_method(model: nn.Module, configs: list[PosEncConfig]) -> PositionalM
 
 
 def check_before_building(model: nn.Module, metadata: dict[str, Any], configs: list[PosEncConfig],
-                          tensors: "CheckpointTensors") -> None:
+                          tensors: "CheckpointTensors") -> list[str]:
     """Refuse a checkpoint whose patch history or positional state does not match what its options build, before
     anything is built: a few edited bytes in posenc_config.json (an MLP width, a bucket count) must not make the
     loader allocate gigabytes first. The shapes the options imply are compared with the recorded ones and with
-    the safetensors headers."""
+    the safetensors headers. Returns the model's names of the positional weights the weight files lack: as
+    transformers does for any weight missing from a checkpoint, they keep the values the patch initialises them
+    with, and are reported (a weight of another shape is refused, as transformers refuses it)."""
     method = planned_method(model, configs)
     if method.builds_on() != configs[:-1]:
         needed = [c.method for c in method.builds_on()] or "nothing"
@@ -108,17 +113,14 @@ def check_before_building(model: nn.Module, metadata: dict[str, Any], configs: l
             f"{POSENC_CONFIG_NAME} lists positional weights {sorted(recorded)}, but {metadata['method']!r} with "
             f"these options has {sorted(expected)}. Refusing to load.")
     in_files = tensors.shapes(sorted(in_checkpoint.values())) if expected else {}
-    missing = sorted(key for key in in_checkpoint.values() if key not in in_files)
-    if missing:
-        raise PosEncError(f"The checkpoint lacks the positional weights {missing} that {metadata['method']!r} needs "
-                          "(were they trained and saved?). Refusing to load.")
     for key, shape in expected.items():
         entry = recorded[in_checkpoint[key]]
         written = tuple(entry.get("shape", ())) if isinstance(entry, dict) else None
-        if not (written == in_files[in_checkpoint[key]] == shape):
+        if written != shape or in_files.get(in_checkpoint[key], shape) != shape:
             raise PosEncError(f"Positional weight {key}: {metadata['method']!r} with these options needs shape "
                               f"{shape}; {POSENC_CONFIG_NAME} records {written} and the weights file holds "
-                              f"{in_files[key]}. Refusing to load.")
+                              f"{in_files.get(in_checkpoint[key], 'nothing')}. Refusing to load.")
+    return sorted(key for key in expected if in_checkpoint[key] not in in_files)
 
 
 def checkpoint_keys(model: nn.Module, recorded, model_keys) -> dict[str, str] | None:
@@ -142,26 +144,39 @@ def _module_name(model: nn.Module, module: nn.Module) -> str:
 
 
 def apply_saved_patch(model: nn.Module, metadata: dict[str, Any], tensors: "CheckpointTensors",
-                      publish: Publish | None = None) -> nn.Module:
+                      publish: Publish | None = None, missing_keys: list[str] | None = None) -> nn.Module:
     """Patch a freshly loaded (unpatched) model as `metadata` says and load the positional state into it. `publish`:
-    what the model's save_pretrained uses for standalone=True / push_to_hub=True (see checkpoints/saving.py)."""
+    what the model's save_pretrained uses for standalone=True / push_to_hub=True (see checkpoints/saving.py).
+    Positional weights the checkpoint lacks keep their initial values (as patch_model builds them), as transformers
+    initialises any missing weight: they are added to `missing_keys` when it is given (from_pretrained's loading
+    info), else logged as a warning."""
     configs = method_configs(metadata)
     check_model_matches(metadata, model)
-    check_before_building(model, metadata, configs, tensors)
+    missing = check_before_building(model, metadata, configs, tensors)
     try:
         for config in configs:
             install_patch(model, config, functools.partial(attach_save_hook, publish=publish))
         method = applied_patch(model).method
         prefix = positional_prefix(model, method) + "."
-        in_checkpoint = checkpoint_keys(model, metadata["positional_state"],
-                                        [prefix + key for key in method.state_dict()])
+        in_checkpoint = {key: saved for key, saved in
+                         checkpoint_keys(model, metadata["positional_state"],
+                                         [prefix + key for key in method.state_dict()]).items()
+                         if key not in missing}
         values = tensors.read(sorted(in_checkpoint.values())) if in_checkpoint else {}
         with torch.no_grad():
-            method.load_state_dict({key[len(prefix):]: values[saved] for key, saved in in_checkpoint.items()},
-                                   strict=True)
+            result = method.load_state_dict({key[len(prefix):]: values[saved] for key, saved in in_checkpoint.items()},
+                                            strict=False)
+        if result.unexpected_keys or {prefix + key for key in result.missing_keys} != set(missing):
+            raise PosEncError(f"Loading the positional weights went wrong: {result}.")  # cannot happen: checked above
     except BaseException:
         remove_patch(model)
         raise
+    if missing and missing_keys is not None:
+        missing_keys.extend(key for key in missing if key not in missing_keys)
+    elif missing:
+        logger.warning("The checkpoint lacks the positional weights %s of its %r patch: they are newly initialised "
+                       "(untrained), as transformers initialises any weight missing from a checkpoint.",
+                       missing, metadata["method"])
     return model
 
 
@@ -206,7 +221,8 @@ class CheckpointTensors:
 
 
 def load_saved_patch(model: nn.Module, name_or_path, metadata: dict[str, Any], hub_kwargs: dict,
-                     publish: Publish | None = None, tensors=None) -> nn.Module:
+                     publish: Publish | None = None, tensors=None, missing_keys: list[str] | None = None) -> nn.Module:
     """`tensors`: where the positional weights are read (default: the checkpoint's safetensors files; an adapter's
-    are in adapter_model.safetensors, see checkpoints/adapters.py)."""
-    return apply_saved_patch(model, metadata, tensors or CheckpointTensors(name_or_path, hub_kwargs), publish)
+    are in adapter_model.safetensors, see checkpoints/adapters.py). `missing_keys`: see apply_saved_patch."""
+    return apply_saved_patch(model, metadata, tensors or CheckpointTensors(name_or_path, hub_kwargs), publish,
+                             missing_keys)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from ..config import PosEncConfig
+from ..engine.install import applied_patch
 from ..errors import PosEncError
 from ..methods.base import PositionalMethod
 from ..registry import get_family
@@ -37,6 +39,8 @@ INITIAL_STATE_ATTR = "hf_posenc_initial_state"
 MODEL_FACTS = ("model_type", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size")
 # Config attributes a patch may rewrite so that config.json is native (RoPE scalings on LLaMA-style models).
 NATIVE_CONFIG_KEYS = ("rope_parameters", "max_position_embeddings")
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+ADAPTER_KEY_PREFIX = "base_model.model."  # what PeftModel puts before the base model's state-dict keys
 # save_pretrained keywords that only an upload uses (kept from transformers' own save).
 PUSH_OPTIONS = ("repo_id", "commit_message", "private", "revision", "create_pr")
 
@@ -95,9 +99,23 @@ class PatchedSavePretrained:
                 f"save_pretrained({'standalone' if standalone else 'push_to_hub'}=True) needs the hf_posenc library, "
                 "and this model was patched by a checkpoint's standalone code: install hf_posenc and load the "
                 "checkpoint with hf_posenc.from_pretrained to save it that way.")
-        model, method = self.model, self.method
+        model = self.model
+        applied = applied_patch(model)
+        # the module that computes now: PEFT's merge_and_unload may have put a trained copy in the method's place
+        method = applied.method if applied is not None and applied.installed is self.method else self.method
         metadata = posenc_metadata(model, method, base_model=base_model, base_model_revision=base_model_revision,
                                    config_before=self.config_before)
+        if getattr(model, "_hf_peft_config_loaded", False):
+            # transformers' PEFT integration (model.add_adapter / load_adapter): transformers saves the adapter
+            if standalone or push_to_hub:
+                raise PosEncError("This model carries a PEFT adapter (add_adapter / load_adapter), and its "
+                                  "save_pretrained writes the adapter alone: save it without standalone / "
+                                  "push_to_hub, or merge or delete the adapter first.")
+            self.original_save(save_directory, is_main_process=is_main_process, state_dict=state_dict, **kwargs)
+            if is_main_process:
+                prefix = ADAPTER_KEY_PREFIX if kwargs.get("save_peft_format", True) else ""
+                write_adapter_patch(save_directory, metadata, positional_state(model, method), prefix)
+            return
         if state_dict is None:
             state_dict = checkpoint_state_dict(model, method, self.original_state)
         missing = sorted(set(metadata["positional_state"]) - set(state_dict))
@@ -112,6 +130,22 @@ class PatchedSavePretrained:
         if standalone or push_to_hub:
             self.publish(save_directory, metadata, standalone=standalone, upload=push_to_hub,
                          token=kwargs.get("token"), **push_options)
+
+
+def write_adapter_patch(save_directory, metadata: dict[str, Any], positional: dict[str, torch.Tensor],
+                        key_prefix: str = ADAPTER_KEY_PREFIX) -> None:
+    """After an adapter was saved (PEFT's or transformers' save_pretrained): add the positional weights to
+    adapter_model.safetensors, under their names in the model with `key_prefix` (PEFT's `base_model.model.`), and
+    write posenc_config.json saying it is an adapter's. PEFT's loader passes these keys on to load_state_dict."""
+    from safetensors.torch import load_file, save_file
+
+    weights_path = Path(save_directory) / ADAPTER_WEIGHTS_NAME
+    tensors = load_file(weights_path)
+    for key, value in positional.items():
+        tensors[key_prefix + key] = value.detach().to("cpu").contiguous()
+    save_file(tensors, weights_path, metadata={"format": "pt"})
+    share_weight_files(save_directory)
+    write_metadata(save_directory, {**metadata, "adapter": True})
 
 
 def share_weight_files(directory) -> None:
@@ -131,10 +165,12 @@ def share_weight_files(directory) -> None:
 
 
 def positional_prefix(model: nn.Module, method: PositionalMethod) -> str:
-    """Where the method module sits in the model ('model.posenc', 'transformer.posenc')."""
+    """Where the method module sits in the model ('model.posenc', 'transformer.posenc'). Inside PEFT's
+    modules_to_save wrapper (model.posenc.modules_to_save.default, model.posenc.original_module) it is the
+    wrapper's place, the name PEFT itself saves it under."""
     for name, module in model.named_modules():
         if module is method:
-            return name
+            return re.sub(r"\.(modules_to_save\.[^.]+|original_module)$", "", name)
     raise PosEncError("The positional module is not part of this model (was it patched by hf_posenc?).")
 
 

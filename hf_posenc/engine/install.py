@@ -32,9 +32,15 @@ BeforeInstall = Callable[[nn.Module, PositionalMethod, UndoLog], None]
 @dataclass
 class AppliedPatch:
     config: PosEncConfig
-    method: PositionalMethod
+    installed: PositionalMethod  # the module the patch installed
     state: PositionState
     log: UndoLog
+
+    @property
+    def method(self) -> PositionalMethod:
+        """The method module the model computes with: the installed one, or PEFT's trained copy of it (see
+        engine/state.py: active_method)."""
+        return self.state.method if self.state.installed is self.installed else self.installed
 
 
 def install_patch(model: nn.Module, config: PosEncConfig, before_install: BeforeInstall | None = None) -> nn.Module:
@@ -102,12 +108,12 @@ def _reinstall(model: nn.Module, family, previous: AppliedPatch, before_install:
     try:
         give_own_config(model, log)
         if before_install is not None:
-            before_install(model, previous.method, log)
-        state = family.install(model, previous.method, family.model_info(model), log)
+            before_install(model, previous.installed, log)
+        state = family.install(model, previous.installed, family.model_info(model), log)
     except BaseException:
         log.undo()  # leave the original model rather than a half-installed one
         raise
-    setattr(model, PATCH_ATTR, AppliedPatch(previous.config, previous.method, state, log))
+    setattr(model, PATCH_ATTR, AppliedPatch(previous.config, previous.installed, state, log))
 
 
 def _move_like(method_module: nn.Module, model: nn.Module) -> None:

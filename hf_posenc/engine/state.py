@@ -30,6 +30,8 @@ ATTENTION_BACKENDS = ("sdpa", "eager", None)  # None: not chosen yet, transforme
 KEY_POSITIONS_ATTR = "hf_posenc_key_positions"  # on a KV cache: [B or 1, n] positions of the n cached tokens
 # on a KV cache, for a method over several position axes that rotates in attention: [B or 1, n, axes]
 KEY_COORDINATES_ATTR = "hf_posenc_key_coordinates"
+# On a KV cache after a compiled forward, instead: [B or 1, 1], each cached token's position is its slot plus this.
+KEY_SHIFT_ATTR = "hf_posenc_key_shift"
 
 
 @dataclass
@@ -63,11 +65,21 @@ class PositionState:
     """The method a model was patched with, its attention backend, and the positions of the current forward
     (per thread)."""
 
-    def __init__(self, method: PositionalMethod, model_config=None, backend: str | None = None):
-        self.method = method
+    def __init__(self, method: PositionalMethod, model_config=None, backend: str | None = None,
+                 holder: nn.Module | None = None, attribute: str | None = None):
+        self.installed = method
         self.model_config = model_config  # the model's own config: its attention implementation is the backend
         self.fixed_backend = backend  # the backend where there is no model config (a bare attention module)
+        self.holder, self.attribute = holder, attribute  # where the method is installed: holder.<attribute>
         self._calls = threading.local()
+
+    @property
+    def method(self) -> PositionalMethod:
+        """The method module that computes: the one installed, unless PEFT has put its own in that place (see
+        active_method)."""
+        if self.holder is None:
+            return self.installed
+        return active_method(self.holder._modules.get(self.attribute), self.installed)
 
     @property
     def eager(self) -> bool:
@@ -84,7 +96,8 @@ class PositionState:
 
     # A thread-local cannot be copied or pickled; a copy starts with no forward in flight.
     def __getstate__(self) -> dict:
-        return {"method": self.method, "model_config": self.model_config, "fixed_backend": self.fixed_backend}
+        return {"installed": self.installed, "model_config": self.model_config, "fixed_backend": self.fixed_backend,
+                "holder": self.holder, "attribute": self.attribute}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -231,6 +244,23 @@ class PositionState:
         return query_slots, key_slots, call.query_positions.to(device), key_positions
 
 
+def active_method(slot: nn.Module | None, installed: PositionalMethod) -> PositionalMethod:
+    """The method module in the place the patch installed `installed` (`slot`: what that place holds now). PEFT
+    trains a module listed in `modules_to_save` (hf_posenc.peft_modules_to_save) as a copy: it puts a wrapper
+    there holding the original (`original_module`) and one copy per adapter (`modules_to_save`), and
+    merge_and_unload puts the active copy there. The engine computes with the module PEFT trains and saves."""
+    if slot is None or slot is installed:
+        return installed
+    if isinstance(slot, PositionalMethod):  # merge_and_unload left the trained copy in the method's place
+        return slot
+    if getattr(slot, "original_module", None) is installed:  # PEFT's ModulesToSaveWrapper
+        active = getattr(slot, "active_adapters", None) or []
+        copies = getattr(slot, "modules_to_save", None)
+        if not getattr(slot, "disable_adapters", False) and active and copies is not None and active[0] in copies:
+            return copies[active[0]]
+    return installed
+
+
 def uniform_shift(key_positions: torch.Tensor, attended: torch.Tensor | None) -> torch.Tensor | None:
     """[rows, 1] with position - slot for each row's attended tokens, if that is one value per row; else None."""
     slots = torch.arange(key_positions.shape[-1], device=key_positions.device)
@@ -295,7 +325,7 @@ class PositionCapture:
         else:
             if self.replay is not None:
                 arguments, positions, offset = self.replay.prepare(arguments, positions, offset, cache, embed_tokens)
-            past = getattr(cache, KEY_POSITIONS_ATTR, None) if offset else None
+            past = cached_key_positions(cache, offset) if offset else None
             past_coordinates = getattr(cache, KEY_COORDINATES_ATTR, None) if offset and coordinates is not None \
                 else None
             self.state.update(positions, offset, past, attended_tokens(arguments.get("attention_mask"), offset + q),
@@ -348,11 +378,25 @@ class RecordKeyPositions:
         cache = getattr(output, "past_key_values", None)
         if cache is not None and not self.state.call.traced:
             setattr(cache, KEY_POSITIONS_ATTR, self.state.call.key_positions)
+            setattr(cache, KEY_SHIFT_ATTR, None)
             if self.state.call.key_coordinates is not None:
                 setattr(cache, KEY_COORDINATES_ATTR, self.state.call.key_coordinates)
-        elif cache is not None:  # a compiled forward does not track positions: later calls take them as consecutive
+        elif cache is not None:
+            # A compiled forward took every cached token to sit at its slot plus one shift per row (its number of
+            # tokens may be a tensor there, so no [B, n] positions): that shift is recorded, for later eager calls.
             setattr(cache, KEY_POSITIONS_ATTR, None)
+            setattr(cache, KEY_SHIFT_ATTR, self.state.call.key_positions)
         return output
+
+
+def cached_key_positions(cache: Any, offset: int) -> torch.Tensor | None:
+    """The positions [B or 1, >= offset] of the tokens in a KV cache, as the last forward with it recorded them
+    (RecordKeyPositions); None if no patched forward filled it."""
+    positions = getattr(cache, KEY_POSITIONS_ATTR, None)
+    shift = getattr(cache, KEY_SHIFT_ATTR, None)
+    if positions is None and shift is not None:
+        positions = shift + torch.arange(offset, device=shift.device)
+    return positions
 
 
 def attended_tokens(attention_mask: Any, length: int) -> torch.Tensor | None:

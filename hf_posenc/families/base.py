@@ -81,8 +81,8 @@ class ModelFamily:
 
     def install(self, model: nn.Module, method: PositionalMethod, info: ModelInfo, log: UndoLog) -> PositionState:
         base = self.base_model(model)
-        state = PositionState(method, model.config)
         attribute = self.method_attribute(method)
+        state = PositionState(method, model.config, holder=base, attribute=attribute)
         log.set_attr(base, attribute, method)  # registers the method's parameters under the base model
         parameter_names = forward_parameter_names(base)
         replay = None

@@ -12,16 +12,32 @@ from ..registry import register_family
 from .base import ModelFamily, RotateProjectionOutput
 
 
-class NoPositionEmbedding(nn.Module):
-    """Stands in for `wpe`: zeros at every position (zeroing wpe's weights would still fail past n_positions)."""
+class TokenEmbeddingDtype:
+    """The dtype of the base model's token embeddings, read at each call (the model may be cast after patching). A
+    deep copy of a module holding it (PEFT's modules_to_save copies the method) refers to the same base model,
+    unless the base model is copied with it."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, base: nn.Module):
+        self.base = base
+
+    def __call__(self) -> torch.dtype:
+        return self.base.get_input_embeddings().weight.dtype
+
+    def __deepcopy__(self, memo: dict) -> "TokenEmbeddingDtype":
+        return TokenEmbeddingDtype(memo.get(id(self.base), self.base))
+
+
+class NoPositionEmbedding(nn.Module):
+    """Stands in for `wpe`: zeros at every position (zeroing wpe's weights would still fail past n_positions), in
+    the token embeddings' dtype. No buffer: the model's buffers stay those of transformers' own GPT-2."""
+
+    def __init__(self, hidden_size: int, dtype: TokenEmbeddingDtype):
         super().__init__()
         self.hidden_size = hidden_size
-        self.register_buffer("dtype_reference", torch.zeros((), dtype=dtype), persistent=False)
+        self.dtype = dtype
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        return self.dtype_reference.new_zeros((*position_ids.shape, self.hidden_size))
+        return torch.zeros((*position_ids.shape, self.hidden_size), dtype=self.dtype(), device=position_ids.device)
 
 
 class EmbeddingDtype:
@@ -29,10 +45,10 @@ class EmbeddingDtype:
     compute in float32; GPT2Model adds wpe's output to the token embeddings as it is)."""
 
     def __init__(self, base: nn.Module):
-        self.base = base
+        self.dtype = TokenEmbeddingDtype(base)
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        return output.to(self.base.get_input_embeddings().weight.dtype)
+        return output.to(self.dtype())
 
 
 @register_family
@@ -74,7 +90,7 @@ class GPT2Family(ModelFamily):
         if isinstance(state.method, AbsolutePositionMethod):  # install put the method in wpe's place
             log.add_forward_hook(state.method, EmbeddingDtype(base))
             return
-        log.set_attr(base, "wpe", NoPositionEmbedding(model.config.n_embd, base.wte.weight.dtype))
+        log.set_attr(base, "wpe", NoPositionEmbedding(model.config.n_embd, TokenEmbeddingDtype(base)))
 
     def add_rotary(self, model, method, state, log):
         hook = RotateGPT2QueryKey(state, model.config.n_head, model.config.n_embd // model.config.n_head)

@@ -25,6 +25,7 @@ _EXPORTS = {
     "PosEncConfig": "config",
     "PosEncError": "errors",
     "ModelFamily": "families.base",
+    "HybridConfig": "engine.hybrid",
     "AlibiConfig": "methods.alibi",
     **dict.fromkeys(("ComRopeApConfig", "ComRopeConfig", "ComRopeLdConfig"), "methods.comrope"),
     "FopeConfig": "methods.fope",
@@ -61,6 +62,7 @@ __all__ = [
     "Rope2dConfig", "DynamicConfig", "DynamicYarnConfig", "FireConfig", "KerpleConfig", "LearnedConfig",
     "LinearConfig", "Llama3Config", "LongRopeConfig", "NopeConfig", "NtkConfig", "RopeConfig", "RopeScalingConfig",
     "ReropeConfig", "SandwichConfig", "SelfExtendConfig", "SinusoidalConfig", "T5Config", "XposConfig", "YarnConfig",
+    "HybridConfig",  # a method on some layers only: patch_model(model, method, layers=[...])
     # extending: methods and families
     "AbsolutePositionMethod", "AttentionBiasMethod", "ModelFamily", "ModelInfo", "PosEncConfig", "PositionalMethod",
     "RotaryMethod", "register_family", "register_method",

@@ -407,7 +407,7 @@ def make_accelerator(args: argparse.Namespace, trackers: list[str], logging_dir:
 def resume_settings(args: argparse.Namespace, request: MethodRequest | None) -> dict[str, Any]:
     """The settings a resumed run must share with the one that saved the checkpoint (RESUME_SETTINGS), as JSON."""
     settings = {name: getattr(args, name) for name in RESUME_SETTINGS}
-    settings["method"] = None if request is None else request.config().to_dict()  # every option, defaults included
+    settings["method"] = None if request is None else request.settings()  # every option, defaults included
     return json.loads(json.dumps(settings, default=str))
 
 

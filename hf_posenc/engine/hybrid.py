@@ -163,8 +163,10 @@ def refuse_per_layer(config: PosEncConfig, module: PositionalMethod | None = Non
 
 @register_method(HYBRID, HybridConfig, listed=False)
 class HybridMethod(PositionalMethod):
-    """Holds the method module of each part (`parts[i]`, on the layers `part_layers[i]`). It acts through its parts:
-    the family installs each on its layers (ModelFamily.install_hybrid)."""
+    """Methods on some layers only, the model's own mechanism on the others.
+
+    Holds the method module of each part (`parts[i]`, on the layers `part_layers[i]`) and acts through them: the
+    family installs each on its layers (ModelFamily.install_hybrid)."""
 
     def __init__(self, config: HybridConfig, info: ModelInfo):
         super().__init__(config, info)

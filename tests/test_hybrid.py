@@ -263,3 +263,16 @@ def test_a_second_part_keeps_the_trained_weights_of_the_first():
     assert all(torch.equal(hybrid.parts[0].state_dict()[k], v) for k, v in trained.items())
     assert hf_posenc.get_posenc_config(model).layer_methods(2) == ["alibi", "fire"]
     assert "hybrid" not in hf_posenc.available_methods()
+
+
+def test_the_command_line_takes_layers_as_a_method_option():
+    from hf_posenc.tools.runtime import MethodRequest
+
+    request = MethodRequest.parse('nope:layers="every:2"')
+    request.check()
+    assert request.settings() == {"method": "nope", "layers": "every:2"}
+    model = tiny_model("llama")
+    request.apply(model)
+    assert hf_posenc.get_posenc_config(model).layer_methods(2) == ["native", "nope"]
+    with pytest.raises(hf_posenc.PosEncError, match="input of the first layer"):
+        MethodRequest.parse("learned:layers=[1]").check()

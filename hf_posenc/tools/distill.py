@@ -88,7 +88,8 @@ class Teacher:
 
         length = inputs["input_ids"].shape[1]
         if self.window is not None and length > self.window:
-            inputs = {key: value[:, :self.window] if value is not None else None for key, value in inputs.items()}
+            inputs = {key: value[:, :self.window] if isinstance(value, torch.Tensor) else value
+                      for key, value in inputs.items()}
         with torch.no_grad():
             if self.model is not None:
                 return self.model(**inputs).logits

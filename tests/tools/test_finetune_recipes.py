@@ -122,6 +122,11 @@ def test_the_teachers_logits_are_the_unpatched_models_bit_for_bit(frozen_base):
     # the teacher sees at most its trained window (64 tokens for the tiny LLaMA)
     long_ids = random_ids(1, 80)
     assert teacher.logits(model, input_ids=long_ids).shape[1] == 64
+    restarts = torch.arange(80)[None] % 40  # two documents, as the fine-tune passes them
+    cut = teacher.logits(model, input_ids=long_ids, position_ids=restarts, use_cache=False)
+    with torch.no_grad():
+        hf_posenc.unpatch_model(model)
+        assert torch.equal(cut, model(long_ids[:, :64], position_ids=restarts[:, :64], use_cache=False).logits)
 
 
 def test_the_unpatched_view_disables_lora_adapters():

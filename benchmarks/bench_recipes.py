@@ -33,7 +33,7 @@ def held_out_perplexity(model, tokenizer, lengths: list[int], windows: list[int]
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--recipe", choices=("original", "swap", "lm", "distill"), required=True)
+    p.add_argument("--recipe", choices=("original", "swap", "lm", "distill", "saved"), required=True)
     p.add_argument("--method", default="alibi", help="NAME[:KEY=VALUE,...] (layers=... for a hybrid)")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--max-length", type=int, default=256)
@@ -46,6 +46,9 @@ def main() -> None:
     p.add_argument("--windows", default="2,1", help="held-out windows per length (one number, or one per length)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--output", type=Path, default=Path("runs/bench_recipes.json"))
+    p.add_argument("--keep", type=Path, default=None,
+                   help="keep the fine-tuned model in this folder and stop before evaluating (evaluate it later with "
+                        "--recipe saved --keep FOLDER): splits one long run in two")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -61,14 +64,20 @@ def main() -> None:
     row = {"windows": dict(zip(map(str, lengths), windows)), "recipe": args.recipe, "method": None if args.recipe == "original" else args.method,
            "steps": args.steps, "max_length": args.max_length, "lr": args.lr, "train_only": args.train_only,
            "pose_target_length": args.pose_target_length}
-    if args.recipe in ("original", "swap"):
+    if args.recipe == "saved":  # a model kept by an earlier --keep run: evaluate it, with that run's row
+        from transformers import AutoTokenizer
+
+        row = json.loads((args.keep / "bench_row.json").read_text())
+        model, tokenizer = hf_posenc.from_pretrained(args.keep), AutoTokenizer.from_pretrained(args.keep)
+        row["windows"] = dict(zip(map(str, lengths), windows))
+    elif args.recipe in ("original", "swap"):
         model, tokenizer = load_model("smollm2", dtype=torch.float32, verbose=False)
         if args.recipe == "swap":
             MethodRequest.parse(args.method).apply(model)
         row["steps"] = 0
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "ft"
+            out = args.keep or Path(tmp) / "ft"
             extra = {"distill_from": "original", "distill_alpha": args.distill_alpha,
                      "distill_temperature": args.distill_temperature} if args.recipe == "distill" else {}
             summary = finetune.run_finetune(finetune.settings(
@@ -83,6 +92,10 @@ def main() -> None:
             tokenizer = AutoTokenizer.from_pretrained(out)
         if args.recipe == "distill":
             row.update(distill_alpha=args.distill_alpha, distill_temperature=args.distill_temperature)
+        if args.keep:
+            (args.keep / "bench_row.json").write_text(json.dumps(row, indent=2) + "\n")
+            print(f"kept in {args.keep}; evaluate with --recipe saved --keep {args.keep}")
+            return
     row["perplexity"] = held_out_perplexity(model, tokenizer, lengths, windows)
     row["seconds"] = round(time.perf_counter() - started, 1)
     rows = json.loads(args.output.read_text()) if args.output.is_file() else []

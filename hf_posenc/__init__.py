@@ -25,6 +25,7 @@ _EXPORTS = {
     "PosEncConfig": "config",
     "PosEncError": "errors",
     "ModelFamily": "families.base",
+    "HybridConfig": "engine.hybrid",
     "AlibiConfig": "methods.alibi",
     **dict.fromkeys(("ComRopeApConfig", "ComRopeConfig", "ComRopeLdConfig"), "methods.comrope"),
     "FopeConfig": "methods.fope",
@@ -64,6 +65,7 @@ __all__ = [
     "LinearConfig", "Llama3Config", "LongRopeConfig", "NopeConfig", "NtkConfig", "RopeConfig", "RopeScalingConfig",
     "ReropeConfig", "SandwichConfig", "SelfExtendConfig", "SinksConfig", "SinusoidalConfig", "T5Config", "XposConfig",
     "YarnConfig",
+    "HybridConfig",  # a method on some layers only: patch_model(model, method, layers=[...])
     # extending: methods and families
     "AbsolutePositionMethod", "AttentionBiasMethod", "ModelFamily", "ModelInfo", "PosEncConfig", "PositionalMethod",
     "RotaryMethod", "register_family", "register_method",

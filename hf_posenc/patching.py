@@ -17,10 +17,11 @@ from torch import nn
 from .checkpoints.hub import publish_saved
 from .checkpoints.saving import attach_save_hook, changed_positional_state
 from .config import PosEncConfig
+from .engine.hybrid import HybridConfig, parse_layers, part_config, refuse_per_layer
 from .engine.install import applied_patch, install_patch, remove_patch
 from .errors import PosEncError
 from .methods.base import PositionalMethod
-from .registry import config_for, get_method
+from .registry import config_for, get_family, get_method
 
 
 def resolve_config(method: str | PosEncConfig, options: dict[str, Any]) -> PosEncConfig:
@@ -36,15 +37,47 @@ def resolve_config(method: str | PosEncConfig, options: dict[str, Any]) -> PosEn
     return get_method(method).config_class.from_options(**options)
 
 
-def patch_model(model: nn.Module, method: str | PosEncConfig, **options: Any) -> nn.Module:
+def patch_model(model: nn.Module, method: str | PosEncConfig, layers: Any = None, **options: Any) -> nn.Module:
     """Swap the positional mechanism of a causal LM in place and return it.
 
     `method` is a registered name (see `available_methods()`) with its options as keywords, or a method's
     config object. Patching a patched model replaces the previous patch, with a warning when its positional
     weights were trained or loaded from a checkpoint (they are discarded). If anything fails, the model is left
     exactly as it was.
+
+    `layers` makes a hybrid (engine/hybrid.py): the method runs on those layers only ([1, 3], 'every:4',
+    'first:N', 'last:N'), the others keep the model's own mechanism. On a model that is already a hybrid, a patch
+    on other layers is added to it (its parts and their trained weights are kept).
     """
+    if layers is not None:
+        return _patch_layers(model, method, layers, options)
     config = resolve_config(method, options)
+    warn_if_discarding_trained_state(model, config)
+    return install_patch(model, config, functools.partial(attach_save_hook, publish=publish_saved))
+
+
+def _patch_layers(model: nn.Module, method: str | PosEncConfig, layers: Any, options: dict[str, Any]) -> nn.Module:
+    part = part_config(method, options)
+    refuse_per_layer(part)
+    indices = parse_layers(layers, get_family(getattr(model, "config", None)).model_info(model).num_layers)
+    new_part = {"method": part.method, "options": {k: v for k, v in part.to_dict().items() if k != "method"},
+                "layers": indices}
+    applied = applied_patch(model)
+    if applied is not None and isinstance(applied.config, HybridConfig):
+        taken = {index: p["method"] for p in applied.config.parts for index in p["layers"]}
+        overlap = sorted(set(indices) & set(taken))
+        if overlap:
+            raise PosEncError(f"Layers {overlap} of this hybrid already run {sorted({taken[i] for i in overlap})}; a "
+                              "patch with layers= adds a part on other layers. Choose layers without a part, or call "
+                              "hf_posenc.unpatch_model(model) first to start again.")
+        kept = [module.state_dict() for module in applied.method.parts]
+        config = HybridConfig(parts=[*applied.config.parts, new_part])
+        install_patch(model, config, functools.partial(attach_save_hook, publish=publish_saved))
+        hybrid = applied_patch(model).method
+        for module, state in zip(hybrid.parts, kept):  # the parts already there keep their (trained) weights
+            module.load_state_dict(state)
+        return model
+    config = HybridConfig(parts=[new_part])
     warn_if_discarding_trained_state(model, config)
     return install_patch(model, config, functools.partial(attach_save_hook, publish=publish_saved))
 

@@ -18,6 +18,7 @@ class MethodSpec:
     name: str
     config_class: type[PosEncConfig]
     module_class: type["PositionalMethod"]
+    listed: bool = True  # False: loadable by name (checkpoints), but not in available_methods() (the hybrid)
 
 
 _METHODS: dict[str, MethodSpec] = {}
@@ -35,9 +36,11 @@ def _builtins() -> None:
         load_builtins()
 
 
-def register_method(name: str, config_class: type[PosEncConfig], module_class: type | None = None) -> Any:
+def register_method(name: str, config_class: type[PosEncConfig], module_class: type | None = None, *,
+                    listed: bool = True) -> Any:
     """Register a positional method. Use as `register_method(name, Config, Module)` or as a class decorator
-    `@register_method(name, Config)` on the module class. Names are lower-case with hyphens."""
+    `@register_method(name, Config)` on the module class. Names are lower-case with hyphens. `listed=False` keeps a
+    composite (the hybrid of engine/hybrid.py) out of available_methods()."""
     if name != name.lower() or " " in name or "_" in name:
         raise PosEncError(f"Method name {name!r} must be lower-case with hyphens, e.g. 'dynamic-yarn'.")
 
@@ -49,7 +52,7 @@ def register_method(name: str, config_class: type[PosEncConfig], module_class: t
         if name in _METHODS and _METHODS[name].module_class is not cls:
             raise PosEncError(f"A method named {name!r} is already registered ({_METHODS[name].module_class}).")
         config_class.method = name
-        _METHODS[name] = MethodSpec(name, config_class, cls)
+        _METHODS[name] = MethodSpec(name, config_class, cls, listed)
         return cls
 
     return add if module_class is None else add(module_class)
@@ -57,7 +60,7 @@ def register_method(name: str, config_class: type[PosEncConfig], module_class: t
 
 def available_methods() -> list[str]:
     _builtins()
-    return sorted(_METHODS)
+    return sorted(name for name, spec in _METHODS.items() if spec.listed)
 
 
 def get_method(name: str) -> MethodSpec:

@@ -147,6 +147,9 @@ def standalone_files(metadata: dict[str, Any]) -> dict[str, str]:
     base_class = causal_lm_class(model.get("architecture"), model["model_type"])
     steps = [*(metadata.get("applied_after") or []), {"method": metadata["method"]}]
     method_classes = [get_method(step["method"]).module_class for step in steps]
+    for part in (metadata.get("options") or {}).get("parts") or []:  # a hybrid: the methods of its parts too
+        if isinstance(part, dict):
+            method_classes.append(get_method(part.get("method")).module_class)
     registered = [type(family), *dict.fromkeys(method_classes)]
     modules = module_closure([*CORE_MODULES, *(cls.__module__ for cls in registered)])
     files = {f"{flat_name(module)}.py": flatten_source(module) for module in modules}

@@ -231,6 +231,9 @@ def posenc_metadata(model: nn.Module, method: PositionalMethod, base_model: str 
         "native": family.is_native(model, method),
         "config_before_patch": {name: value for name, value in (config_before or {}).items()
                                 if getattr(model.config, name, None) != value},
+        # a hybrid (engine/hybrid.py): what each layer runs, a part's method or "native"
+        **({"layer_methods": method.config.layer_methods(info.num_layers)}
+           if hasattr(method.config, "layer_methods") else {}),
     }
 
 

@@ -16,11 +16,13 @@ import torch
 from torch import nn
 
 from ..engine.attention import RoutedAttentionConfig, register_attention
+from ..engine.hybrid import HybridMethod
 from ..engine.replay import PrefixReplay
 from ..engine.sink_cache import GenerateWithBoundedCache
 from ..engine.state import (STATE_ATTR, PositionCapture, PositionState, RecordKeyPositions, forward_parameter_names,
                             positions_after_offset)
 from ..engine.undo import UndoLog
+from ..errors import PosEncError
 from ..methods.base import AttentionBiasMethod, PositionalMethod, RotaryMethod
 from ..model_info import ModelInfo
 
@@ -29,6 +31,8 @@ class ModelFamily:
     name: ClassVar[str]
     model_types: ClassVar[tuple[str, ...]]
     native_method: ClassVar[str]  # the method that computes what the family's own mechanism does
+    # False when the native mechanism is not in the layers (GPT-2's learned input embedding): a hybrid keeps it.
+    native_per_layer: ClassVar[bool] = True
     # The projections inside each attention module (queries, keys, values, output): what LoRA adapts.
     attention_projections: ClassVar[tuple[str, ...]]
 
@@ -42,11 +46,13 @@ class ModelFamily:
         """The attention module of every layer, in order."""
         raise NotImplementedError
 
-    def remove_native(self, model: nn.Module, state: PositionState, log: UndoLog) -> None:
-        """Take the family's own positional mechanism out."""
+    def remove_native(self, model: nn.Module, state: PositionState, log: UndoLog, layers: list[int] | None = None
+                      ) -> None:
+        """Take the family's own positional mechanism out (of the given layers only, for a hybrid; None: all)."""
         raise NotImplementedError
 
-    def add_rotary(self, model: nn.Module, method: RotaryMethod, state: PositionState, log: UndoLog) -> None:
+    def add_rotary(self, model: nn.Module, method: RotaryMethod, state: PositionState, log: UndoLog,
+                   layers: list[int] | None = None) -> None:
         raise NotImplementedError
 
     # --- shared behaviour ------------------------------------------------------------------------------
@@ -80,6 +86,8 @@ class ModelFamily:
         return not method.state_dict() and self.keeps_native(method, self.model_info(model))
 
     def install(self, model: nn.Module, method: PositionalMethod, info: ModelInfo, log: UndoLog) -> PositionState:
+        if isinstance(method, HybridMethod):
+            return self.install_hybrid(model, method, info, log)
         base = self.base_model(model)
         attribute = self.method_attribute(method)
         state = PositionState(method, model.config, holder=base, attribute=attribute)
@@ -105,18 +113,52 @@ class ModelFamily:
             self.add_rotary(model, method, state, log)
         return state
 
+    def install_hybrid(self, model: nn.Module, hybrid: HybridMethod, info: ModelInfo, log: UndoLog) -> PositionState:
+        """Install each part of a hybrid on its layers only, with a position state of its own; the other layers keep
+        the model's own mechanism. Returns the first part's state."""
+        base = self.base_model(model)
+        log.set_attr(base, "posenc", hybrid)
+        parameter_names = forward_parameter_names(base)
+        states = []
+        for method, layers in zip(hybrid.parts, hybrid.part_layers):
+            state = PositionState(method, model.config)
+            states.append(state)
+            log.add_forward_pre_hook(base, PositionCapture(state, parameter_names, self.default_positions,
+                                                           adds_embeddings=False), with_kwargs=True)
+            log.add_forward_hook(base, RecordKeyPositions(state), with_kwargs=True)
+            if self.keeps_native(method, info):
+                continue
+            if not self.native_per_layer and not isinstance(method, (AttentionBiasMethod, RotaryMethod)):
+                raise PosEncError(
+                    f"On {self.name} models position enters as an embedding added to the input, not inside the "
+                    f"layers, and a hybrid keeps it: {method.config.method!r} on layers {layers} would change "
+                    f"nothing. Patch the whole model with {method.config.method!r} (no layers=), or put a method that "
+                    "acts inside attention on those layers.")
+            self.remove_native(model, state, log, layers)
+            rotates_in_attention = isinstance(method, RotaryMethod) and method.rotates_in_attention
+            if isinstance(method, AttentionBiasMethod) or rotates_in_attention:
+                self.route_attention(model, state, log, layers)
+            elif isinstance(method, RotaryMethod):
+                self.add_rotary(model, method, state, log, layers)
+        return states[0]
+
+    def layer_attention_modules(self, model: nn.Module, layers: list[int] | None) -> list[nn.Module]:
+        modules = self.attention_modules(model)
+        return modules if layers is None else [modules[index] for index in layers]
+
     def method_attribute(self, method: PositionalMethod) -> str:
         """The attribute of the base model the method module is installed as (its parameters are named
         `<base model>.<attribute>.*`). Absolute methods installed as "posenc" are added to the input embeddings by
         the position capture; a family that names its own position-embedding module here calls the method there."""
         return "posenc"
 
-    def route_attention(self, model: nn.Module, state: PositionState, log: UndoLog) -> None:
+    def route_attention(self, model: nn.Module, state: PositionState, log: UndoLog,
+                        layers: list[int] | None = None) -> None:
         """Send attention through the shared path (for families that use transformers' AttentionInterface): each
         self-attention module looks its implementation up in a view of the model's config that names the shared
         path (RoutedAttentionConfig); the model's config keeps the user's implementation as its backend."""
         register_attention()
-        for attention in self.attention_modules(model):
+        for attention in self.layer_attention_modules(model, layers):
             log.set_attr(attention, STATE_ATTR, state)
             log.set_attr(attention, "config", RoutedAttentionConfig(model.config))
 

@@ -79,18 +79,19 @@ class BloomFamily(ModelFamily):
             return positions[:, -q:].to(device)
         return positions[:, offset:offset + q].to(device)
 
-    def remove_native(self, model, state, log):
-        for block in self.base_model(model).h:
+    def remove_native(self, model, state, log, layers=None):
+        blocks = self.base_model(model).h
+        for block in blocks if layers is None else [blocks[index] for index in layers]:
             log.add_forward_pre_hook(block, zero_alibi, with_kwargs=True)
 
-    def route_attention(self, model, state, log):
-        for attention in self.attention_modules(model):
+    def route_attention(self, model, state, log, layers=None):
+        for attention in self.layer_attention_modules(model, layers):
             log.set_attr(attention, STATE_ATTR, state)
             log.set_attr(attention, "forward", types.MethodType(attention_forward, attention))
 
-    def add_rotary(self, model, method, state, log):
+    def add_rotary(self, model, method, state, log, layers=None):
         hook = RotateBloomQueryKey(state, model.config.n_head, model.config.hidden_size // model.config.n_head)
-        for attention in self.attention_modules(model):
+        for attention in self.layer_attention_modules(model, layers):
             log.add_forward_hook(attention.query_key_value, hook)
 
 

@@ -56,6 +56,7 @@ class GPT2Family(ModelFamily):
     name = "gpt2"
     model_types = ("gpt2",)
     native_method = "learned"
+    native_per_layer = False
     attention_projections = ("c_attn", "c_proj")  # fused query-key-value, output
 
     def model_info(self, model):
@@ -85,16 +86,18 @@ class GPT2Family(ModelFamily):
         # `transformer.wpe.weight`, so a `learned` patch leaves the state dict as it was.
         return "wpe" if isinstance(method, AbsolutePositionMethod) else "posenc"
 
-    def remove_native(self, model, state, log):
+    def remove_native(self, model, state, log, layers=None):
+        if layers is not None:  # a hybrid: wpe is added to the input, not in a layer, so it stays
+            return
         base = self.base_model(model)
         if isinstance(state.method, AbsolutePositionMethod):  # install put the method in wpe's place
             log.add_forward_hook(state.method, EmbeddingDtype(base))
             return
         log.set_attr(base, "wpe", NoPositionEmbedding(model.config.n_embd, TokenEmbeddingDtype(base)))
 
-    def add_rotary(self, model, method, state, log):
+    def add_rotary(self, model, method, state, log, layers=None):
         hook = RotateGPT2QueryKey(state, model.config.n_head, model.config.n_embd // model.config.n_head)
-        for attention in self.attention_modules(model):
+        for attention in self.layer_attention_modules(model, layers):
             log.add_forward_hook(attention.c_attn, hook)
 
 

@@ -38,6 +38,23 @@ class MethodRotation(nn.Module):
         return cos.to(x.dtype), sin.to(x.dtype)
 
 
+class LayerRotation:
+    """Forward pre-hook (with kwargs) on one decoder layer of a hybrid: replaces the layer's `position_embeddings`
+    (the model's cos/sin) with the identity (cos 1, sin 0) or with a rotary method's rotation of this forward."""
+
+    def __init__(self, state: PositionState | None):
+        self.state = state  # None: the identity
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        cos, sin = kwargs["position_embeddings"]
+        if self.state is None:
+            kwargs["position_embeddings"] = (torch.ones_like(cos), torch.zeros_like(sin))
+        else:
+            new_cos, new_sin = self.state.call.rotation
+            kwargs["position_embeddings"] = (new_cos.to(cos.dtype), new_sin.to(sin.dtype))
+        return args, kwargs
+
+
 @register_family
 class LlamaFamily(ModelFamily):
     name = "llama"
@@ -68,8 +85,12 @@ class LlamaFamily(ModelFamily):
     def attention_modules(self, model):
         return [layer.self_attn for layer in self.base_model(model).layers]
 
-    def remove_native(self, model, state, log):
-        log.set_attr(self.base_model(model), "rotary_emb", NoRotation(self.model_info(model).head_dim))
+    def remove_native(self, model, state, log, layers=None):
+        if layers is None:
+            log.set_attr(self.base_model(model), "rotary_emb", NoRotation(self.model_info(model).head_dim))
+            return
+        for index in layers:
+            log.add_forward_pre_hook(self.base_model(model).layers[index], LayerRotation(None), with_kwargs=True)
 
     def install(self, model, method, info, log):
         state = super().install(model, method, info, log)
@@ -99,6 +120,10 @@ class LlamaFamily(ModelFamily):
                 return False
         return True
 
-    def add_rotary(self, model, method, state, log):
+    def add_rotary(self, model, method, state, log, layers=None):
         # The layers already rotate with whatever rotary_emb returns: give them this method's cos/sin.
-        log.set_attr(self.base_model(model), "rotary_emb", MethodRotation(state))
+        if layers is None:
+            log.set_attr(self.base_model(model), "rotary_emb", MethodRotation(state))
+            return
+        for index in layers:
+            log.add_forward_pre_hook(self.base_model(model).layers[index], LayerRotation(state), with_kwargs=True)

@@ -43,6 +43,7 @@ from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir_on_main
 from .runtime import (DTYPES, UNPATCHED, MethodRequest, UsageError, check_at_least, check_number, parse_options,
                       set_threads, settings_from, settings_of, versions)
 from .text import DataError, add_text_arguments, check_encoding, documents_of, pack_blocks, tokenize_documents
+from .training_positions import pack_documents
 
 TRAIN_ONLY = ("positional", "all", "lora")
 SAVE_FORMS = ("merged", "adapter")
@@ -52,7 +53,8 @@ STATE_FILE = "trainer_state.json"
 RESUME_SETTINGS = ("model", "dtype", "train_only", "lora_r", "lora_alpha", "lora_dropout", "text_file", "encoding",
                    "dataset", "dataset_config", "split", "text_column", "text_fraction", "start_text", "max_length",
                    "batch_size", "gradient_accumulation_steps", "eval_blocks", "seed", "max_steps", "lr",
-                   "positional_lr", "weight_decay", "lr_scheduler", "warmup_steps")
+                   "positional_lr", "weight_decay", "lr_scheduler", "warmup_steps", "pose_target_length",
+                   "pose_chunks", "document_restarts", "distill_from", "distill_temperature", "distill_alpha")
 # transformers schedulers that need nothing beyond warm-up and total steps
 LR_SCHEDULERS = ("cosine", "linear", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")
@@ -118,6 +120,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype the weights are loaded in")
     p.add_argument("--no-memory-check", action="store_true")
     p.add_argument("--no-progress", action="store_true")
+    g = p.add_argument_group("positions and distillation (docs/finetuning-and-evaluation.md)")
+    g.add_argument("--document-restarts", action=argparse.BooleanOptionalAction, default=True,
+                   help="position ids restart at each document of a packed block, and attention does not cross "
+                        "documents (default on; families whose forward takes no position_ids, BLOOM, train as "
+                        "packed); off under --pose-target-length")
+    g.add_argument("--pose-target-length", type=int, default=None,
+                   help="PoSE: position ids of each --max-length window split into chunks with random skips that "
+                        "cover this many positions (Zhu et al. 2023); default: off")
+    g.add_argument("--pose-chunks", type=int, default=2, help="PoSE chunks per window (default 2, as the paper)")
+    g.add_argument("--distill-from", default=None,
+                   help="'original' (the model before the patch) or a checkpoint PATH: train to match its next-token "
+                        "distributions (KL at --distill-temperature, mixed with the LM loss by --distill-alpha)")
+    g.add_argument("--distill-temperature", type=float, default=1.0)
+    g.add_argument("--distill-alpha", type=float, default=0.5,
+                   help="weight of the KL term (1: KL only, 0: LM loss only; default 0.5)")
     return p
 
 
@@ -154,6 +171,17 @@ def check_args(args: argparse.Namespace) -> MethodRequest | None:
                          "adapter; leave --save at merged")
     if args.lr_scheduler not in LR_SCHEDULERS:
         raise UsageError(f"--lr-scheduler {args.lr_scheduler!r}: choose one of {', '.join(LR_SCHEDULERS)}")
+    if args.pose_target_length is not None and args.pose_target_length <= args.max_length:
+        raise UsageError(f"--pose-target-length {args.pose_target_length} must be longer than --max-length "
+                         f"{args.max_length}: PoSE covers a target length longer than its training windows")
+    if not 1 <= args.pose_chunks <= args.max_length:
+        raise UsageError(f"--pose-chunks must be from 1 to --max-length ({args.max_length}), got {args.pose_chunks}")
+    check_number("--distill-temperature", args.distill_temperature, 0, above=True)
+    if not 0 <= args.distill_alpha <= 1:
+        raise UsageError(f"--distill-alpha must be in [0, 1] (the KL's weight), got {args.distill_alpha:g}")
+    if args.distill_from is not None and args.distill_from != "original" and not Path(args.distill_from).exists():
+        raise UsageError(f"--distill-from {args.distill_from}: give 'original' (the model before the patch) or an "
+                         "existing checkpoint folder")
     check_encoding(args.encoding)
     extra_options = parse_options(args.method_option)
     if extra_options and not args.method:
@@ -237,6 +265,8 @@ class TrainingData:
     n_tokens: int
     train_blocks: torch.LongTensor  # [n, max_length]
     eval_blocks: torch.LongTensor
+    train_positions: torch.LongTensor | None = None  # [n, max_length]: restarting at each document
+    eval_positions: torch.LongTensor | None = None
 
 
 @dataclass
@@ -259,6 +289,8 @@ class Training:
     loader: Any
     eval_loader: Any
     warmup_steps: int
+    teacher: Any = None  # distill.Teacher under --distill-from
+    restarts: bool = False  # position ids restart at each document (--document-restarts, where the model takes them)
 
 
 def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
@@ -284,6 +316,8 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
     model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype], tokenizer=args.tokenizer,
                                   verbose=accelerator.is_main_process and not args.no_progress)
     data = training_data(args, tokenizer, docs, accelerator.num_processes)
+    restarts = position_options(args, model)
+    teacher = make_teacher(args, model)
     if request is not None:
         torch.manual_seed(args.seed)  # methods with randomly initialised parameters start the same everywhere
         request.apply(model)
@@ -291,6 +325,8 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
 
     posenc = get_posenc_config(model)
     training = prepare_training(args, accelerator, model, data)
+    training.teacher = teacher.to(accelerator.device) if teacher is not None else None
+    training.restarts = restarts
     if trackers:
         accelerator.init_trackers("hf_posenc_finetune", config=_flat_config(args))
     progress = resume_progress(accelerator, resume)
@@ -301,6 +337,51 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
     if trackers:
         accelerator.end_training()
     return summary
+
+
+def position_options(args: argparse.Namespace, model) -> bool:
+    """Whether position ids restart at each document; PoSE needs a model whose forward takes position_ids."""
+    from hf_posenc.engine.state import forward_parameter_names
+
+    takes_positions = "position_ids" in forward_parameter_names(model.base_model)
+    if args.pose_target_length is not None and not takes_positions:
+        raise UsageError(f"--pose-target-length: {model.config.model_type} models take no position_ids (their "
+                         "positions come from the attention mask), so PoSE cannot give them skipped positions")
+    return bool(args.document_restarts and takes_positions and args.pose_target_length is None)
+
+
+def make_teacher(args: argparse.Namespace, model):
+    """The distillation teacher (see tools/distill.py), made before the patch is applied; None without
+    --distill-from."""
+    from .distill import Teacher
+
+    if args.distill_from is None:
+        return None
+    if args.distill_from == "original":
+        return Teacher.original(model, frozen_base=args.train_only != "all")
+    return Teacher.loaded(args.distill_from, DTYPES[args.dtype])
+
+
+def model_inputs(args: argparse.Namespace, training: Training, batch, positions, step: int) -> tuple[dict, dict]:
+    """(the student's inputs, the teacher's) for a batch: PoSE position ids (with an all-ones attention mask, so that
+    transformers does not read the skips as packed documents), or ids that restart at each document (with no mask,
+    and no cache, so that transformers reads them as packed sequences and masks attention across documents), or
+    neither."""
+    import torch
+
+    from .training_positions import pose_position_ids
+
+    if args.pose_target_length is not None:
+        generator = torch.Generator().manual_seed(
+            args.seed * 1_000_003 + step * 1009 + training.accelerator.process_index)
+        pose = torch.stack([pose_position_ids(batch.shape[1], args.pose_target_length, args.pose_chunks, generator)
+                            for _ in range(batch.shape[0])]).to(batch.device)
+        return ({"input_ids": batch, "position_ids": pose, "attention_mask": torch.ones_like(batch)},
+                {"input_ids": batch})  # the teacher reads the text at its own, consecutive positions
+    if training.restarts:
+        inputs = {"input_ids": batch, "position_ids": positions, "use_cache": False}
+        return inputs, inputs
+    return {"input_ids": batch}, {"input_ids": batch}
 
 
 def make_accelerator(args: argparse.Namespace, trackers: list[str], logging_dir: Path):
@@ -326,7 +407,7 @@ def make_accelerator(args: argparse.Namespace, trackers: list[str], logging_dir:
 def resume_settings(args: argparse.Namespace, request: MethodRequest | None) -> dict[str, Any]:
     """The settings a resumed run must share with the one that saved the checkpoint (RESUME_SETTINGS), as JSON."""
     settings = {name: getattr(args, name) for name in RESUME_SETTINGS}
-    settings["method"] = None if request is None else request.config().to_dict()  # every option, defaults included
+    settings["method"] = None if request is None else request.settings()  # every option, defaults included
     return json.loads(json.dumps(settings, default=str))
 
 
@@ -388,7 +469,9 @@ def training_data(args: argparse.Namespace, tokenizer, docs, world: int) -> Trai
                         f"{args.max_length} tokens for batch {args.batch_size} x {world} process(es){held_out} need "
                         f"at least {needed_blocks * args.max_length} tokens")
     n_train = blocks.shape[0] - args.eval_blocks
-    return TrainingData([d.name for d in docs], n_tokens, blocks[:n_train], blocks[n_train:])
+    _, positions = pack_documents(token_docs, args.max_length, tokenizer.eos_token_id)
+    return TrainingData([d.name for d in docs], n_tokens, blocks[:n_train], blocks[n_train:], positions[:n_train],
+                        positions[n_train:])
 
 
 def prepare_training(args: argparse.Namespace, accelerator, model, data: TrainingData) -> Training:
@@ -412,10 +495,10 @@ def prepare_training(args: argparse.Namespace, accelerator, model, data: Trainin
     warmup = args.warmup_steps if args.warmup_steps is not None else max(0, round(0.1 * args.max_steps))
     scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=warmup,
                               num_training_steps=args.max_steps)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data.train_blocks),
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data.train_blocks, data.train_positions),
                                          batch_size=args.batch_size, shuffle=True, drop_last=True,
                                          generator=torch.Generator().manual_seed(args.seed))
-    eval_loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data.eval_blocks),
+    eval_loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data.eval_blocks, data.eval_positions),
                                               batch_size=args.batch_size)
     model, optimizer, loader, eval_loader, scheduler = accelerator.prepare(model, optimizer, loader, eval_loader,
                                                                            scheduler)
@@ -449,8 +532,8 @@ def train(args: argparse.Namespace, training: Training, progress: Progress, chec
         loader.set_epoch(progress.epoch)
         skip = progress.batches_in_epoch
         batches = accelerator.skip_first_batches(loader, skip) if skip else loader
-        for batch_index, (batch,) in enumerate(batches, start=skip):
-            window_loss += training_step(args, training, batch, progress.step)
+        for batch_index, (batch, positions) in enumerate(batches, start=skip):
+            window_loss += training_step(args, training, batch, progress.step, positions)
             window_count += 1
             if not accelerator.sync_gradients:
                 continue
@@ -476,12 +559,13 @@ def train(args: argparse.Namespace, training: Training, progress: Progress, chec
                             + _diverged(args))
 
 
-def training_step(args: argparse.Namespace, training: Training, batch: torch.LongTensor, step: int) -> float:
+def training_step(args: argparse.Namespace, training: Training, batch: torch.LongTensor, step: int,
+                  positions: torch.LongTensor | None = None) -> float:
     """One micro-step (forward, backward, and the optimizer step when gradients are synchronised); returns the
     loss averaged over processes, the same number on every process, so a divergence stops all of them together."""
     accelerator, model = training.accelerator, training.model
     with accelerator.accumulate(model):
-        loss = model(input_ids=batch, labels=batch).loss
+        loss = step_loss(args, training, batch, positions, step)
         mean_loss = accelerator.gather(loss.detach().float()[None]).mean().item()
         if not math.isfinite(mean_loss):
             raise NonFiniteLoss(f"the training loss is {mean_loss} at step {step + 1}; " + _diverged(args))
@@ -494,13 +578,27 @@ def training_step(args: argparse.Namespace, training: Training, batch: torch.Lon
     return mean_loss
 
 
+def step_loss(args: argparse.Namespace, training: Training, batch, positions, step: int):
+    """The training loss of a batch: the LM loss, or under --distill-from the mix of KL to the teacher and LM loss."""
+    from .distill import distillation_loss, mixed_loss
+
+    inputs, teacher_inputs = model_inputs(args, training, batch, positions, step)
+    if training.teacher is None:
+        return training.model(**inputs, labels=batch).loss
+    teacher_logits = training.teacher.logits(training.model, **teacher_inputs)
+    outputs = training.model(**inputs, labels=batch)
+    kl = distillation_loss(outputs.logits, teacher_logits, args.distill_temperature)
+    return mixed_loss(outputs.loss, kl, args.distill_alpha)
+
+
 def log_entry(args: argparse.Namespace, training: Training, step: int, loss: float, started: float) -> dict:
     world = training.accelerator.num_processes
     entry = {"step": step, "loss": loss, "lr": training.scheduler.get_last_lr()[0],
              "tokens": step * args.batch_size * args.gradient_accumulation_steps * world * args.max_length,
              "seconds": round(time.perf_counter() - started, 2)}
     if args.eval_blocks and args.eval_every and (step % args.eval_every == 0 or step == args.max_steps):
-        entry["eval_loss"] = evaluate_loss(training.model, training.eval_loader, training.accelerator)
+        entry["eval_loss"] = evaluate_loss(training.model, training.eval_loader, training.accelerator,
+                                           training.restarts)
         training.model.train()
     return entry
 
@@ -522,6 +620,10 @@ def run_summary(args: argparse.Namespace, training: Training, progress: Progress
         "distributed_type": str(accelerator.distributed_type),
         "mixed_precision_used": accelerator.mixed_precision,
         "warmup_steps_used": training.warmup_steps,
+        "document_restarts_used": training.restarts,
+        "distillation": None if training.teacher is None else {
+            "teacher": args.distill_from, "mode": training.teacher.mode, "teacher_window": training.teacher.window,
+            "temperature": args.distill_temperature, "alpha": args.distill_alpha},
         "effective_batch_blocks": args.batch_size * args.gradient_accumulation_steps * world,
         "tokens_per_step": tokens_per_step,
         "steps_done": progress.step,
@@ -589,15 +691,18 @@ def weights_are_finite(model, accelerator) -> bool:
     return bool(accelerator.gather(torch.tensor([int(finite)], device=accelerator.device)).all())
 
 
-def evaluate_loss(model, loader, accelerator) -> float:
-    """Mean token loss over the held-out blocks (every process takes its share; gathered)."""
+def evaluate_loss(model, loader, accelerator, restarts: bool = False) -> float:
+    """Mean token loss over the held-out blocks (every process takes its share; gathered); LM loss at consecutive
+    positions (restarting at each document with `restarts`), whatever PoSE or distillation the training used."""
     import torch
 
     model.eval()
     losses = []
     with torch.no_grad():
-        for (batch,) in loader:
-            losses.append(accelerator.gather_for_metrics(model(input_ids=batch, labels=batch).loss.detach()[None]))
+        for batch, positions in loader:
+            inputs = ({"input_ids": batch, "position_ids": positions, "use_cache": False} if restarts
+                      else {"input_ids": batch})
+            losses.append(accelerator.gather_for_metrics(model(**inputs, labels=batch).loss.detach()[None]))
     return float(torch.cat(losses).float().mean()) if losses else float("nan")
 
 

@@ -190,21 +190,37 @@ class MethodRequest:
     def patches(self) -> bool:
         return self.name != UNPATCHED
 
+    @property
+    def layers(self):
+        """The `layers=` of a hybrid patch (`nope:layers="every:4"`; engine/hybrid.py), or None: every layer."""
+        return self.options.get("layers")
+
+    @property
+    def method_options(self) -> dict[str, Any]:
+        return {key: value for key, value in self.options.items() if key != "layers"}
+
+    def settings(self) -> dict[str, Any]:
+        """Every option of the method (defaults included) and its layers, as JSON-able data."""
+        return {**self.config().to_dict(), **({"layers": self.layers} if self.layers is not None else {})}
+
     def check(self) -> None:
         """Fail early (before loading any model) on an unknown method or option."""
         if not self.patches:
             if self.options:
                 raise UsageError(f"method '{UNPATCHED}' takes no options, got {self.options}")
             return
-        from hf_posenc import get_method
-
-        get_method(self.name).config_class.from_options(**self.options)
+        self.config()
 
     def config(self):
         """The method's validated config (refusing unknown methods and options); only for a method that patches."""
         from hf_posenc import get_method
 
-        return get_method(self.name).config_class.from_options(**self.options)
+        config = get_method(self.name).config_class.from_options(**self.method_options)
+        if self.layers is not None:
+            from hf_posenc.engine.hybrid import refuse_per_layer
+
+            refuse_per_layer(config)
+        return config
 
     def check_patchable(self, model) -> None:
         """Patch and unpatch once, so an unpatchable model fails before any long work (or output) starts."""
@@ -212,14 +228,14 @@ class MethodRequest:
 
         if not self.patches or get_posenc_config(model) is not None:
             return  # a loaded patched checkpoint: patch_model would replace its patch, which is the user's call
-        patch_model(model, self.name, **self.options)
+        patch_model(model, self.name, layers=self.layers, **self.method_options)
         unpatch_model(model)
 
     def apply(self, model) -> None:
         if self.patches:
             from hf_posenc import patch_model
 
-            patch_model(model, self.name, **self.options)
+            patch_model(model, self.name, layers=self.layers, **self.method_options)
 
     def remove(self, model) -> None:
         if self.patches:

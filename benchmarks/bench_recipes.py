@@ -1,0 +1,114 @@
+"""Fine-tuning recipes after a swap (issue 18): LM loss vs distillation from the original, optionally with PoSE or
+hybrid layers, at the same token budget; held-out perplexity at a few lengths. One recipe per invocation (so each
+evidence run stays short); every run appends its row to --output (JSON) and prints the table so far.
+
+    nice -n 10 python benchmarks/bench_recipes.py --recipe original
+    nice -n 10 python benchmarks/bench_recipes.py --recipe lm --method alibi --steps 16 --max-length 256
+    nice -n 10 python benchmarks/bench_recipes.py --recipe distill --method alibi --steps 16 --max-length 256
+
+Training text: the first 80 % of Pride and Prejudice; held out: its last 20 % (never trained on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+BOOK = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "pg1342-pride-and-prejudice.txt"
+
+
+def held_out_perplexity(model, tokenizer, lengths: list[int], windows: list[int]) -> dict[str, float]:
+    from hf_posenc.tools.perplexity import perplexity_at_length
+    from hf_posenc.tools.text import load_documents, tokenize_documents
+
+    docs = tokenize_documents(tokenizer, load_documents([str(BOOK)], fraction="0.8:1"))
+    return {str(length): round(perplexity_at_length(model, docs, length, length, max_windows=count,
+                                                    progress=False)[0], 2) for length, count in zip(lengths, windows)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipe", choices=("original", "swap", "lm", "distill", "saved"), required=True)
+    p.add_argument("--method", default="alibi", help="NAME[:KEY=VALUE,...] (layers=... for a hybrid)")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--max-length", type=int, default=256)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--train-only", default="all")
+    p.add_argument("--distill-alpha", type=float, default=0.5)
+    p.add_argument("--distill-temperature", type=float, default=1.0)
+    p.add_argument("--pose-target-length", type=int, default=None)
+    p.add_argument("--lengths", default="512,2048")
+    p.add_argument("--windows", default="2,1", help="held-out windows per length (one number, or one per length)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--output", type=Path, default=Path("runs/bench_recipes.json"))
+    p.add_argument("--keep", type=Path, default=None,
+                   help="keep the fine-tuned model in this folder and stop before evaluating (evaluate it later with "
+                        "--recipe saved --keep FOLDER): splits one long run in two")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    import hf_posenc
+    from hf_posenc.tools import finetune
+    from hf_posenc.tools.models import load_model
+    from hf_posenc.tools.runtime import MethodRequest
+
+    started = time.perf_counter()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    windows = [int(x) for x in args.windows.split(",")]
+    windows = windows * len(lengths) if len(windows) == 1 else windows
+    row = {"windows": dict(zip(map(str, lengths), windows)), "recipe": args.recipe, "method": None if args.recipe == "original" else args.method,
+           "steps": args.steps, "max_length": args.max_length, "lr": args.lr, "train_only": args.train_only,
+           "pose_target_length": args.pose_target_length}
+    if args.recipe == "saved":  # a model kept by an earlier --keep run: evaluate it, with that run's row
+        from transformers import AutoTokenizer
+
+        row = json.loads((args.keep / "bench_row.json").read_text())
+        model, tokenizer = hf_posenc.from_pretrained(args.keep), AutoTokenizer.from_pretrained(args.keep)
+        row["windows"] = dict(zip(map(str, lengths), windows))
+    elif args.recipe in ("original", "swap"):
+        model, tokenizer = load_model("smollm2", dtype=torch.float32, verbose=False)
+        if args.recipe == "swap":
+            MethodRequest.parse(args.method).apply(model)
+        row["steps"] = 0
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = args.keep or Path(tmp) / "ft"
+            extra = {"distill_from": "original", "distill_alpha": args.distill_alpha,
+                     "distill_temperature": args.distill_temperature} if args.recipe == "distill" else {}
+            summary = finetune.run_finetune(finetune.settings(
+                method=args.method, train_only=args.train_only, text_file=[str(BOOK)], text_fraction="0:0.8",
+                max_length=args.max_length, max_steps=args.steps, lr=args.lr, output_dir=out, no_progress=False,
+                threads=args.threads, pose_target_length=args.pose_target_length, no_memory_check=True, **extra))
+            row["train_seconds"] = summary["seconds"]
+            row["loss"] = [round(e["loss"], 3) for e in json.loads((out / "loss_log.json").read_text())]
+            model = hf_posenc.from_pretrained(out)
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(out)
+        if args.recipe == "distill":
+            row.update(distill_alpha=args.distill_alpha, distill_temperature=args.distill_temperature)
+        if args.keep:
+            (args.keep / "bench_row.json").write_text(json.dumps(row, indent=2) + "\n")
+            print(f"kept in {args.keep}; evaluate with --recipe saved --keep {args.keep}")
+            return
+    row["perplexity"] = held_out_perplexity(model, tokenizer, lengths, windows)
+    row["seconds"] = round(time.perf_counter() - started, 1)
+    rows = json.loads(args.output.read_text()) if args.output.is_file() else []
+    rows.append(row)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"{'recipe':10} {'method':24} {'steps':>5} " + " ".join(f"{'ppl@' + str(n):>9}" for n in lengths)
+          + "  train s")
+    for r in rows:
+        print(f"{r['recipe']:10} {str(r['method']):24} {r['steps']:>5} "
+              + " ".join(f"{r['perplexity'].get(str(n), float('nan')):>9}" for n in lengths)
+              + f"  {r.get('train_seconds', '')}")
+
+
+if __name__ == "__main__":
+    main()

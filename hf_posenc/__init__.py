@@ -28,10 +28,13 @@ _EXPORTS = {
     "AlibiConfig": "methods.alibi",
     **dict.fromkeys(("ComRopeApConfig", "ComRopeConfig", "ComRopeLdConfig"), "methods.comrope"),
     "FopeConfig": "methods.fope",
+    "FoxConfig": "methods.fox",
+    "ContentConfig": "methods.content",
     "LiereConfig": "methods.liere",
     "Rope2dConfig": "methods.rope_2d",
     **dict.fromkeys(("AbsolutePositionMethod", "AttentionBiasMethod", "PositionalMethod", "RotaryMethod"),
                     "methods.base"),
+    **dict.fromkeys(("ContentBlock", "ContentMethod"), "methods.base"),
     "FireConfig": "methods.fire",
     "KerpleConfig": "methods.kerple",
     "LearnedConfig": "methods.learned",
@@ -61,9 +64,11 @@ __all__ = [
     "Rope2dConfig", "DynamicConfig", "DynamicYarnConfig", "FireConfig", "KerpleConfig", "LearnedConfig",
     "LinearConfig", "Llama3Config", "LongRopeConfig", "NopeConfig", "NtkConfig", "RopeConfig", "RopeScalingConfig",
     "ReropeConfig", "SandwichConfig", "SelfExtendConfig", "SinusoidalConfig", "T5Config", "XposConfig", "YarnConfig",
+    # content-dependent attention (methods.base ContentMethod)
+    "ContentConfig", "FoxConfig",
     # extending: methods and families
     "AbsolutePositionMethod", "AttentionBiasMethod", "ModelFamily", "ModelInfo", "PosEncConfig", "PositionalMethod",
-    "RotaryMethod", "register_family", "register_method",
+    "RotaryMethod", "register_family", "register_method", "ContentBlock", "ContentMethod",
 ]
 
 

@@ -71,6 +71,9 @@ CONTRACT = {
     # A window shorter than the contract's texts, so that the remapped positions are exercised.
     "self-extend": ContractCase(options={"window": 4, "group": 2}, scales_rope=True),
     "rerope": ContractCase(options={"window": 4, "log_scaling": True}, scales_rope=True),
+    # Content-dependent attention (methods/base.py ContentMethod), alone (base="none"); base="native" and the
+    # options are checked in test_content_methods.py.
+    "fox": ContractCase(),
 }
 
 

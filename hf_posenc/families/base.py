@@ -20,7 +20,8 @@ from ..engine.replay import PrefixReplay
 from ..engine.state import (STATE_ATTR, PositionCapture, PositionState, RecordKeyPositions, forward_parameter_names,
                             positions_after_offset)
 from ..engine.undo import UndoLog
-from ..methods.base import AttentionBiasMethod, PositionalMethod, RotaryMethod
+from ..engine.content import install_content
+from ..methods.base import AttentionBiasMethod, ContentMethod, PositionalMethod, RotaryMethod
 from ..model_info import ModelInfo
 
 
@@ -93,6 +94,12 @@ class ModelFamily:
         log.add_forward_pre_hook(base, capture, with_kwargs=True)
         log.add_forward_hook(base, RecordKeyPositions(state), with_kwargs=True)
         if self.keeps_native(method, info):
+            return state
+        if isinstance(method, ContentMethod):  # base="native" keeps the model's own mechanism underneath
+            if not method.keeps_native:
+                self.remove_native(model, state, log)
+            self.route_attention(model, state, log)
+            install_content(self, model, state, log)
             return state
         self.remove_native(model, state, log)
         rotates_in_attention = isinstance(method, RotaryMethod) and method.rotates_in_attention

@@ -3,6 +3,7 @@
 from .alibi import Alibi, AlibiConfig
 from .comrope import ComRopeAp, ComRopeApConfig, ComRopeConfig, ComRopeLd, ComRopeLdConfig
 from .fope import Fope, FopeConfig
+from .fox import FoxConfig, ForgettingAttention
 from .learned import LearnedConfig, LearnedPositions
 from .liere import Liere, LiereConfig
 from .nope import NoPositions, NopeConfig
@@ -17,7 +18,7 @@ from .relative_biases import *  # noqa: F401,F403  (fire, t5, kerple, sandwich, 
 
 __all__ = [
     "Alibi", "AlibiConfig", "ComRopeAp", "ComRopeApConfig", "ComRopeConfig", "ComRopeLd", "ComRopeLdConfig",
-    "Fope", "FopeConfig", "Liere", "LiereConfig", "Rope2d", "Rope2dConfig", "LearnedConfig", "LearnedPositions", "NoPositions", "NopeConfig",
+    "Fope", "FopeConfig", "FoxConfig", "ForgettingAttention", "Liere", "LiereConfig", "Rope2d", "Rope2dConfig", "LearnedConfig", "LearnedPositions", "NoPositions", "NopeConfig",
     "Rope", "RopeConfig", "Sinusoidal", "SinusoidalConfig",
     "DynamicConfig", "DynamicYarnConfig", "Llama3Config", "LinearConfig", "LongRopeConfig", "NtkConfig",
     "RopeScalingConfig", "ScaledRope", "YarnConfig", "Rerope", "ReropeConfig", "SelfExtend", "SelfExtendConfig",

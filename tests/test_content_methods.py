@@ -1,0 +1,191 @@
+"""Content-dependent attention (methods/base.py ContentMethod): each method against an independent, materialised
+float64 computation of its formula from the layer's own inputs and projections (captured with hooks on a tiny LLaMA
+whose RoPE the method removed), base="native" reproducing the original model, the options under the contract's
+cached-decoding and padding checks, and refusals. The contract suite (test_contract.py) covers every family with the
+defaults."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, StaticCache
+
+import hf_posenc
+from helpers import TOL, decode_token_by_token, left_pad, max_diff, positions_from_mask
+from tiny_models import FAMILIES, random_ids, tiny_model
+
+
+# --- capturing one layer's inputs, projections and attention output --------------------------------------------------
+def capture_llama_layers(model, ids, attention_mask=None):
+    """Per layer of a LLaMA model: x (attention input), q, k, v ([B, heads, L, D], float64, GQA expanded) and the
+    attention output before o_proj [B, L, H*D], from a forward with hooks (no rotation: base="none" removed RoPE)."""
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = config.hidden_size // heads
+    captured, handles = [], []
+    for layer in model.model.layers:
+        record = {}
+        attention = layer.self_attn
+
+        def keep(name, record=record):
+            return lambda module, args, output: record.__setitem__(name, output)
+
+        handles += [attention.register_forward_pre_hook(
+                        lambda m, a, k, record=record: record.__setitem__("x", k.get("hidden_states", a[0] if a else None)),
+                        with_kwargs=True),
+                    attention.q_proj.register_forward_hook(keep("q")), attention.k_proj.register_forward_hook(keep("k")),
+                    attention.v_proj.register_forward_hook(keep("v")),
+                    attention.o_proj.register_forward_pre_hook(lambda m, a, record=record: record.__setitem__("out", a[0]))]
+        captured.append(record)
+    with torch.no_grad():
+        model(ids, attention_mask=attention_mask)
+    for handle in handles:
+        handle.remove()
+    for record in captured:
+        batch, length = record["x"].shape[:2]
+        for name, count in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+            tensor = record[name].double().view(batch, length, count, head_dim).transpose(1, 2)
+            record[name] = tensor.repeat_interleave(heads // count, dim=1) if count != heads else tensor
+        record["x"] = record["x"].double()
+        record["out"] = record["out"].double()
+    return captured
+
+
+def causal_softmax(logits: torch.Tensor) -> torch.Tensor:
+    length = logits.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    return torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+
+
+def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+
+
+# --- FoX ------------------------------------------------------------------------------------------------------------
+def fox_reference(module, layer: int, record: dict) -> torch.Tensor:
+    """Forgetting attention in float64, materialised: D_ij = sum_{l=j+1..i} log sigmoid(w . x_l + b), summed
+    term by term (not as a difference of cumulative sums), plus the FoX-Pro parts the config enables."""
+    config = module.config
+    x, q, k, v = record["x"], record["q"], record["k"], record["v"]
+    batch, heads, length, head_dim = q.shape
+    log_f = F.logsigmoid(x @ module.gate_weight[layer].double().T + module.gate_bias[layer].double())  # [B, L, H]
+    if module.gate_scale is not None:
+        log_f = log_f * module.gate_scale[layer].double()
+    decay = torch.zeros(batch, heads, length, length, dtype=torch.float64)
+    for i in range(length):
+        for j in range(i):
+            decay[:, :, i, j] = log_f[:, j + 1:i + 1].sum(1)
+    if config.qk_norm:
+        q = rms(q, module.query_norm[layer].double().repeat_interleave(1, 0)[None, :, None])
+        kv_norm = module.key_norm[layer].double()
+        k = rms(k, kv_norm.repeat_interleave(heads // kv_norm.shape[0], 0)[None, :, None])
+    logits = q @ k.transpose(-1, -2) / math.sqrt(head_dim) + decay
+    out = causal_softmax(logits) @ v
+    if config.output_norm:
+        out = rms(out, module.output_norm_weight[layer].double()[None, :, None])
+    out = out.transpose(1, 2).reshape(batch, length, heads * head_dim)
+    if config.output_gate:
+        out = out * 2 * torch.sigmoid(x @ module.output_gate_weight[layer].double().T)
+    return out
+
+
+@pytest.mark.parametrize("options", [{}, {"gate_bias_init": "decay-time", "qk_norm": True, "output_norm": True,
+                                          "output_gate": True}])
+def test_fox_matches_a_float64_reference(options):
+    model = hf_posenc.patch_model(tiny_model("llama"), "fox", **options)
+    module = hf_posenc.get_positional_module(model)
+    with torch.no_grad():  # off their initial values, so that every part acts
+        for param in module.parameters():
+            param.add_(0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(5)))
+    ids = random_ids(2, 10)
+    for layer, record in enumerate(capture_llama_layers(model, ids)):
+        assert max_diff(record["out"], fox_reference(module, layer, record)) <= 1e-5
+
+
+def test_fox_decay_time_init_gives_those_decay_times():
+    model = hf_posenc.patch_model(tiny_model("llama"), "fox", gate_bias_init="decay-time", decay_time=[2.0, 200.0])
+    gate = torch.sigmoid(hf_posenc.get_positional_module(model).gate_bias.detach().double())
+    times = -1 / torch.log(gate)
+    expected = torch.logspace(math.log10(2.0), math.log10(200.0), 4, dtype=torch.float64)
+    assert torch.allclose(times, expected.expand_as(times), rtol=1e-4)
+
+
+# --- what every content method keeps ---------------------------------------------------------------------------------
+NATIVE_CASES = [("fox", {"base": "native"}), ("fox", {"base": "native", "output_gate": True})]
+OPTION_CASES = [("fox", {"gate_bias_init": "decay-time", "qk_norm": True, "output_norm": True, "output_gate": True}),
+                ("fox", {"base": "native", "gate_bias_init": -1.0, "output_gate": True})]
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("method,options", NATIVE_CASES)
+def test_native_base_starts_from_the_original_logits(method, options, model_type):
+    model = tiny_model(model_type)
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        original = model(ids).logits
+        hf_posenc.patch_model(model, method, **options)
+        assert max_diff(model(ids).logits, original) <= 1e-5
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("method,options", OPTION_CASES)
+def test_options_keep_cached_decoding_and_padding_exact(method, options, model_type):
+    model = hf_posenc.patch_model(tiny_model(model_type), method, **options)
+    with torch.no_grad():  # off the initial values (a native gate scale of 0 would hide the gates)
+        for param in hf_posenc.get_positional_module(model).parameters():
+            param.add_(0.2 * torch.randn(param.shape, generator=torch.Generator().manual_seed(3)))
+    ids = random_ids(2, 12)
+    sequences = [random_ids(1, 9, seed=3)[0], random_ids(1, 5, seed=4)[0]]
+    padded, mask = left_pad(sequences)
+    with torch.no_grad():
+        full = model(ids).logits
+        assert max_diff(full, decode_token_by_token(model, ids, DynamicCache(config=model.config))) <= TOL
+        assert max_diff(full, decode_token_by_token(model, ids, StaticCache(config=model.config, max_cache_len=20))) <= TOL
+        batch = model(padded, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
+        for row, seq in enumerate(sequences):
+            assert max_diff(batch[row, -len(seq):], model(seq[None]).logits[0]) <= TOL
+
+
+@pytest.mark.parametrize("method,options", OPTION_CASES)
+def test_gradients_reach_every_option_parameter(method, options):
+    model = hf_posenc.patch_model(tiny_model("llama"), method, **options)
+    with torch.no_grad():
+        for param in hf_posenc.get_positional_module(model).parameters():
+            param.add_(0.2 * torch.randn(param.shape, generator=torch.Generator().manual_seed(3)))
+    model.train()
+    ids = random_ids(2, 10)
+    model(ids, labels=ids).loss.backward()
+    for name, param in hf_posenc.get_positional_module(model).named_parameters():
+        assert param.grad is not None and param.grad.abs().sum() > 0, name
+
+
+def test_a_cache_filled_without_the_state_is_refused():
+    model = tiny_model("llama")
+    ids = random_ids(1, 6)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    hf_posenc.patch_model(model, "fox")
+    with pytest.raises(hf_posenc.PosEncError, match="start from an empty cache"):
+        model(ids[:, -1:], past_key_values=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("method,options,message", [
+    ("fox", {"base": "rope"}, "base"),
+    ("fox", {"gate_bias_init": "slow"}, "gate_bias_init"),
+    ("fox", {"decay_time": [100.0, 10.0]}, "decay_time"),
+    ("fox", {"qk_norm": 1}, "qk_norm"),
+])
+def test_bad_options_are_refused_and_the_model_left_untouched(method, options, message):
+    model = tiny_model("llama")
+    ids = random_ids(1, 6)
+    with torch.no_grad():
+        before = model(ids).logits
+    with pytest.raises(hf_posenc.PosEncError, match=message):
+        hf_posenc.patch_model(model, method, **options)
+    assert hf_posenc.get_posenc_config(model) is None
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)

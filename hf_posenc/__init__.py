@@ -29,6 +29,10 @@ _EXPORTS = {
     **dict.fromkeys(("ComRopeApConfig", "ComRopeConfig", "ComRopeLdConfig"), "methods.comrope"),
     "FopeConfig": "methods.fope",
     "FoxConfig": "methods.fox",
+    "StickBreakingConfig": "methods.stick_breaking",
+    "CopeConfig": "methods.cope",
+    "CapeConfig": "methods.cape",
+    "TransformerXlConfig": "methods.transformer_xl",
     "ContentConfig": "methods.content",
     "LiereConfig": "methods.liere",
     "Rope2dConfig": "methods.rope_2d",
@@ -65,7 +69,7 @@ __all__ = [
     "LinearConfig", "Llama3Config", "LongRopeConfig", "NopeConfig", "NtkConfig", "RopeConfig", "RopeScalingConfig",
     "ReropeConfig", "SandwichConfig", "SelfExtendConfig", "SinusoidalConfig", "T5Config", "XposConfig", "YarnConfig",
     # content-dependent attention (methods.base ContentMethod)
-    "ContentConfig", "FoxConfig",
+    "CapeConfig", "ContentConfig", "CopeConfig", "FoxConfig", "StickBreakingConfig", "TransformerXlConfig",
     # extending: methods and families
     "AbsolutePositionMethod", "AttentionBiasMethod", "ModelFamily", "ModelInfo", "PosEncConfig", "PositionalMethod",
     "RotaryMethod", "register_family", "register_method", "ContentBlock", "ContentMethod",

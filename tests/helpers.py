@@ -74,6 +74,10 @@ CONTRACT = {
     # Content-dependent attention (methods/base.py ContentMethod), alone (base="none"); base="native" and the
     # options are checked in test_content_methods.py.
     "fox": ContractCase(),
+    "stick-breaking": ContractCase(),
+    "cope": ContractCase(),
+    "transformer-xl": ContractCase(),
+    "cape": ContractCase(options={"bias": "kerple"}),  # a bias with parameters, so gradients reach them too
 }
 
 

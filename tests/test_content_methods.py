@@ -115,7 +115,8 @@ def test_fox_decay_time_init_gives_those_decay_times():
 
 # --- what every content method keeps ---------------------------------------------------------------------------------
 NATIVE_CASES = [("fox", {"base": "native"}), ("fox", {"base": "native", "output_gate": True})]
-OPTION_CASES = [("fox", {"gate_bias_init": "decay-time", "qk_norm": True, "output_norm": True, "output_gate": True}),
+OPTION_CASES = [("stick-breaking", {"attend_current": True}), ("stick-breaking", {"base": "native"}),
+                ("fox", {"gate_bias_init": "decay-time", "qk_norm": True, "output_norm": True, "output_gate": True}),
                 ("fox", {"base": "native", "gate_bias_init": -1.0, "output_gate": True})]
 
 
@@ -189,3 +190,39 @@ def test_bad_options_are_refused_and_the_model_left_untouched(method, options, m
     assert hf_posenc.get_posenc_config(model) is None
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
+
+
+# --- stick-breaking -------------------------------------------------------------------------------------------------
+def stick_breaking_reference(module, layer: int, record: dict) -> torch.Tensor:
+    """Stick-breaking attention in float64, materialised: A_ij = beta_ij * prod over the keys between (a product of
+    probabilities, term by term), and the left-over 1 - sum_j A_ij on the query's own value."""
+    q, k, v = record["q"], record["k"], record["v"]
+    batch, heads, length, head_dim = q.shape
+    beta = torch.sigmoid(q @ k.transpose(-1, -2) / math.sqrt(head_dim))
+    weights = torch.zeros_like(beta)
+    current = module.config.attend_current
+    for i in range(length):
+        for j in range(i + 1 if current else i):
+            keep = torch.ones(batch, heads, dtype=torch.float64)
+            for between in range(j + 1, i + 1 if current else i):
+                keep = keep * (1 - beta[:, :, i, between])
+            weights[:, :, i, j] = beta[:, :, i, j] * keep
+    out = weights @ v + (1 - weights.sum(-1, keepdim=True)) * v
+    return out.transpose(1, 2).reshape(batch, length, heads * head_dim)
+
+
+@pytest.mark.parametrize("attend_current", [False, True])
+def test_stick_breaking_matches_a_float64_reference(attend_current):
+    model = hf_posenc.patch_model(tiny_model("llama"), "stick-breaking", attend_current=attend_current)
+    module = hf_posenc.get_positional_module(model)
+    ids = random_ids(2, 10)
+    for layer, record in enumerate(capture_llama_layers(model, ids)):
+        assert max_diff(record["out"], stick_breaking_reference(module, layer, record)) <= 1e-5
+
+
+def test_stick_breaking_weights_sum_to_one_and_favour_recent_keys_in_eager_mode():
+    model = hf_posenc.patch_model(tiny_model("llama", attn_implementation="eager"), "stick-breaking")
+    with torch.no_grad():
+        weights = model(random_ids(1, 12), output_attentions=True).attentions[0]
+    assert torch.allclose(weights.sum(-1), torch.ones(()), atol=1e-5)
+    assert (weights >= 0).all() and (weights.triu(1) == 0).all()

@@ -53,7 +53,6 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..errors import PosEncError
 from .kernel_check import (PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, KernelCheckWarning,  # noqa: F401
                            kernel_status, reset_kernel_status, serve as serve_checked, table_attention_reference)
 from ..methods.base import AttentionBiasMethod, ContentBlock, ContentMethod, PositionalMethod, RotaryMethod
@@ -355,7 +354,7 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
 def _content_blocks(module, state, query, key, value, attention_mask, scaling, dropout, query_slots, key_slots,
                     query_positions, key_positions):
     """Attention for content methods (methods/base.py ContentMethod): the method computes each query block's logits
-    (`content_scores`) or, for attention that is not a softmax, its output (`content_output`) from the queries, keys
+    (`content_scores`) or, for attention that is not a softmax, its weights (`content_weights`) from the queries, keys
     and carried per-token state (engine/content.py); this path does the blocking, masking, softmax and values. Each
     block holds a few [B, H, rows, keys] tensors (the method's `block_cost`), never [L, L] for the whole sequence.
     Returns (output [B, q, H, D], attention weights [B, H, q, kv] in eager mode, else None)."""
@@ -391,17 +390,15 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
             mask = allowed_block
         block = ContentBlock(layer_idx, scaling, mask, bias, query_positions[:, rows], key_positions[:, columns],
                              query_state[:, :, rows] if query_state is not None else None,
-                             key_state[:, :, columns] if key_state is not None else None)
+                             key_state[:, :, columns] if key_state is not None else None, query_slots[rows],
+                             key_slots[columns])
         if method.replaces_softmax:
-            output, probs = method.content_output(query[:, :, rows], key[:, :, columns], value[:, :, columns], block)
-            if dropout:
-                raise PosEncError(f"{method.config.method!r} computes its own attention weights, without dropout; "
-                                  "set the model's attention dropout to 0 (config.attention_dropout / attn_pdrop).")
+            probs = method.content_weights(query[:, :, rows], key[:, :, columns], block)
         else:
             scores = method.content_scores(query[:, :, rows], key[:, :, columns], block).masked_fill(~mask, low)
-            probs = F.dropout(F.softmax(scores, dim=-1), p=dropout, training=module.training)
-            output = torch.matmul(probs.to(value.dtype), value[:, :, columns])
-        outputs.append(output)
+            probs = F.softmax(scores, dim=-1)
+        probs = F.dropout(probs, p=dropout, training=module.training)
+        outputs.append(torch.matmul(probs.to(value.dtype), value[:, :, columns]))
         if eager:
             weights.append(probs.to(value.dtype))
     output = method.finish_output(layer_idx, torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0],

@@ -8,7 +8,7 @@ subclass of exactly one of the four classes below, which says where it acts (tes
   `rotate_heads`; a method whose rotation is not a cos/sin pair per dimension (a b x b matrix per block) overrides
   both and rotates inside the shared attention path (`rotates_in_attention`);
 - ContentMethod: attention that reads content (the layer's input, queries, keys, per-token state carried by the
-  KV cache): `content_scores` per query block (or `content_output`, for attention that is not a softmax), served
+  KV cache): `content_scores` per query block (or `content_weights`, for attention that is not a softmax), served
   by the shared attention path (engine/attention.py `_content_blocks`, engine/content.py).
 
 Every capability the engine (families, per-forward state, attention path, checkpoints) reads from a method is
@@ -197,6 +197,8 @@ class ContentBlock:
     key_positions: torch.Tensor  # [B or 1, k] long
     query_state: torch.Tensor | None  # the method's carried per-token state (token_state) of the rows [B, H, r, ...]
     key_state: torch.Tensor | None  # ... and of the keys [B, H, k, ...]
+    query_slots: torch.Tensor  # [r] cache slots of the rows
+    key_slots: torch.Tensor  # [k] cache slots of the keys (a key at a row's own slot is that row's token)
 
 
 class ContentMethod(PositionalMethod):
@@ -207,7 +209,8 @@ class ContentMethod(PositionalMethod):
     # Needs the attention layer's input x [B, q, hidden] (captured by a forward pre-hook on each attention module):
     # for per-token state (`token_state`) and for `finish_output`.
     reads_layer_input: ClassVar[bool] = False
-    # Computes each block's output itself (`content_output`) instead of scores for a softmax (stick-breaking).
+    # Computes each block's attention weights itself (`content_weights`) instead of logits for a softmax
+    # (stick-breaking).
     replaces_softmax: ClassVar[bool] = False
 
     @property
@@ -242,10 +245,9 @@ class ContentMethod(PositionalMethod):
         including `block.scaling` and `block.bias`; masked entries are overwritten by the attention path."""
         raise NotImplementedError
 
-    def content_output(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       block: ContentBlock) -> tuple[torch.Tensor, torch.Tensor]:
-        """For `replaces_softmax` methods: -> (output [B, H, r, D] in value's dtype, attention weights float32
-        [B, H, r, k])."""
+    def content_weights(self, query: torch.Tensor, key: torch.Tensor, block: ContentBlock) -> torch.Tensor:
+        """For `replaces_softmax` methods: query [B, H, r, D], key [B, H, k, D] -> float32 attention weights
+        [B, H, r, k] (zero where `block.allowed` is False), which the attention path applies to the values."""
         raise NotImplementedError
 
     def finish_output(self, layer_idx: int, output: torch.Tensor, layer_input: torch.Tensor | None) -> torch.Tensor:

@@ -92,7 +92,7 @@ def fox_reference(module, layer: int, record: dict) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("options", [{}, {"gate_bias_init": "decay-time", "qk_norm": True, "output_norm": True,
+@pytest.mark.parametrize("options", [{}, {"gate_init": "decay-time", "qk_norm": True, "output_norm": True,
                                           "output_gate": True}])
 def test_fox_matches_a_float64_reference(options):
     model = hf_posenc.patch_model(tiny_model("llama"), "fox", **options)
@@ -106,7 +106,7 @@ def test_fox_matches_a_float64_reference(options):
 
 
 def test_fox_decay_time_init_gives_those_decay_times():
-    model = hf_posenc.patch_model(tiny_model("llama"), "fox", gate_bias_init="decay-time", decay_time=[2.0, 200.0])
+    model = hf_posenc.patch_model(tiny_model("llama"), "fox", gate_init="decay-time", decay_time=[2.0, 200.0])
     gate = torch.sigmoid(hf_posenc.get_positional_module(model).gate_bias.detach().double())
     times = -1 / torch.log(gate)
     expected = torch.logspace(math.log10(2.0), math.log10(200.0), 4, dtype=torch.float64)
@@ -114,10 +114,17 @@ def test_fox_decay_time_init_gives_those_decay_times():
 
 
 # --- what every content method keeps ---------------------------------------------------------------------------------
-NATIVE_CASES = [("fox", {"base": "native"}), ("fox", {"base": "native", "output_gate": True})]
+NATIVE_CASES = [("fox", {"base": "native"}), ("fox", {"base": "native", "output_gate": True}),
+                ("cope", {"base": "native"}), ("transformer-xl", {"base": "native"}),
+                ("cape", {"base": "native"}), ("cape", {"base": "native", "bias": "fire"})]
 OPTION_CASES = [("stick-breaking", {"attend_current": True}), ("stick-breaking", {"base": "native"}),
-                ("fox", {"gate_bias_init": "decay-time", "qk_norm": True, "output_norm": True, "output_gate": True}),
-                ("fox", {"base": "native", "gate_bias_init": -1.0, "output_gate": True})]
+                ("fox", {"gate_init": "decay-time", "qk_norm": True, "output_norm": True, "output_gate": True}),
+                ("fox", {"base": "native", "gate_bias": -1.0, "output_gate": True}),
+                ("cope", {"max_pos": 3}), ("cope", {"base": "native"}),
+                ("transformer-xl", {"base": "native", "relative_dim": 6}),
+                ("cape", {"bias": "fire", "mlp_width": 8}), ("cape", {"base": "native", "bias": "t5"})]
+# Stick-breaking has no parameters.
+GRADIENT_CASES = [case for case in OPTION_CASES if case[0] != "stick-breaking"]
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -150,7 +157,7 @@ def test_options_keep_cached_decoding_and_padding_exact(method, options, model_t
             assert max_diff(batch[row, -len(seq):], model(seq[None]).logits[0]) <= TOL
 
 
-@pytest.mark.parametrize("method,options", OPTION_CASES)
+@pytest.mark.parametrize("method,options", GRADIENT_CASES)
 def test_gradients_reach_every_option_parameter(method, options):
     model = hf_posenc.patch_model(tiny_model("llama"), method, **options)
     with torch.no_grad():
@@ -176,9 +183,14 @@ def test_a_cache_filled_without_the_state_is_refused():
 
 @pytest.mark.parametrize("method,options,message", [
     ("fox", {"base": "rope"}, "base"),
-    ("fox", {"gate_bias_init": "slow"}, "gate_bias_init"),
+    ("fox", {"gate_init": "slow"}, "gate_init"),
     ("fox", {"decay_time": [100.0, 10.0]}, "decay_time"),
     ("fox", {"qk_norm": 1}, "qk_norm"),
+    ("stick-breaking", {"base": "rope"}, "base"),
+    ("cope", {"max_pos": 0}, "max_pos"),
+    ("transformer-xl", {"relative_dim": 5}, "relative_dim"),
+    ("cape", {"bias": "rope"}, "attention-bias method"),
+    ("cape", {"bias": "fire", "bias_options": {"no_such_option": 1}}, "no_such_option"),
 ])
 def test_bad_options_are_refused_and_the_model_left_untouched(method, options, message):
     model = tiny_model("llama")
@@ -226,3 +238,116 @@ def test_stick_breaking_weights_sum_to_one_and_favour_recent_keys_in_eager_mode(
         weights = model(random_ids(1, 12), output_attentions=True).attentions[0]
     assert torch.allclose(weights.sum(-1), torch.ones(()), atol=1e-5)
     assert (weights >= 0).all() and (weights.triu(1) == 0).all()
+
+
+# --- CoPE -----------------------------------------------------------------------------------------------------------
+def cope_reference(module, layer: int, record: dict) -> torch.Tensor:
+    """CoPE in float64, materialised: p_ij summed gate by gate, e[p] interpolated as a vector (not the scalars)."""
+    q, k, v = record["q"], record["k"], record["v"]
+    batch, heads, length, head_dim = q.shape
+    embeddings = module.position_embeddings[layer].double().T  # [max_pos + 1, head_dim]
+    z = q @ k.transpose(-1, -2) / math.sqrt(head_dim)
+    gates = torch.sigmoid(z)
+    logits = z.clone()
+    for i in range(length):
+        for j in range(i + 1):
+            p = gates[:, :, i, j:i + 1].sum(-1).clamp(max=module.config.max_pos)  # [B, H]
+            low, high = p.floor().long(), p.ceil().long()
+            w = (p - p.floor())[..., None]
+            e = embeddings[low] * (1 - w) + embeddings[high] * w  # [B, H, head_dim]
+            logits[:, :, i, j] += (q[:, :, i] * e).sum(-1)
+    out = causal_softmax(logits) @ v
+    return out.transpose(1, 2).reshape(batch, length, heads * head_dim)
+
+
+@pytest.mark.parametrize("max_pos", [3, 64])  # 3: positions clamp within these 10 tokens
+def test_cope_matches_a_float64_reference(max_pos):
+    model = hf_posenc.patch_model(tiny_model("llama"), "cope", max_pos=max_pos)
+    module = hf_posenc.get_positional_module(model)
+    with torch.no_grad():
+        module.position_embeddings.normal_(0, 1.0, generator=torch.Generator().manual_seed(2))
+    ids = random_ids(2, 10)
+    for layer, record in enumerate(capture_llama_layers(model, ids)):
+        assert max_diff(record["out"], cope_reference(module, layer, record)) <= 1e-5
+
+
+# --- Transformer-XL -------------------------------------------------------------------------------------------------
+def transformer_xl_reference(module, layer: int, record: dict) -> torch.Tensor:
+    """Transformer-XL's four terms (a) + (b) + (c) + (d) in float64, materialised pair by pair, R built here."""
+    q, k, v = record["q"], record["k"], record["v"]
+    batch, heads, length, head_dim = q.shape
+    dim = module.relative_dim
+    W = module.relative_projection[layer].double()  # [H, head_dim, dim]
+    u, vb = module.content_bias[layer].double(), module.position_bias[layer].double()
+    logits = torch.zeros(batch, heads, length, length, dtype=torch.float64)
+    for i in range(length):
+        for j in range(i + 1):
+            t = float(i - j)
+            R = torch.tensor([math.sin(t / 10000 ** (2 * n / dim)) for n in range(dim // 2)]
+                             + [math.cos(t / 10000 ** (2 * n / dim)) for n in range(dim // 2)], dtype=torch.float64)
+            WR = W @ R  # [H, head_dim]
+            a = (q[:, :, i] * k[:, :, j]).sum(-1)
+            b = (q[:, :, i] * WR).sum(-1)
+            c = (u * k[:, :, j]).sum(-1)
+            d = (vb * WR).sum(-1)
+            logits[:, :, i, j] = (a + b + c + d) / math.sqrt(head_dim)
+    out = causal_softmax(logits) @ v
+    return out.transpose(1, 2).reshape(batch, length, heads * head_dim)
+
+
+@pytest.mark.parametrize("relative_dim", [None, 6])
+def test_transformer_xl_matches_a_float64_reference(relative_dim):
+    model = hf_posenc.patch_model(tiny_model("llama"), "transformer-xl", relative_dim=relative_dim)
+    module = hf_posenc.get_positional_module(model)
+    with torch.no_grad():
+        for param in (module.content_bias, module.position_bias):
+            param.normal_(0, 0.5, generator=torch.Generator().manual_seed(4))
+    ids = random_ids(2, 10)
+    for layer, record in enumerate(capture_llama_layers(model, ids)):
+        assert max_diff(record["out"], transformer_xl_reference(module, layer, record)) <= 1e-5
+
+
+def test_transformer_xl_with_far_apart_positions_uses_the_distances_that_occur():
+    """Position ids with large gaps take the torch.unique branch; a cached continuation agrees with the full forward."""
+    model = hf_posenc.patch_model(tiny_model("llama"), "transformer-xl")
+    ids = random_ids(1, 8)
+    positions = torch.tensor([[0, 1, 2, 500, 501, 9000, 9001, 9002]])
+    with torch.no_grad():
+        full = model(ids, position_ids=positions).logits
+        cache = DynamicCache(config=model.config)
+        first = model(ids[:, :5], position_ids=positions[:, :5], past_key_values=cache, use_cache=True).logits
+        rest = model(ids[:, 5:], position_ids=positions[:, 5:], past_key_values=cache, use_cache=True).logits
+    assert max_diff(full, torch.cat((first, rest), dim=1)) <= TOL
+
+
+# --- CAPE -----------------------------------------------------------------------------------------------------------
+def cape_reference(module, layer: int, record: dict) -> torch.Tensor:
+    """CAPE in float64: the MLP applied to each pair's 2H features one pair at a time; B from the bias method's
+    own materialised bias."""
+    q, k, v = record["q"], record["k"], record["v"]
+    batch, heads, length, head_dim = q.shape
+    positions = torch.arange(length)[None]
+    bias = module.bias_method.bias(layer, positions, positions).double().expand(batch, heads, length, length)
+    z = q @ k.transpose(-1, -2) / math.sqrt(head_dim)
+    W1, b1 = module.input_weight[layer].double(), module.input_bias[layer].double()
+    W2, b2 = module.output_weight[layer].double(), module.output_bias[layer].double()
+    logits = z.clone()
+    for i in range(length):
+        for j in range(i + 1):
+            pair = torch.cat((z[:, :, i, j], bias[:, :, i, j]), dim=-1)  # [B, 2H]
+            correction = F.gelu(pair @ W1.T + b1) @ W2.T + b2
+            logits[:, :, i, j] += correction + (bias[:, :, i, j] if module.config.base == "none" else 0)
+    out = causal_softmax(logits) @ v
+    return out.transpose(1, 2).reshape(batch, length, heads * head_dim)
+
+
+@pytest.mark.parametrize("bias", ["alibi", "kerple", "fire"])
+def test_cape_matches_a_float64_reference(bias):
+    model = hf_posenc.patch_model(tiny_model("llama"), "cape", bias=bias, mlp_width=8)
+    module = hf_posenc.get_positional_module(model)
+    with torch.no_grad():
+        for param in (module.input_bias, module.output_weight, module.output_bias):
+            param.normal_(0, 0.5, generator=torch.Generator().manual_seed(6))
+    ids = random_ids(2, 10)
+    for layer, record in enumerate(capture_llama_layers(model, ids)):
+        assert max_diff(record["out"], cape_reference(module, layer, record)) <= 1e-5

@@ -27,9 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import PosEncError
 from ..model_info import ModelInfo
-from ..registry import get_method, register_method
+from ..registry import available_methods, get_method, register_method
 from . import alibi, relative_biases  # noqa: F401  (registers the bias methods CAPE may name, standalone code too)
 from .base import AttentionBiasMethod
 from .content import ContentAttention, ContentConfig
@@ -45,8 +44,10 @@ class CapeConfig(ContentConfig):
 
     def validate(self) -> None:
         super().validate()
-        if not isinstance(self.bias, str):
-            self.refuse("bias", "is not a method name", "the name of an attention-bias method, e.g. 'alibi'")
+        bias_methods = sorted(name for name in available_methods()
+                              if issubclass(get_method(name).module_class, AttentionBiasMethod))
+        if not (isinstance(self.bias, str) and self.bias in bias_methods):
+            self.refuse("bias", "is not a registered attention-bias method", " or ".join(map(repr, bias_methods)))
         if not isinstance(self.bias_options, dict):
             self.refuse("bias_options", "is not a dict", "the bias method's options as a dict, e.g. {}")
         self.require_int("mlp_width", 1, 4096)
@@ -57,9 +58,6 @@ class ContextAdaptivePositions(ContentAttention):
     def __init__(self, config: CapeConfig, info: ModelInfo):
         super().__init__(config, info)
         spec = get_method(config.bias)
-        if not issubclass(spec.module_class, AttentionBiasMethod):
-            raise PosEncError(f"CapeConfig.bias={config.bias!r} is not an attention-bias method; pass one whose bias "
-                              "CAPE can correct, e.g. 'alibi', 'kerple', 'fire', 't5' or 'sandwich'.")
         self.bias_method = spec.module_class(spec.config_class.from_options(**config.bias_options), info)
         layers, heads, width = info.num_layers, info.num_heads, config.mlp_width
         generator = torch.Generator().manual_seed(0)

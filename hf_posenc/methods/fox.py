@@ -10,9 +10,9 @@ then the usual causal softmax. D is the difference of the cumulative log gates, 
 `logsigmoid`, never as a product of probabilities); c is the per-token state the KV cache carries (engine/content.py):
 a decoding step adds its own log f to the last cached c, so cached decoding uses the very c of a full forward.
 
-Gate-bias init (`gate_bias_init`): a number b (f = sigmoid(b) for a zero input; default 0), or "decay-time": head h
-gets f_h = exp(-1 / T_h) for a zero input, with decay times T_h spread geometrically over `decay_time` = [T_min,
-T_max] across heads (bias logit(f_h)). Gate weights start N(0, 0.02^2).
+Gate-bias init (`gate_init`): "constant", every bias is `gate_bias` (f = sigmoid(gate_bias) for a zero input;
+default 0), or "decay-time": head h gets f_h = exp(-1 / T_h) for a zero input, with decay times T_h spread
+geometrically over `decay_time` = [T_min, T_max] across heads (bias logit(f_h)). Gate weights start N(0, 0.02^2).
 
 `base="none"` (FoX as in the paper: no RoPE, no other position) or `base="native"`: on top of the model's own
 mechanism. On top, log f is multiplied by a per-head `gate_scale` that starts at 0, so at init D = 0 exactly and the
@@ -45,7 +45,8 @@ GATE_INIT_STD = 0.02
 
 @dataclass
 class FoxConfig(ContentConfig):
-    gate_bias_init: float | str = 0.0  # a number, or "decay-time"
+    gate_init: str = "constant"  # "constant": every gate bias is gate_bias; "decay-time": see decay_time
+    gate_bias: float = 0.0  # the gate bias for gate_init="constant"
     decay_time: list[float] = field(default_factory=lambda: [16.0, 4096.0])  # [T_min, T_max] for "decay-time"
     qk_norm: bool = False
     output_norm: bool = False
@@ -53,10 +54,8 @@ class FoxConfig(ContentConfig):
 
     def validate(self) -> None:
         super().validate()
-        if isinstance(self.gate_bias_init, str):
-            self.require_choice("gate_bias_init", ("decay-time",))
-        else:
-            self.require_number("gate_bias_init", -60.0, 60.0, why="sigmoid of the bias is the gate of a zero input")
+        self.require_choice("gate_init", ("constant", "decay-time"))
+        self.require_number("gate_bias", -60.0, 60.0, why="sigmoid(gate_bias) is the gate of a zero input")
         self.require_numbers("decay_time", 1.0, 2.0 ** 24, why="decay times in tokens, [T_min, T_max]")
         if len(self.decay_time) != 2 or self.decay_time[0] > self.decay_time[1]:
             self.refuse("decay_time", "is not [T_min, T_max] with T_min <= T_max", "two numbers, e.g. [16, 4096]")
@@ -82,10 +81,10 @@ class ForgettingAttention(ContentAttention):
         layers, heads, hidden, head_dim = info.num_layers, info.num_heads, info.hidden_size, info.head_dim
         generator = torch.Generator().manual_seed(0)
         self.gate_weight = nn.Parameter(torch.randn(layers, heads, hidden, generator=generator) * GATE_INIT_STD)
-        if config.gate_bias_init == "decay-time":
+        if config.gate_init == "decay-time":
             bias = decay_time_bias(heads, *config.decay_time).expand(layers, heads).clone()
         else:
-            bias = torch.full((layers, heads), float(config.gate_bias_init))
+            bias = torch.full((layers, heads), float(config.gate_bias))
         self.gate_bias = nn.Parameter(bias)
         self.gate_scale = nn.Parameter(torch.zeros(layers, heads)) if config.base == "native" else None
         if config.qk_norm:

@@ -351,3 +351,22 @@ def test_cape_matches_a_float64_reference(bias):
     ids = random_ids(2, 10)
     for layer, record in enumerate(capture_llama_layers(model, ids)):
         assert max_diff(record["out"], cape_reference(module, layer, record)) <= 1e-5
+
+
+@pytest.mark.parametrize("method", ["fox"])  # the one method with carried per-token state
+def test_beam_search_reorders_the_carried_state(method):
+    """Beam search reorders the KV cache each step; each returned beam's score equals its log-probability under a
+    full forward of its tokens only if the per-token state followed the reorder."""
+    model = hf_posenc.patch_model(tiny_model("llama"), method)
+    with torch.no_grad():
+        for param in hf_posenc.get_positional_module(model).parameters():
+            param.add_(0.5 * torch.randn(param.shape, generator=torch.Generator().manual_seed(8)))
+    prompt = random_ids(1, 6)
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=6, num_beams=3, num_return_sequences=3, do_sample=False,
+                             length_penalty=0.0, early_stopping=True, output_scores=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        for sequence, score in zip(out.sequences, out.sequences_scores):
+            log_probs = torch.log_softmax(model(sequence[None]).logits[0, :-1].float(), dim=-1)
+            generated = log_probs[5:].gather(-1, sequence[6:, None]).sum()
+            assert abs(float(generated) - float(score)) <= 1e-4

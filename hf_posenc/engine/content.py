@@ -17,14 +17,18 @@ token's state is computed once, from its own layer input, and decoding reads exa
 computed (DynamicCache and StaticCache alike: a StaticCache's free slots get zeros, and are masked). Left padding
 needs nothing more: padding tokens get a state like any token, and their keys are masked.
 
-Not carried (as for the key positions): a cache reordered by beam search or expanded per returned sequence by
-`generate` keeps the state of its rows before the reorder. Under torch.compile content methods refuse to run.
+The state follows the cache's own batch edits, which `generate` makes for beam search and contrastive search:
+`reorder_cache`, `batch_select_indices` and `batch_repeat_interleave` of a cache that carries the state are wrapped
+on that cache instance (bound methods, so a deep copy of the cache rebinds them to the copy) to apply the same
+edit to the state. Under torch.compile (where the position capture traces) content methods refuse to run.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+import types
 
 import torch
 from torch import nn
@@ -97,7 +101,42 @@ class RecordContentState:
         content = getattr(self.state.call, "content", None)
         if cache is not None and content is not None:
             setattr(cache, CONTENT_STATE_ATTR, dict(content.states))
+            follow_batch_edits(cache)
         return output
+
+
+def _select_rows(state: torch.Tensor, indices) -> torch.Tensor:
+    return state.index_select(0, torch.as_tensor(indices, device=state.device))
+
+
+def _repeat_rows(state: torch.Tensor, repeats) -> torch.Tensor:
+    return state.repeat_interleave(repeats, dim=0)
+
+
+BATCH_EDITS = {"reorder_cache": _select_rows, "batch_select_indices": _select_rows,
+               "batch_repeat_interleave": _repeat_rows}
+
+
+def _edited(name: str):
+    def method(cache, argument):
+        result = getattr(type(cache), name)(cache, argument)
+        states = getattr(cache, CONTENT_STATE_ATTR, None)
+        if states:
+            setattr(cache, CONTENT_STATE_ATTR, {layer: BATCH_EDITS[name](state, argument)
+                                                for layer, state in states.items()})
+        return result
+    return method
+
+
+_EDITED = {name: _edited(name) for name in BATCH_EDITS}
+
+
+def follow_batch_edits(cache) -> None:
+    """Make the cache's batch edits (beam search's reorder, ...) apply to the content state on it too."""
+    for name, method in _EDITED.items():
+        current = cache.__dict__.get(name)
+        if hasattr(type(cache), name) and not (isinstance(current, types.MethodType) and current.__func__ is method):
+            setattr(cache, name, types.MethodType(method, cache))
 
 
 def layer_state(state: PositionState, layer_idx: int, q: int, key_slots: torch.Tensor):

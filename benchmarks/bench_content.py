@@ -35,13 +35,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--output-dir", default="runs/bench_content")
     args = parser.parse_args()
-    rows = run_benchmark(lengths=[int(x) for x in args.lengths.split(",")], methods=args.methods.split(","),
-                         paths=("blocked",), layers=args.layers, repeats=args.repeats,
-                         backward_repeats=args.backward_repeats, threads=args.threads)
-    print(format_table(rows))
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_content.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    rows = []
+    for length in (int(x) for x in args.lengths.split(",")):  # one length at a time, written as it completes
+        rows += run_benchmark(lengths=[length], methods=args.methods.split(","), paths=("blocked",),
+                              layers=args.layers, repeats=args.repeats, backward_repeats=args.backward_repeats,
+                              threads=args.threads, progress=False)
+        (out / "bench_content.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
+        print(format_table(rows), flush=True)
     print(f"wrote {out / 'bench_content.json'}")
 
 

@@ -370,3 +370,33 @@ def test_beam_search_reorders_the_carried_state(method):
             log_probs = torch.log_softmax(model(sequence[None]).logits[0, :-1].float(), dim=-1)
             generated = log_probs[5:].gather(-1, sequence[6:, None]).sum()
             assert abs(float(generated) - float(score)) <= 1e-4
+
+
+@pytest.mark.parametrize("method", ["fox", "stick-breaking", "cope", "transformer-xl", "cape"])
+def test_many_query_blocks_give_what_one_block_gives(method, monkeypatch):
+    """The references above run one block; with BLOCK_BYTES shrunk each block holds a few rows (and sees only the keys
+    causality allows it), for a prompt, a left-padded batch and a chunk after a cache."""
+    from hf_posenc.engine import attention as engine
+
+    model = hf_posenc.patch_model(tiny_model("llama"), method)
+    with torch.no_grad():
+        for param in hf_posenc.get_positional_module(model).parameters():
+            param.add_(0.2 * torch.randn(param.shape, generator=torch.Generator().manual_seed(3)))
+    ids = random_ids(2, 20)
+    padded, mask = left_pad([random_ids(1, 20, seed=3)[0], random_ids(1, 13, seed=4)[0]])
+
+    def run():
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            model(ids[:, :7], past_key_values=cache, use_cache=True)
+            chunk = model(ids[:, 7:], past_key_values=cache, use_cache=True).logits
+            # padding rows see no key at all: what they get depends on the block's width, and nothing reads it
+            return model(ids).logits, model(padded, attention_mask=mask).logits[mask.bool()], chunk
+
+    one = run()
+    rows = 3
+    cost = hf_posenc.get_positional_module(model).block_cost
+    monkeypatch.setattr(engine, "BLOCK_BYTES", int(4 * 2 * 4 * 20 * cost * rows))
+    assert engine.block_rows(2, 4, 20, cost) == rows
+    for a, b in zip(one, run()):
+        assert max_diff(a, b) <= 1e-5

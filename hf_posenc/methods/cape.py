@@ -29,7 +29,9 @@ from torch import nn
 
 from ..model_info import ModelInfo
 from ..registry import available_methods, get_method, register_method
-from . import alibi, relative_biases  # noqa: F401  (registers the bias methods CAPE may name, standalone code too)
+# The bias methods CAPE may name are registered by importing them (standalone checkpoints copy what is imported).
+from .alibi import Alibi  # noqa: F401
+from .relative_biases import Fire, Kerple, Sandwich, T5Bias  # noqa: F401
 from .base import AttentionBiasMethod
 from .content import ContentAttention, ContentConfig
 

@@ -48,9 +48,9 @@ class FoxConfig(ContentConfig):
     gate_init: str = "constant"  # "constant": every gate bias is gate_bias; "decay-time": see decay_time
     gate_bias: float = 0.0  # the gate bias for gate_init="constant"
     decay_time: list[float] = field(default_factory=lambda: [16.0, 4096.0])  # [T_min, T_max] for "decay-time"
-    qk_norm: bool = False
-    output_norm: bool = False
-    output_gate: bool = False
+    qk_norm: bool = False  # FoX-Pro: RMSNorm of each head's query and key (not the identity at init)
+    output_norm: bool = False  # FoX-Pro: RMSNorm of each head's output (not the identity at init)
+    output_gate: bool = False  # FoX-Pro: output * 2 sigmoid(W_o x), W_o = 0 (the identity at init)
 
     def validate(self) -> None:
         super().validate()

@@ -163,7 +163,7 @@ def layer_state(state: PositionState, layer_idx: int, q: int, key_slots: torch.T
         raise PosEncError(
             f"{method.config.method!r} needs the per-token state of the {content.offset} cached tokens, and this "
             "KV cache was filled without it (by another model or before the patch): start from an empty cache.")
-    every = method.extend_token_state(past, new.to(new.device))
+    every = method.extend_token_state(past.to(new.device) if past is not None else None, new)
     content.states[layer_idx] = every
     first = int(key_slots[0]) if key_slots.numel() else 0
     keys = every[:, :, first:first + key_slots.numel()]

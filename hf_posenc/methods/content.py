@@ -35,8 +35,6 @@ class ContentAttention(ContentMethod):
 
     def __init__(self, config: ContentConfig, info: ModelInfo):
         super().__init__(config, info)
-        self.head_dim = info.head_dim
-        self.num_layers = info.num_layers
         # Fixed, out of the state dict (as BLOOM's own slopes are), float32 whatever the model's dtype.
         self._native_slopes = bloom_slopes(info.num_heads) if (config.base == "native"
                                                                and info.native_method == "alibi") else None

@@ -29,10 +29,17 @@ _EXPORTS = {
     "AlibiConfig": "methods.alibi",
     **dict.fromkeys(("ComRopeApConfig", "ComRopeConfig", "ComRopeLdConfig"), "methods.comrope"),
     "FopeConfig": "methods.fope",
+    "FoxConfig": "methods.fox",
+    "StickBreakingConfig": "methods.stick_breaking",
+    "CopeConfig": "methods.cope",
+    "CapeConfig": "methods.cape",
+    "TransformerXlConfig": "methods.transformer_xl",
+    "ContentConfig": "methods.content",
     "LiereConfig": "methods.liere",
     "Rope2dConfig": "methods.rope_2d",
     **dict.fromkeys(("AbsolutePositionMethod", "AttentionBiasMethod", "PositionalMethod", "RotaryMethod"),
                     "methods.base"),
+    **dict.fromkeys(("ContentBlock", "ContentMethod"), "methods.base"),
     "FireConfig": "methods.fire",
     "KerpleConfig": "methods.kerple",
     "LearnedConfig": "methods.learned",
@@ -66,9 +73,12 @@ __all__ = [
     "ReropeConfig", "SandwichConfig", "SelfExtendConfig", "SinksConfig", "SinusoidalConfig", "T5Config", "XposConfig",
     "YarnConfig",
     "HybridConfig",  # a method on some layers only: patch_model(model, method, layers=[...])
+    "ReropeConfig", "SandwichConfig", "SelfExtendConfig", "SinusoidalConfig", "T5Config", "XposConfig", "YarnConfig",
+    # content-dependent attention (methods.base ContentMethod)
+    "CapeConfig", "ContentConfig", "CopeConfig", "FoxConfig", "StickBreakingConfig", "TransformerXlConfig",
     # extending: methods and families
     "AbsolutePositionMethod", "AttentionBiasMethod", "ModelFamily", "ModelInfo", "PosEncConfig", "PositionalMethod",
-    "RotaryMethod", "register_family", "register_method",
+    "RotaryMethod", "register_family", "register_method", "ContentBlock", "ContentMethod",
 ]
 
 

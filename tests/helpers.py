@@ -73,6 +73,13 @@ CONTRACT = {
     "rerope": ContractCase(options={"window": 4, "log_scaling": True}, scales_rope=True),
     # Sinks and a window shorter than the contract's texts, so that keys are hidden and the sinks' positions moved.
     "sinks": ContractCase(options={"num_sinks": 2, "window": 4}, scales_rope=True),
+    # Content-dependent attention (methods/base.py ContentMethod), alone (base="none"); base="native" and the
+    # options are checked in test_content_methods.py.
+    "fox": ContractCase(),
+    "stick-breaking": ContractCase(),
+    "cope": ContractCase(),
+    "transformer-xl": ContractCase(),
+    "cape": ContractCase(options={"bias": "kerple"}),  # a bias with parameters, so gradients reach them too
 }
 
 

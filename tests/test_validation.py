@@ -27,6 +27,7 @@ BAD = {
     float: [True, False, "1.0", None, float("nan"), float("inf"), -float("inf"), 1e39, -1e39, 1e-300],
     str: [1, True, None, "no-such-choice", ["no-such-choice"]],
     list[float]: [None, "1.0", 1.0, [], [True, False], [1.0, None], [float("nan")], [1e39], [1e-300], ["1.0"]],
+    dict: [None, "{}", [], 1],
 }
 
 

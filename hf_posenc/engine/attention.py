@@ -49,13 +49,15 @@ from collections import Counter
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kernel_check import (PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, KernelCheckWarning,  # noqa: F401
                            kernel_status, reset_kernel_status, serve as serve_checked, table_attention_reference)
-from ..methods.base import AttentionBiasMethod, PositionalMethod, RotaryMethod
+from ..methods.base import AttentionBiasMethod, ContentBlock, ContentMethod, PositionalMethod, RotaryMethod
+from .content import layer_state
 from .state import STATE_ATTR, PositionState
 from .table_attention import TableBiasAttention
 
@@ -209,6 +211,9 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     query_slots, key_slots, query_positions, key_positions = state.relative_positions(q, kv, query.device)
     rotary = isinstance(state.method, RotaryMethod)
     has_bias = isinstance(state.method, AttentionBiasMethod)
+    if isinstance(state.method, ContentMethod):
+        return _content_blocks(module, state, query, key, value, attention_mask, scaling, dropout, query_slots,
+                               key_slots, query_positions, key_positions)
     if rotary and state.method.scores_per_query_block:
         return _scored_blocks(module, state, query, key, value, attention_mask, scaling, dropout, query_slots,
                               key_slots, query_positions, key_positions)
@@ -355,6 +360,77 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
             weights.append(probs)
     output = torch.cat(outputs, dim=2)
     return output.transpose(1, 2).contiguous(), torch.cat(weights, dim=2) if eager else None
+
+
+def _content_blocks(module, state, query, key, value, attention_mask, scaling, dropout, query_slots, key_slots,
+                    query_positions, key_positions):
+    """Attention for content methods (methods/base.py ContentMethod): the method computes each query block's logits
+    (`content_scores`) or, for attention that is not a softmax, its weights (`content_weights`) from the queries, keys
+    and carried per-token state (engine/content.py); this path does the blocking, masking, softmax and values. Each
+    block holds a few [B, H, rows, keys] tensors (the method's `block_cost`), never [L, L] for the whole sequence.
+    Returns (output [B, q, H, D], attention weights [B, H, q, kv] in eager mode, else None)."""
+    last_paths["content"] += 1
+    method = state.method
+    layer_idx = getattr(module, "layer_idx", 0) or 0
+    batch, heads, q, _ = query.shape
+    kv = key.shape[2]
+    layer_input, query_state, key_state = layer_state(state, layer_idx, q, key_slots)
+    query, key, value = method.prepare_heads(layer_idx, query, key, value, layer_input)
+    groups = heads // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    eager = state.eager
+    dropout = dropout if module.training else 0.0
+    query_offset = int(query_slots[0]) - (int(key_slots[0]) if kv else 0)
+    outputs, weights = [], []
+    step = block_rows(batch, heads, kv, method.block_cost)
+    for start in range(0, q, step):
+        rows = slice(start, min(q, start + step))
+        # Keys past the block's last query slot are masked for all its rows (eager keeps them: full-width weights).
+        columns = slice(0, kv if eager else max(1, min(kv, query_offset + rows.stop)))
+        arguments = (state, layer_idx, scaling, query, key, value, attention_mask, rows, columns, query_slots,
+                     key_slots, query_positions, key_positions, query_state, key_state, dropout, module.training)
+        if eager or not torch.is_grad_enabled():
+            output, probs = _content_block(*arguments)
+        else:
+            # Recomputed in the backward pass (the block's mask too): otherwise every block's [B, H, rows, keys]
+            # temporaries would be kept for it, O(L^2) in all; this way a forward+backward holds one block at a time.
+            output = torch.utils.checkpoint.checkpoint(lambda *a: _content_block(*a)[0], *arguments,
+                                                       use_reentrant=False)
+        outputs.append(output)
+        if eager:
+            weights.append(probs.to(value.dtype))
+    output = method.finish_output(layer_idx, torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0],
+                                  layer_input)
+    attn_weights = (torch.cat(weights, dim=2) if len(weights) > 1 else weights[0]) if eager else None
+    return output.transpose(1, 2).contiguous(), attn_weights
+
+
+def _content_block(state, layer_idx, scaling, query, key, value, attention_mask, rows, columns, query_slots, key_slots,
+                   query_positions, key_positions, query_state, key_state, dropout, training):
+    """Query rows `rows` against key columns `columns` in `_content_blocks`: (output [B, H, r, D], attention weights
+    float32 [B, H, r, k])."""
+    method = state.method
+    low = torch.finfo(torch.float32).min
+    allowed = key_slots[None, columns] <= query_slots[rows, None]
+    given = attention_mask[..., rows, columns] if attention_mask is not None else None
+    mask = _combine(state, allowed, None, given, query_positions[:, rows], key_positions[:, columns], torch.float32)
+    bias = method.native_bias(layer_idx, query_positions[:, rows], key_positions[:, columns])
+    if mask.dtype != torch.bool:  # an additive float mask: its very negative entries mask, the rest adds
+        allowed = mask > low / 2
+        given_bias = mask.masked_fill(~allowed, 0.0)
+        bias, mask = (given_bias if bias is None else bias + given_bias), allowed
+    block = ContentBlock(layer_idx, scaling, mask, bias, query_positions[:, rows], key_positions[:, columns],
+                         query_state[:, :, rows] if query_state is not None else None,
+                         key_state[:, :, columns] if key_state is not None else None, query_slots[rows],
+                         key_slots[columns])
+    query, key, value = query[:, :, rows], key[:, :, columns], value[:, :, columns]
+    if method.replaces_softmax:
+        probs = method.content_weights(query, key, block)
+    else:
+        probs = F.softmax(method.content_scores(query, key, block).masked_fill(~mask, low), dim=-1)
+    probs = F.dropout(probs, p=dropout, training=training)
+    return torch.matmul(probs.to(value.dtype), value), probs
 
 
 def _traced(module, state, layer_idx, query, key, value, attention_mask, scaling, dropout, eager, query_slots,

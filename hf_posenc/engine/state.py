@@ -59,6 +59,7 @@ class CallPositions:
     # Set under torch.compile (see PositionState.update_traced): `slot_offset` may be a 0-d tensor and
     # `key_positions` holds only the position of slot 0 [B or 1, 1]: each key sits at its slot plus that.
     traced: bool = False
+    content: Any = None  # a content method's per-token state of this forward (engine/content.py ContentCall)
 
 
 class PositionState:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..engine.attention import RoutedAttentionConfig, register_attention
+from ..engine.content import install_content
 from ..engine.hybrid import HybridMethod
 from ..engine.replay import PrefixReplay
 from ..engine.sink_cache import GenerateWithBoundedCache
@@ -23,7 +24,7 @@ from ..engine.state import (STATE_ATTR, PositionCapture, PositionState, RecordKe
                             positions_after_offset)
 from ..engine.undo import UndoLog
 from ..errors import PosEncError
-from ..methods.base import AttentionBiasMethod, PositionalMethod, RotaryMethod
+from ..methods.base import AttentionBiasMethod, ContentMethod, PositionalMethod, RotaryMethod
 from ..model_info import ModelInfo
 
 
@@ -104,6 +105,12 @@ class ModelFamily:
         if method.kv_cache(0) is not None:  # generate creates the method's bounded cache
             log.set_attr(model, "_prepare_cache_for_generation", GenerateWithBoundedCache(model, method))
         if self.keeps_native(method, info):
+            return state
+        if isinstance(method, ContentMethod):  # base="native" keeps the model's own mechanism underneath
+            if not method.keeps_native:
+                self.remove_native(model, state, log)
+            self.route_attention(model, state, log)
+            install_content(self, model, state, log)
             return state
         self.remove_native(model, state, log)
         rotates_in_attention = isinstance(method, RotaryMethod) and method.rotates_in_attention

@@ -2,7 +2,10 @@
 
 from .alibi import Alibi, AlibiConfig
 from .comrope import ComRopeAp, ComRopeApConfig, ComRopeConfig, ComRopeLd, ComRopeLdConfig
+from .cape import CapeConfig, ContextAdaptivePositions
+from .cope import ContextualPositions, CopeConfig
 from .fope import Fope, FopeConfig
+from .fox import FoxConfig, ForgettingAttention
 from .learned import LearnedConfig, LearnedPositions
 from .liere import Liere, LiereConfig
 from .nope import NoPositions, NopeConfig
@@ -14,11 +17,14 @@ from .rope_scaling import (DynamicConfig, DynamicYarnConfig, Llama3Config, Linea
 from .self_extend import SelfExtend, SelfExtendConfig
 from .sinks import AttentionSinks, SinksConfig
 from .sinusoidal import Sinusoidal, SinusoidalConfig
+from .stick_breaking import StickBreakingAttention, StickBreakingConfig
+from .transformer_xl import TransformerXlAttention, TransformerXlConfig
 from .relative_biases import *  # noqa: F401,F403  (fire, t5, kerple, sandwich, xpos)
 
 __all__ = [
     "Alibi", "AlibiConfig", "ComRopeAp", "ComRopeApConfig", "ComRopeConfig", "ComRopeLd", "ComRopeLdConfig",
-    "Fope", "FopeConfig", "Liere", "LiereConfig", "Rope2d", "Rope2dConfig", "LearnedConfig", "LearnedPositions", "NoPositions", "NopeConfig",
+    "Fope", "FopeConfig", "FoxConfig", "ForgettingAttention", "StickBreakingAttention", "StickBreakingConfig",
+    "CapeConfig", "ContextAdaptivePositions", "ContextualPositions", "CopeConfig", "TransformerXlAttention", "TransformerXlConfig", "Liere", "LiereConfig", "Rope2d", "Rope2dConfig", "LearnedConfig", "LearnedPositions", "NoPositions", "NopeConfig",
     "Rope", "RopeConfig", "Sinusoidal", "SinusoidalConfig",
     "DynamicConfig", "DynamicYarnConfig", "Llama3Config", "LinearConfig", "LongRopeConfig", "NtkConfig",
     "RopeScalingConfig", "ScaledRope", "YarnConfig", "Rerope", "ReropeConfig", "SelfExtend", "SelfExtendConfig",

@@ -6,7 +6,10 @@ subclass of exactly one of the four classes below, which says where it acts (tes
 - AttentionBiasMethod: `bias(layer_idx, query_positions, key_positions)` is added to attention scores;
 - RotaryMethod: `rotation(positions)` (by default `cos_sin(positions)`) rotates queries and keys, applied by
   `rotate_heads`; a method whose rotation is not a cos/sin pair per dimension (a b x b matrix per block) overrides
-  both and rotates inside the shared attention path (`rotates_in_attention`).
+  both and rotates inside the shared attention path (`rotates_in_attention`);
+- ContentMethod: attention that reads content (the layer's input, queries, keys, per-token state carried by the
+  KV cache): `content_scores` per query block (or `content_weights`, for attention that is not a softmax), served
+  by the shared attention path (engine/attention.py `_content_blocks`, engine/content.py).
 
 Every capability the engine (families, per-forward state, attention path, checkpoints) reads from a method is
 declared here, once, with its default: a class attribute or a method that a subclass overrides in its class body.
@@ -21,6 +24,7 @@ loses the precision that long contexts need).
 from __future__ import annotations
 
 import difflib
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -185,7 +189,80 @@ class RotaryMethod(PositionalMethod):
         raise NotImplementedError
 
 
-KINDS = (AbsolutePositionMethod, AttentionBiasMethod, RotaryMethod)
+@dataclass
+class ContentBlock:
+    """What the shared attention path hands a content method for one query block (rows r of the call's queries,
+    columns k of its keys): the keys the block may see, and the per-token state of its queries and keys."""
+
+    layer_idx: int
+    scaling: float  # the model's softmax scaling (1/sqrt(head_dim), or the layer's own)
+    allowed: torch.Tensor  # bool [B or 1, 1, r, k]: causality, padding and any key mask together
+    bias: torch.Tensor | None  # float32 [B or 1, H or 1, r, k] to add to the logits (the native bias kept by
+    # base="native", e.g. BLOOM's ALiBi, and a caller's additive float mask), or None
+    query_positions: torch.Tensor  # [B or 1, r] long
+    key_positions: torch.Tensor  # [B or 1, k] long
+    query_state: torch.Tensor | None  # the method's carried per-token state (token_state) of the rows [B, H, r, ...]
+    key_state: torch.Tensor | None  # ... and of the keys [B, H, k, ...]
+    query_slots: torch.Tensor  # [r] cache slots of the rows
+    key_slots: torch.Tensor  # [k] cache slots of the keys (a key at a row's own slot is that row's token)
+
+
+class ContentMethod(PositionalMethod):
+    """Attention that reads content. The config has `base`: "none" removes the model's own mechanism (as nope does)
+    and the method alone orders tokens; "native" keeps it (RoPE rotation on LLaMA, learned wpe on GPT-2, ALiBi on
+    BLOOM, which the attention path then adds as `ContentBlock.bias`) and the method acts on top."""
+
+    # Needs the attention layer's input x [B, q, hidden] (captured by a forward pre-hook on each attention module):
+    # for per-token state (`token_state`) and for `finish_output`.
+    reads_layer_input: ClassVar[bool] = False
+    # Computes each block's attention weights itself (`content_weights`) instead of logits for a softmax
+    # (stick-breaking).
+    replaces_softmax: ClassVar[bool] = False
+
+    @property
+    def keeps_native(self) -> bool:
+        """True when the model's own positional mechanism stays (config.base == "native")."""
+        return self.config.base == "native"
+
+    def native_bias(self, layer_idx: int, query_positions: torch.Tensor, key_positions: torch.Tensor):
+        """float32 [B or 1, H, r, k]: the model's own mechanism where it is a bias that the shared attention path
+        must add itself (BLOOM's ALiBi, kept by base="native"), else None."""
+        return None
+
+    def token_state(self, layer_idx: int, layer_input: torch.Tensor) -> torch.Tensor | None:
+        """Per-token state of this call's tokens from the layer input [B, q, hidden] -> float32 [B, H, q, ...],
+        or None. It is kept on the KV cache beside the keys (engine/content.py), so cached decoding sees exactly
+        the values a full forward computed."""
+        return None
+
+    def extend_token_state(self, past: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+        """The state of every token so far [B, H, offset + q, ...] from the cached one (None: no cache) and this
+        call's `token_state` (a cumulative state, such as FoX's cumulative log forget gate, overrides this)."""
+        return new if past is None else torch.cat((past, new), dim=2)
+
+    def prepare_heads(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      layer_input: torch.Tensor | None):
+        """query [B, H, q, D], key/value [B, H_kv, kv, D] (the whole cache) -> the three the blocks use (QK-norm,
+        say); by default unchanged."""
+        return query, key, value
+
+    def content_scores(self, query: torch.Tensor, key: torch.Tensor, block: ContentBlock) -> torch.Tensor:
+        """query [B, H, r, D], key [B, H, k, D] (heads matched) -> float32 logits [B, H, r, k] for the softmax,
+        including `block.scaling` and `block.bias`; masked entries are overwritten by the attention path."""
+        raise NotImplementedError
+
+    def content_weights(self, query: torch.Tensor, key: torch.Tensor, block: ContentBlock) -> torch.Tensor:
+        """For `replaces_softmax` methods: query [B, H, r, D], key [B, H, k, D] -> float32 attention weights
+        [B, H, r, k] (zero where `block.allowed` is False), which the attention path applies to the values."""
+        raise NotImplementedError
+
+    def finish_output(self, layer_idx: int, output: torch.Tensor, layer_input: torch.Tensor | None) -> torch.Tensor:
+        """The attention output [B, H, q, D] before the output projection -> what the projection gets (an output
+        gate, say); by default unchanged."""
+        return output
+
+
+KINDS = (AbsolutePositionMethod, AttentionBiasMethod, RotaryMethod, ContentMethod)
 
 
 def capabilities(kind: type[PositionalMethod]) -> set[str]:

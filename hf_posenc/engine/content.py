@@ -1,0 +1,187 @@
+"""Per-token state of content methods (methods/base.py ContentMethod), and how a KV cache carries it.
+
+A content method may need the attention layer's input x_t (FoX's forget gate is sigmoid(w . x_t + b)) and a
+per-token state derived from it that later queries read for every key (FoX: the cumulative log forget gate c_j).
+Three hooks, installed by the family with the method and undone with it:
+
+- `ContentCapture`, a forward pre-hook on the base model (after the position capture): starts this forward's
+  `ContentCall` on the position state's call, with the state of the cached tokens read from the KV cache
+  (`CONTENT_STATE_ATTR`: {layer index: [B, H, n, ...]}), cut to the cache's length (a cropped cache drops the
+  state of the tokens it dropped);
+- `LayerInputCapture`, a forward pre-hook on each routed attention module: records the layer input of this call;
+- `RecordContentState`, a forward hook on the base model: puts every layer's state (cached tokens and this
+  forward's) on the returned cache, beside the key positions state.py keeps there.
+
+The attention path (`layer_state`) extends the cached state with this call's tokens once per layer and call. So a
+token's state is computed once, from its own layer input, and decoding reads exactly the values a full forward
+computed (DynamicCache and StaticCache alike: a StaticCache's free slots get zeros, and are masked). Left padding
+needs nothing more: padding tokens get a state like any token, and their keys are masked.
+
+The state follows the cache's own batch edits, which `generate` makes for beam search and contrastive search:
+`reorder_cache`, `batch_select_indices` and `batch_repeat_interleave` of a cache that carries the state are wrapped
+on that cache instance (bound methods, so a deep copy of the cache rebinds them to the copy) to apply the same
+edit to the state. Under torch.compile (where the position capture traces) content methods refuse to run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import types
+
+import torch
+from torch import nn
+
+from ..errors import PosEncError
+from .state import PositionState
+
+CONTENT_STATE_ATTR = "hf_posenc_content_state"  # on a KV cache: {layer index: float32 [B, H, n, ...]}
+
+
+@dataclass
+class ContentCall:
+    """The content state of one forward: the cached tokens' state per layer (`past`), the layer inputs of this
+    call (`inputs`) and every token's state once a layer has run (`states`)."""
+
+    offset: int
+    past: dict[int, torch.Tensor] = field(default_factory=dict)
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    states: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class ContentCapture:
+    """Forward pre-hook (with kwargs) on the base model: starts the forward's ContentCall."""
+
+    def __init__(self, state: PositionState, parameter_names: list[str]):
+        self.state = state
+        self.parameter_names = parameter_names
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        if torch.compiler.is_compiling():
+            raise PosEncError(
+                f"{self.state.method.config.method!r} carries per-token state on the KV cache, which torch.compile "
+                "cannot trace here; run the model uncompiled.")
+        arguments = dict(zip(self.parameter_names, args))
+        arguments.update(kwargs)
+        cache = arguments.get("past_key_values")
+        offset = int(cache.get_seq_length()) if cache is not None else 0
+        past = getattr(cache, CONTENT_STATE_ATTR, None) if offset else None
+        call = ContentCall(offset)
+        for layer, tensor in (past or {}).items():
+            if tensor.shape[2] >= offset:
+                call.past[layer] = tensor[:, :, :offset]
+        self.state.call.content = call
+        return None
+
+
+class LayerInputCapture:
+    """Forward pre-hook (with kwargs) on an attention module: records its input hidden states [B, q, hidden]."""
+
+    def __init__(self, state: PositionState, layer_idx: int):
+        self.state = state
+        self.layer_idx = layer_idx
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        content = getattr(self.state.call, "content", None)
+        if content is not None and hidden is not None:
+            content.inputs[self.layer_idx] = hidden
+        return None
+
+
+class RecordContentState:
+    """Forward hook (with kwargs) on the base model: the state of every token goes onto the returned cache."""
+
+    def __init__(self, state: PositionState):
+        self.state = state
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
+        cache = getattr(output, "past_key_values", None)
+        content = getattr(self.state.call, "content", None)
+        if cache is not None and content is not None:
+            setattr(cache, CONTENT_STATE_ATTR, dict(content.states))
+            follow_batch_edits(cache)
+        return output
+
+
+def _select_rows(state: torch.Tensor, indices) -> torch.Tensor:
+    return state.index_select(0, torch.as_tensor(indices, device=state.device))
+
+
+def _repeat_rows(state: torch.Tensor, repeats) -> torch.Tensor:
+    return state.repeat_interleave(repeats, dim=0)
+
+
+BATCH_EDITS = {"reorder_cache": _select_rows, "batch_select_indices": _select_rows,
+               "batch_repeat_interleave": _repeat_rows}
+
+
+def _edited(name: str):
+    def method(cache, argument):
+        result = getattr(type(cache), name)(cache, argument)
+        states = getattr(cache, CONTENT_STATE_ATTR, None)
+        if states:
+            setattr(cache, CONTENT_STATE_ATTR, {layer: BATCH_EDITS[name](state, argument)
+                                                for layer, state in states.items()})
+        return result
+    return method
+
+
+_EDITED = {name: _edited(name) for name in BATCH_EDITS}
+
+
+def follow_batch_edits(cache) -> None:
+    """Make the cache's batch edits (beam search's reorder, ...) apply to the content state on it too."""
+    for name, method in _EDITED.items():
+        current = cache.__dict__.get(name)
+        if hasattr(type(cache), name) and not (isinstance(current, types.MethodType) and current.__func__ is method):
+            setattr(cache, name, types.MethodType(method, cache))
+
+
+def layer_state(state: PositionState, layer_idx: int, q: int, key_slots: torch.Tensor):
+    """(layer input [B, q, hidden] or None, state of the queries [B, H, q, ...] or None, state of the keys
+    [B, H, kv, ...] or None) for this call of layer `layer_idx`, the keys being the cache slots `key_slots`."""
+    method = state.method
+    content: ContentCall | None = getattr(state.call, "content", None)
+    if content is None:
+        raise RuntimeError("hf_posenc: a content method's attention ran before the base model's pre-hook.")
+    layer_input = content.inputs.get(layer_idx)
+    if method.reads_layer_input and layer_input is None:
+        raise RuntimeError(f"hf_posenc: no layer input was captured for layer {layer_idx}.")
+    new = method.token_state(layer_idx, layer_input) if layer_input is not None else None
+    if new is None:
+        return layer_input, None, None
+    past = content.past.get(layer_idx)
+    if past is not None and (past.shape[0] != new.shape[0] or past.shape[2] != content.offset):
+        raise PosEncError(
+            f"The KV cache holds the per-token state of {past.shape[2]} tokens in {past.shape[0]} rows for "
+            f"{method.config.method!r}, but this forward continues {content.offset} tokens in {new.shape[0]} rows: "
+            "a cache reordered or expanded outside hf_posenc's view (beam search, num_return_sequences > 1) cannot "
+            "be followed; decode greedily or by sampling, one sequence per prompt.")
+    if content.offset and past is None:
+        raise PosEncError(
+            f"{method.config.method!r} needs the per-token state of the {content.offset} cached tokens, and this "
+            "KV cache was filled without it (by another model or before the patch): start from an empty cache.")
+    every = method.extend_token_state(past.to(new.device) if past is not None else None, new)
+    content.states[layer_idx] = every
+    first = int(key_slots[0]) if key_slots.numel() else 0
+    keys = every[:, :, first:first + key_slots.numel()]
+    missing = key_slots.numel() - keys.shape[2]
+    if missing > 0:  # a StaticCache's free slots (masked)
+        keys = torch.cat((keys, keys.new_zeros((*keys.shape[:2], missing, *keys.shape[3:]))), dim=2)
+    return layer_input, every[:, :, content.offset:content.offset + q], keys
+
+
+def install_content(family, model: nn.Module, state: PositionState, log) -> None:
+    """The three hooks of a content method (the family has routed attention already)."""
+    from .state import forward_parameter_names
+
+    base = family.base_model(model)
+    log.add_forward_pre_hook(base, ContentCapture(state, forward_parameter_names(base)), with_kwargs=True)
+    log.add_forward_hook(base, RecordContentState(state), with_kwargs=True)
+    if state.method.reads_layer_input:
+        for index, attention in enumerate(family.attention_modules(model)):
+            layer_idx = getattr(attention, "layer_idx", None)
+            layer_idx = index if layer_idx is None else layer_idx
+            log.add_forward_pre_hook(attention, LayerInputCapture(state, layer_idx), with_kwargs=True)

@@ -1,0 +1,402 @@
+"""Content-dependent attention (methods/base.py ContentMethod): each method against an independent, materialised
+float64 computation of its formula from the layer's own inputs and projections (captured with hooks on a tiny LLaMA
+whose RoPE the method removed), base="native" reproducing the original model, the options under the contract's
+cached-decoding and padding checks, and refusals. The contract suite (test_contract.py) covers every family with the
+defaults."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, StaticCache
+
+import hf_posenc
+from helpers import TOL, decode_token_by_token, left_pad, max_diff, positions_from_mask
+from tiny_models import FAMILIES, random_ids, tiny_model
+
+
+# --- capturing one layer's inputs, projections and attention output --------------------------------------------------
+def capture_llama_layers(model, ids, attention_mask=None):
+    """Per layer of a LLaMA model: x (attention input), q, k, v ([B, heads, L, D], float64, GQA expanded) and the
+    attention output before o_proj [B, L, H*D], from a forward with hooks (no rotation: base="none" removed RoPE)."""
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = config.hidden_size // heads
+    captured, handles = [], []
+    for layer in model.model.layers:
+        record = {}
+        attention = layer.self_attn
+
+        def keep(name, record=record):
+            return lambda module, args, output: record.__setitem__(name, output)
+
+        handles += [attention.register_forward_pre_hook(
+                        lambda m, a, k, record=record: record.__setitem__("x", k.get("hidden_states", a[0] if a else None)),
+                        with_kwargs=True),
+                    attention.q_proj.register_forward_hook(keep("q")), attention.k_proj.register_forward_hook(keep("k")),
+                    attention.v_proj.register_forward_hook(keep("v")),
+                    attention.o_proj.register_forward_pre_hook(lambda m, a, record=record: record.__setitem__("out", a[0]))]
+        captured.append(record)
+    with torch.no_grad():
+        model(ids, attention_mask=attention_mask)
+    for handle in handles:
+        handle.remove()
+    for record in captured:
+        batch, length = record["x"].shape[:2]
+        for name, count in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+            tensor = record[name].double().view(batch, length, count, head_dim).transpose(1, 2)
+            record[name] = tensor.repeat_interleave(heads // count, dim=1) if count != heads else tensor
+        record["x"] = record["x"].double()
+        record["out"] = record["out"].double()
+    return captured
+
+
+def causal_softmax(logits: torch.Tensor) -> torch.Tensor:
+    length = logits.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    return torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+
+
+def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+
+
+# --- FoX ------------------------------------------------------------------------------------------------------------
+def fox_reference(module, layer: int, record: dict) -> torch.Tensor:
+    """Forgetting attention in float64, materialised: D_ij = sum_{l=j+1..i} log sigmoid(w . x_l + b), summed
+    term by term (not as a difference of cumulative sums), plus the FoX-Pro parts the config enables."""
+    config = module.config
+    x, q, k, v = record["x"], record["q"], record["k"], record["v"]
+    batch, heads, length, head_dim = q.shape
+    log_f = F.logsigmoid(x @ module.gate_weight[layer].double().T + module.gate_bias[layer].double())  # [B, L, H]
+    if module.gate_scale is not None:
+        log_f = log_f * module.gate_scale[layer].double()
+    decay = torch.zeros(batch, heads, length, length, dtype=torch.float64)
+    for i in range(length):
+        for j in range(i):
+            decay[:, :, i, j] = log_f[:, j + 1:i + 1].sum(1)
+    if config.qk_norm:
+        q = rms(q, module.query_norm[layer].double().repeat_interleave(1, 0)[None, :, None])
+        kv_norm = module.key_norm[layer].double()
+        k = rms(k, kv_norm.repeat_interleave(heads // kv_norm.shape[0], 0)[None, :, None])
+    logits = q @ k.transpose(-1, -2) / math.sqrt(head_dim) + decay
+    out = causal_softmax(logits) @ v
+    if config.output_norm:
+        out = rms(out, module.output_norm_weight[layer].double()[None, :, None])
+    out = out.transpose(1, 2).reshape(batch, length, heads * head_dim)
+    if config.output_gate:
+        out = out * 2 * torch.sigmoid(x @ module.output_gate_weight[layer].double().T)
+    return out
+
+
+@pytest.mark.parametrize("options", [{}, {"gate_init": "decay-time", "qk_norm": True, "output_norm": True,
+                                          "output_gate": True}])
+def test_fox_matches_a_float64_reference(options):
+    model = hf_posenc.patch_model(tiny_model("llama"), "fox", **options)
+    module = hf_posenc.get_positional_module(model)
+    with torch.no_grad():  # off their initial values, so that every part acts
+        for param in module.parameters():
+            param.add_(0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(5)))
+    ids = random_ids(2, 10)
+    for layer, record in enumerate(capture_llama_layers(model, ids)):
+        assert max_diff(record["out"], fox_reference(module, layer, record)) <= 1e-5
+
+
+def test_fox_decay_time_init_gives_those_decay_times():
+    model = hf_posenc.patch_model(tiny_model("llama"), "fox", gate_init="decay-time", decay_time=[2.0, 200.0])
+    gate = torch.sigmoid(hf_posenc.get_positional_module(model).gate_bias.detach().double())
+    times = -1 / torch.log(gate)
+    expected = torch.logspace(math.log10(2.0), math.log10(200.0), 4, dtype=torch.float64)
+    assert torch.allclose(times, expected.expand_as(times), rtol=1e-4)
+
+
+# --- what every content method keeps ---------------------------------------------------------------------------------
+NATIVE_CASES = [("fox", {"base": "native"}), ("fox", {"base": "native", "output_gate": True}),
+                ("cope", {"base": "native"}), ("transformer-xl", {"base": "native"}),
+                ("cape", {"base": "native"}), ("cape", {"base": "native", "bias": "fire"})]
+OPTION_CASES = [("stick-breaking", {"attend_current": True}), ("stick-breaking", {"base": "native"}),
+                ("fox", {"gate_init": "decay-time", "qk_norm": True, "output_norm": True, "output_gate": True}),
+                ("fox", {"base": "native", "gate_bias": -1.0, "output_gate": True}),
+                ("cope", {"max_pos": 3}), ("cope", {"base": "native"}),
+                ("transformer-xl", {"base": "native", "relative_dim": 6}),
+                ("cape", {"bias": "fire", "mlp_width": 8}), ("cape", {"base": "native", "bias": "t5"})]
+# Stick-breaking has no parameters.
+GRADIENT_CASES = [case for case in OPTION_CASES if case[0] != "stick-breaking"]
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("method,options", NATIVE_CASES)
+def test_native_base_starts_from_the_original_logits(method, options, model_type):
+    model = tiny_model(model_type)
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        original = model(ids).logits
+        hf_posenc.patch_model(model, method, **options)
+        assert max_diff(model(ids).logits, original) <= 1e-5
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("method,options", OPTION_CASES)
+def test_options_keep_cached_decoding_and_padding_exact(method, options, model_type):
+    model = hf_posenc.patch_model(tiny_model(model_type), method, **options)
+    with torch.no_grad():  # off the initial values (a native gate scale of 0 would hide the gates)
+        for param in hf_posenc.get_positional_module(model).parameters():
+            param.add_(0.2 * torch.randn(param.shape, generator=torch.Generator().manual_seed(3)))
+    ids = random_ids(2, 12)
+    sequences = [random_ids(1, 9, seed=3)[0], random_ids(1, 5, seed=4)[0]]
+    padded, mask = left_pad(sequences)
+    with torch.no_grad():
+        full = model(ids).logits
+        assert max_diff(full, decode_token_by_token(model, ids, DynamicCache(config=model.config))) <= TOL
+        assert max_diff(full, decode_token_by_token(model, ids, StaticCache(config=model.config, max_cache_len=20))) <= TOL
+        batch = model(padded, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
+        for row, seq in enumerate(sequences):
+            assert max_diff(batch[row, -len(seq):], model(seq[None]).logits[0]) <= TOL
+
+
+@pytest.mark.parametrize("method,options", GRADIENT_CASES)
+def test_gradients_reach_every_option_parameter(method, options):
+    model = hf_posenc.patch_model(tiny_model("llama"), method, **options)
+    with torch.no_grad():
+        for param in hf_posenc.get_positional_module(model).parameters():
+            param.add_(0.2 * torch.randn(param.shape, generator=torch.Generator().manual_seed(3)))
+    model.train()
+    ids = random_ids(2, 10)
+    model(ids, labels=ids).loss.backward()
+    for name, param in hf_posenc.get_positional_module(model).named_parameters():
+        assert param.grad is not None and param.grad.abs().sum() > 0, name
+
+
+def test_a_cache_filled_without_the_state_is_refused():
+    model = tiny_model("llama")
+    ids = random_ids(1, 6)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    hf_posenc.patch_model(model, "fox")
+    with pytest.raises(hf_posenc.PosEncError, match="start from an empty cache"):
+        model(ids[:, -1:], past_key_values=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("method,options,message", [
+    ("fox", {"base": "rope"}, "base"),
+    ("fox", {"gate_init": "slow"}, "gate_init"),
+    ("fox", {"decay_time": [100.0, 10.0]}, "decay_time"),
+    ("fox", {"qk_norm": 1}, "qk_norm"),
+    ("stick-breaking", {"base": "rope"}, "base"),
+    ("cope", {"max_pos": 0}, "max_pos"),
+    ("transformer-xl", {"relative_dim": 5}, "relative_dim"),
+    ("cape", {"bias": "rope"}, "attention-bias method"),
+    ("cape", {"bias": "fire", "bias_options": {"no_such_option": 1}}, "no_such_option"),
+])
+def test_bad_options_are_refused_and_the_model_left_untouched(method, options, message):
+    model = tiny_model("llama")
+    ids = random_ids(1, 6)
+    with torch.no_grad():
+        before = model(ids).logits
+    with pytest.raises(hf_posenc.PosEncError, match=message):
+        hf_posenc.patch_model(model, method, **options)
+    assert hf_posenc.get_posenc_config(model) is None
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+
+
+# --- stick-breaking -------------------------------------------------------------------------------------------------
+def stick_breaking_reference(module, layer: int, record: dict) -> torch.Tensor:
+    """Stick-breaking attention in float64, materialised: A_ij = beta_ij * prod over the keys between (a product of
+    probabilities, term by term), and the left-over 1 - sum_j A_ij on the query's own value."""
+    q, k, v = record["q"], record["k"], record["v"]
+    batch, heads, length, head_dim = q.shape
+    beta = torch.sigmoid(q @ k.transpose(-1, -2) / math.sqrt(head_dim))
+    weights = torch.zeros_like(beta)
+    current = module.config.attend_current
+    for i in range(length):
+        for j in range(i + 1 if current else i):
+            keep = torch.ones(batch, heads, dtype=torch.float64)
+            for between in range(j + 1, i + 1 if current else i):
+                keep = keep * (1 - beta[:, :, i, between])
+            weights[:, :, i, j] = beta[:, :, i, j] * keep
+    out = weights @ v + (1 - weights.sum(-1, keepdim=True)) * v
+    return out.transpose(1, 2).reshape(batch, length, heads * head_dim)
+
+
+@pytest.mark.parametrize("attend_current", [False, True])
+def test_stick_breaking_matches_a_float64_reference(attend_current):
+    model = hf_posenc.patch_model(tiny_model("llama"), "stick-breaking", attend_current=attend_current)
+    module = hf_posenc.get_positional_module(model)
+    ids = random_ids(2, 10)
+    for layer, record in enumerate(capture_llama_layers(model, ids)):
+        assert max_diff(record["out"], stick_breaking_reference(module, layer, record)) <= 1e-5
+
+
+def test_stick_breaking_weights_sum_to_one_and_favour_recent_keys_in_eager_mode():
+    model = hf_posenc.patch_model(tiny_model("llama", attn_implementation="eager"), "stick-breaking")
+    with torch.no_grad():
+        weights = model(random_ids(1, 12), output_attentions=True).attentions[0]
+    assert torch.allclose(weights.sum(-1), torch.ones(()), atol=1e-5)
+    assert (weights >= 0).all() and (weights.triu(1) == 0).all()
+
+
+# --- CoPE -----------------------------------------------------------------------------------------------------------
+def cope_reference(module, layer: int, record: dict) -> torch.Tensor:
+    """CoPE in float64, materialised: p_ij summed gate by gate, e[p] interpolated as a vector (not the scalars)."""
+    q, k, v = record["q"], record["k"], record["v"]
+    batch, heads, length, head_dim = q.shape
+    embeddings = module.position_embeddings[layer].double().T  # [max_pos + 1, head_dim]
+    z = q @ k.transpose(-1, -2) / math.sqrt(head_dim)
+    gates = torch.sigmoid(z)
+    logits = z.clone()
+    for i in range(length):
+        for j in range(i + 1):
+            p = gates[:, :, i, j:i + 1].sum(-1).clamp(max=module.config.max_pos)  # [B, H]
+            low, high = p.floor().long(), p.ceil().long()
+            w = (p - p.floor())[..., None]
+            e = embeddings[low] * (1 - w) + embeddings[high] * w  # [B, H, head_dim]
+            logits[:, :, i, j] += (q[:, :, i] * e).sum(-1)
+    out = causal_softmax(logits) @ v
+    return out.transpose(1, 2).reshape(batch, length, heads * head_dim)
+
+
+@pytest.mark.parametrize("max_pos", [3, 64])  # 3: positions clamp within these 10 tokens
+def test_cope_matches_a_float64_reference(max_pos):
+    model = hf_posenc.patch_model(tiny_model("llama"), "cope", max_pos=max_pos)
+    module = hf_posenc.get_positional_module(model)
+    with torch.no_grad():
+        module.position_embeddings.normal_(0, 1.0, generator=torch.Generator().manual_seed(2))
+    ids = random_ids(2, 10)
+    for layer, record in enumerate(capture_llama_layers(model, ids)):
+        assert max_diff(record["out"], cope_reference(module, layer, record)) <= 1e-5
+
+
+# --- Transformer-XL -------------------------------------------------------------------------------------------------
+def transformer_xl_reference(module, layer: int, record: dict) -> torch.Tensor:
+    """Transformer-XL's four terms (a) + (b) + (c) + (d) in float64, materialised pair by pair, R built here."""
+    q, k, v = record["q"], record["k"], record["v"]
+    batch, heads, length, head_dim = q.shape
+    dim = module.relative_dim
+    W = module.relative_projection[layer].double()  # [H, head_dim, dim]
+    u, vb = module.content_bias[layer].double(), module.position_bias[layer].double()
+    logits = torch.zeros(batch, heads, length, length, dtype=torch.float64)
+    for i in range(length):
+        for j in range(i + 1):
+            t = float(i - j)
+            R = torch.tensor([math.sin(t / 10000 ** (2 * n / dim)) for n in range(dim // 2)]
+                             + [math.cos(t / 10000 ** (2 * n / dim)) for n in range(dim // 2)], dtype=torch.float64)
+            WR = W @ R  # [H, head_dim]
+            a = (q[:, :, i] * k[:, :, j]).sum(-1)
+            b = (q[:, :, i] * WR).sum(-1)
+            c = (u * k[:, :, j]).sum(-1)
+            d = (vb * WR).sum(-1)
+            logits[:, :, i, j] = (a + b + c + d) / math.sqrt(head_dim)
+    out = causal_softmax(logits) @ v
+    return out.transpose(1, 2).reshape(batch, length, heads * head_dim)
+
+
+@pytest.mark.parametrize("relative_dim", [None, 6])
+def test_transformer_xl_matches_a_float64_reference(relative_dim):
+    model = hf_posenc.patch_model(tiny_model("llama"), "transformer-xl", relative_dim=relative_dim)
+    module = hf_posenc.get_positional_module(model)
+    with torch.no_grad():
+        for param in (module.content_bias, module.position_bias):
+            param.normal_(0, 0.5, generator=torch.Generator().manual_seed(4))
+    ids = random_ids(2, 10)
+    for layer, record in enumerate(capture_llama_layers(model, ids)):
+        assert max_diff(record["out"], transformer_xl_reference(module, layer, record)) <= 1e-5
+
+
+def test_transformer_xl_with_far_apart_positions_uses_the_distances_that_occur():
+    """Position ids with large gaps take the torch.unique branch; a cached continuation agrees with the full forward."""
+    model = hf_posenc.patch_model(tiny_model("llama"), "transformer-xl")
+    ids = random_ids(1, 8)
+    positions = torch.tensor([[0, 1, 2, 500, 501, 9000, 9001, 9002]])
+    with torch.no_grad():
+        full = model(ids, position_ids=positions).logits
+        cache = DynamicCache(config=model.config)
+        first = model(ids[:, :5], position_ids=positions[:, :5], past_key_values=cache, use_cache=True).logits
+        rest = model(ids[:, 5:], position_ids=positions[:, 5:], past_key_values=cache, use_cache=True).logits
+    assert max_diff(full, torch.cat((first, rest), dim=1)) <= TOL
+
+
+# --- CAPE -----------------------------------------------------------------------------------------------------------
+def cape_reference(module, layer: int, record: dict) -> torch.Tensor:
+    """CAPE in float64: the MLP applied to each pair's 2H features one pair at a time; B from the bias method's
+    own materialised bias."""
+    q, k, v = record["q"], record["k"], record["v"]
+    batch, heads, length, head_dim = q.shape
+    positions = torch.arange(length)[None]
+    bias = module.bias_method.bias(layer, positions, positions).double().expand(batch, heads, length, length)
+    z = q @ k.transpose(-1, -2) / math.sqrt(head_dim)
+    W1, b1 = module.input_weight[layer].double(), module.input_bias[layer].double()
+    W2, b2 = module.output_weight[layer].double(), module.output_bias[layer].double()
+    logits = z.clone()
+    for i in range(length):
+        for j in range(i + 1):
+            pair = torch.cat((z[:, :, i, j], bias[:, :, i, j]), dim=-1)  # [B, 2H]
+            correction = F.gelu(pair @ W1.T + b1) @ W2.T + b2
+            logits[:, :, i, j] += correction + (bias[:, :, i, j] if module.config.base == "none" else 0)
+    out = causal_softmax(logits) @ v
+    return out.transpose(1, 2).reshape(batch, length, heads * head_dim)
+
+
+@pytest.mark.parametrize("bias", ["alibi", "kerple", "fire"])
+def test_cape_matches_a_float64_reference(bias):
+    model = hf_posenc.patch_model(tiny_model("llama"), "cape", bias=bias, mlp_width=8)
+    module = hf_posenc.get_positional_module(model)
+    with torch.no_grad():
+        for param in (module.input_bias, module.output_weight, module.output_bias):
+            param.normal_(0, 0.5, generator=torch.Generator().manual_seed(6))
+    ids = random_ids(2, 10)
+    for layer, record in enumerate(capture_llama_layers(model, ids)):
+        assert max_diff(record["out"], cape_reference(module, layer, record)) <= 1e-5
+
+
+@pytest.mark.parametrize("method", ["fox"])  # the one method with carried per-token state
+def test_beam_search_reorders_the_carried_state(method):
+    """Beam search reorders the KV cache each step; each returned beam's score equals its log-probability under a
+    full forward of its tokens only if the per-token state followed the reorder."""
+    model = hf_posenc.patch_model(tiny_model("llama"), method)
+    with torch.no_grad():
+        for param in hf_posenc.get_positional_module(model).parameters():
+            param.add_(0.5 * torch.randn(param.shape, generator=torch.Generator().manual_seed(8)))
+    prompt = random_ids(1, 6)
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=6, num_beams=3, num_return_sequences=3, do_sample=False,
+                             length_penalty=0.0, early_stopping=True, output_scores=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        for sequence, score in zip(out.sequences, out.sequences_scores):
+            log_probs = torch.log_softmax(model(sequence[None]).logits[0, :-1].float(), dim=-1)
+            generated = log_probs[5:].gather(-1, sequence[6:, None]).sum()
+            assert abs(float(generated) - float(score)) <= 1e-4
+
+
+@pytest.mark.parametrize("method", ["fox", "stick-breaking", "cope", "transformer-xl", "cape"])
+def test_many_query_blocks_give_what_one_block_gives(method, monkeypatch):
+    """The references above run one block; with BLOCK_BYTES shrunk each block holds a few rows (and sees only the keys
+    causality allows it), for a prompt, a left-padded batch and a chunk after a cache."""
+    from hf_posenc.engine import attention as engine
+
+    model = hf_posenc.patch_model(tiny_model("llama"), method)
+    with torch.no_grad():
+        for param in hf_posenc.get_positional_module(model).parameters():
+            param.add_(0.2 * torch.randn(param.shape, generator=torch.Generator().manual_seed(3)))
+    ids = random_ids(2, 20)
+    padded, mask = left_pad([random_ids(1, 20, seed=3)[0], random_ids(1, 13, seed=4)[0]])
+
+    def run():
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            model(ids[:, :7], past_key_values=cache, use_cache=True)
+            chunk = model(ids[:, 7:], past_key_values=cache, use_cache=True).logits
+            # padding rows see no key at all: what they get depends on the block's width, and nothing reads it
+            return model(ids).logits, model(padded, attention_mask=mask).logits[mask.bool()], chunk
+
+    one = run()
+    rows = 3
+    cost = hf_posenc.get_positional_module(model).block_cost
+    monkeypatch.setattr(engine, "BLOCK_BYTES", int(4 * 2 * 4 * 20 * cost * rows))
+    assert engine.block_rows(2, 4, 20, cost) == rows
+    for a, b in zip(one, run()):
+        assert max_diff(a, b) <= 1e-5

@@ -235,6 +235,16 @@ def test_absolute_methods_are_refused_per_layer(method):
     assert_same_fingerprint(before, model_fingerprint(model))
 
 
+@pytest.mark.parametrize("method", ["fox", "stick-breaking", "cope", "transformer-xl", "cape"])
+def test_content_methods_are_refused_per_layer(method):
+    """Their per-token state is installed for the whole model; a hybrid of them used to compute NoPE on its layers."""
+    model = tiny_model("llama")
+    before = model_fingerprint(model)
+    with pytest.raises(hf_posenc.PosEncError, match="content-dependent.*no layers="):
+        hf_posenc.patch_model(model, method, layers=[1])
+    assert_same_fingerprint(before, model_fingerprint(model))
+
+
 def test_other_refusals_leave_the_model_as_it_was():
     model = hf_posenc.patch_model(tiny_model("gpt2"), "alibi", layers=[0])
     before = model_fingerprint(model)

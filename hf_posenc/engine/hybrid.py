@@ -12,10 +12,10 @@ checkpoint records the parts (and, in posenc_config.json, `layer_methods`: what 
 
 What cannot be per layer: absolute methods (`learned`, `sinusoidal`) add their embedding to the input of the first
 layer, not inside a layer; length-dependent RoPE scalings with exact caching replay the whole model's cache; methods
-over 2-D positions (`rope-2d`) change the model's position_ids; and methods that build on another patch (a RoPE
-scaling on GPT-2 builds on a `rope` patch of every layer). Those are refused. On a family whose own positions are an
-input embedding (GPT-2's learned `wpe`), that embedding is not a layer's: it stays, and the parts add their method in
-their layers.
+over 2-D positions (`rope-2d`) change the model's position_ids; content-dependent methods (`fox`, `cope`, ...) keep
+per-token state installed for the whole model; and methods that build on another patch (a RoPE scaling on GPT-2 builds
+on a `rope` patch of every layer). Those are refused. On a family whose own positions are an input embedding (GPT-2's
+learned `wpe`), that embedding is not a layer's: it stays, and the parts add their method in their layers.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch import nn
 
 from ..config import PosEncConfig
 from ..errors import PosEncError
-from ..methods.base import AbsolutePositionMethod, PositionalMethod, RotaryMethod
+from ..methods.base import AbsolutePositionMethod, ContentMethod, PositionalMethod, RotaryMethod
 from ..model_info import ModelInfo
 from ..registry import config_for, get_method, register_method
 
@@ -147,6 +147,9 @@ def refuse_per_layer(config: PosEncConfig, module: PositionalMethod | None = Non
     if issubclass(cls, AbsolutePositionMethod):
         raise PosEncError(f"{name!r} adds a position embedding to the input of the first layer, not inside a layer, "
                           f"so it cannot run on some layers only: {fix}.")
+    if issubclass(cls, ContentMethod):
+        raise PosEncError(f"{name!r} is a content-dependent method, whose per-token state (engine/content.py) is "
+                          f"installed for the whole model, not per layer: {fix}.")
     if module is None:
         return
     if isinstance(module, RotaryMethod) and module.length_dependent and module.exact_cache:

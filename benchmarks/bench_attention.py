@@ -81,8 +81,18 @@ def _rss_mib(field: str) -> float:
     return float("nan")
 
 
+def _trim_heap() -> None:
+    """Give freed heap memory back to the system (glibc), so that the resident size is live memory again after the
+    timing pass grew the heap."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def peak_mib(fn) -> float:
     """Peak resident memory above the starting point while fn runs (Linux)."""
+    _trim_heap()
     try:
         with open("/proc/self/clear_refs", "w") as refs:
             refs.write("5")

@@ -1,6 +1,6 @@
 """Fine-tuning recipes after a swap (issue 18): LM loss vs distillation from the original, optionally with PoSE or
 hybrid layers, at the same token budget; held-out perplexity at a few lengths. One recipe per invocation (so each
-evidence run stays short); every run appends its row to --output (JSON) and prints the table so far.
+evidence run stays short); every run appends its row to bench_recipes.json in --output-dir and prints the table so far.
 
     nice -n 10 python benchmarks/bench_recipes.py --recipe original
     nice -n 10 python benchmarks/bench_recipes.py --recipe lm --method alibi --steps 16 --max-length 256
@@ -45,7 +45,8 @@ def main() -> None:
     p.add_argument("--lengths", default="512,2048")
     p.add_argument("--windows", default="2,1", help="held-out windows per length (one number, or one per length)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--output", type=Path, default=Path("runs/bench_recipes.json"))
+    p.add_argument("--output-dir", type=Path, default=Path("runs/bench_recipes"),
+                   help="where bench_recipes.json collects the rows (default %(default)s)")
     p.add_argument("--keep", type=Path, default=None,
                    help="keep the fine-tuned model in this folder and stop before evaluating (evaluate it later with "
                         "--recipe saved --keep FOLDER): splits one long run in two")
@@ -98,10 +99,11 @@ def main() -> None:
             return
     row["perplexity"] = held_out_perplexity(model, tokenizer, lengths, windows)
     row["seconds"] = round(time.perf_counter() - started, 1)
-    rows = json.loads(args.output.read_text()) if args.output.is_file() else []
+    output = args.output_dir / "bench_recipes.json"
+    rows = json.loads(output.read_text()) if output.is_file() else []
     rows.append(row)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(rows, indent=2) + "\n")
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(rows, indent=2) + "\n")
     print(f"{'recipe':10} {'method':24} {'steps':>5} " + " ".join(f"{'ppl@' + str(n):>9}" for n in lengths)
           + "  train s")
     for r in rows:

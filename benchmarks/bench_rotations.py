@@ -2,7 +2,7 @@
 layer stack as bench_attention.py (8 heads x 64, batch 1), at several lengths: forward and forward+backward time and
 peak memory, as ratios to native RoPE in the same run. Reuses bench_attention's model and measurement.
 
-    .venv/bin/python benchmarks/bench_rotations.py --lengths 1024,4096 --output benchmarks/bench_rotations.json
+    .venv/bin/python benchmarks/bench_rotations.py --lengths 1024,4096 --output-dir runs/bench_rotations
 
 ComRoPE and LieRE rotate inside the shared attention path (a b x b matrix per block and position: matrix_exp once
 per forward, float32, shared by the layers); FoPE and 2-D RoPE are cos/sin pairs that the layers apply as native RoPE does.
@@ -63,7 +63,8 @@ def run(lengths, layers=2, heads=8, head_dim=64, repeats=3, backward_repeats=2, 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="1024,4096")
-    parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--output-dir", type=Path, default=Path("runs/bench_rotations"),
+                        help="where bench_rotations.json is written, row by row (default %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="timed forwards per case (median)")
     parser.add_argument("--backward-repeats", type=int, default=2, help="timed forward+backward per case (median)")
     parser.add_argument("--threads", type=int, default=1)
@@ -73,10 +74,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     long_cases = set(args.long_cases.split(";")) if args.long_cases else None
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    output = args.output_dir / "bench_rotations.json"
     rows = run([int(n) for n in args.lengths.split(",")], repeats=args.repeats, backward_repeats=args.backward_repeats,
-               long_from=args.long_from, long_cases=long_cases, output=args.output)
-    if args.output:
-        args.output.write_text(json.dumps(rows, indent=2))
+               long_from=args.long_from, long_cases=long_cases, output=output)
+    output.write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":

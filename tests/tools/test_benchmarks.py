@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -84,3 +86,12 @@ def test_finetune_benchmark_times_the_finetune_step_beside_native(tmp_path, monk
     assert "| t5 | 32 | yes |" in bench.format_table(rows)
     assert bench.save(rows, tmp_path)["png"].stat().st_size > 0
     assert "rope" not in bench.default_methods() and "alibi:trainable=true" in bench.default_methods()
+
+
+def test_rotation_benchmark_writes_its_rows_to_the_output_dir(tmp_path):
+    bench = load_script("benchmarks/bench_rotations.py")
+    bench.main(["--lengths", "16", "--repeats", "1", "--backward-repeats", "1", "--output-dir", str(tmp_path)])
+    rows = json.loads((tmp_path / "bench_rotations.json").read_text())
+    assert rows[0]["method"] == "native RoPE"
+    assert {row["method"] for row in rows[1:]} == {method for method, _ in bench.CASES}
+    assert all(row["forward_ratio"] > 0 for row in rows[1:])

@@ -95,3 +95,13 @@ def test_rotation_benchmark_writes_its_rows_to_the_output_dir(tmp_path):
     assert rows[0]["method"] == "native RoPE"
     assert {row["method"] for row in rows[1:]} == {method for method, _ in bench.CASES}
     assert all(row["forward_ratio"] > 0 for row in rows[1:])
+
+
+def test_every_benchmark_names_its_output_folder_as_the_tools_do():
+    """--output-dir everywhere (a new user tripped on bench_attention's --out)."""
+    from tool_helpers import REPO
+
+    for script in sorted((REPO / "benchmarks").glob("*.py")):
+        source = script.read_text()
+        assert '"--output-dir"' in source, script.name
+        assert '"--output"' not in source and '"--out"' not in source, script.name

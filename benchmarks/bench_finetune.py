@@ -74,7 +74,8 @@ def training(model, length: int, checkpointing: bool, steps: int):
     args = finetune.settings(max_length=length, batch_size=1, max_steps=steps + 1, gradient_checkpointing=checkpointing,
                              no_memory_check=True, lr=1e-5)
     blocks = torch.randint(0, model.config.vocab_size, (steps + 1, length), generator=torch.Generator().manual_seed(0))
-    data = finetune.TrainingData([], blocks.numel(), blocks, blocks[:0])
+    positions = torch.arange(length).expand_as(blocks)  # one document per block: positions 0..L-1
+    data = finetune.TrainingData([], blocks.numel(), blocks, blocks[:0], positions, positions[:0])
     prepared = finetune.prepare_training(args, Accelerator(cpu=not torch.cuda.is_available()), model, data)
     prepared.model.train()
     return lambda step: finetune.training_step(args, prepared, blocks[step % len(blocks)][None], step)

@@ -47,7 +47,7 @@ _EXPORTS = {
     "RopeConfig": "methods.rope",
     "ReropeConfig": "methods.rerope",
     "SelfExtendConfig": "methods.self_extend",
-    **dict.fromkeys(("SinksConfig", "sink_cache"), "methods.sinks"),
+    "SinksConfig": "methods.sinks",
     "SinkCache": "engine.sink_cache",
     **dict.fromkeys(("DynamicConfig", "DynamicYarnConfig", "LinearConfig", "Llama3Config", "LongRopeConfig",
                      "NtkConfig", "RopeScalingConfig", "YarnConfig"), "methods.rope_scaling"),
@@ -56,7 +56,8 @@ _EXPORTS = {
     "T5Config": "methods.t5",
     "XposConfig": "methods.xpos",
     "ModelInfo": "model_info",
-    **dict.fromkeys(("get_positional_module", "get_posenc_config", "patch_model", "unpatch_model"), "patching"),
+    **dict.fromkeys(("get_positional_module", "get_posenc_config", "patch_model", "sink_cache", "unpatch_model"),
+                    "patching"),
     **dict.fromkeys(("available_methods", "get_method", "register_family", "register_method",
                      "supported_model_types"), "registry"),
 }

@@ -91,19 +91,3 @@ class AttentionSinks(NeighbourWindowRope):
 
     def kv_cache(self, num_layers: int) -> SinkCache:
         return SinkCache(num_layers, self.num_sinks, self.window)
-
-
-def sink_cache(model) -> SinkCache:
-    """The bounded KV cache for a model patched with `sinks` (what `model.generate` creates by itself): pass it as
-    `past_key_values` to your own decoding loop; memory stays at num_sinks + window - 1 keys per layer."""
-    from ..engine.install import applied_patch
-    from ..engine.sink_cache import num_layers
-
-    applied = applied_patch(model)
-    cache = applied.method.kv_cache(num_layers(model)) if applied is not None else None
-    if cache is None:
-        method = applied.config.method if applied is not None else None
-        raise PosEncError(f"sink_cache(model) needs a model patched with 'sinks'; this one is "
-                          f"{'patched with ' + repr(method) if method else 'not patched'}. Call "
-                          "hf_posenc.patch_model(model, 'sinks', num_sinks=4, window=...) first.")
-    return cache

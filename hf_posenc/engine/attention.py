@@ -325,6 +325,16 @@ def _blocked(module, state, layer_idx, query, key, value, attention_mask, scalin
     return output.transpose(1, 2).contiguous(), attn_weights
 
 
+def causal_blocks(query_slots: torch.Tensor, key_slots: torch.Tensor, step: int, full_width: bool):
+    """(rows, columns) per query block of `step` rows, keys in slot order: keys past the block's last query slot are
+    masked for all its rows and left out, unless `full_width` (eager: attention weights over every key)."""
+    q, kv = query_slots.shape[0], key_slots.shape[0]
+    query_offset = int(query_slots[0]) - (int(key_slots[0]) if kv else 0)
+    for start in range(0, q, step):
+        rows = slice(start, min(q, start + step))
+        yield rows, slice(0, kv if full_width else max(1, min(kv, query_offset + rows.stop)))
+
+
 def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dropout, query_slots, key_slots,
                    query_positions, key_positions):
     """Attention for methods whose scores the method computes per query block from un-rotated queries and keys
@@ -332,21 +342,17 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
     holds a few [B, H, rows, keys] tensors (the method's `block_cost`), never [L, L] for the whole sequence.
     Returns (output [B, q, H, D], attention weights [B, H, q, kv] in eager mode, else None)."""
     last_paths["scored"] += 1
-    batch, heads, q, _ = query.shape
+    batch, heads = query.shape[:2]
     kv = key.shape[2]
     groups = heads // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     eager = state.eager
     dropout = dropout if module.training else 0.0
-    query_offset = int(query_slots[0]) - (int(key_slots[0]) if kv else 0)
     low = torch.finfo(torch.float32).min
     outputs, weights = [], []
-    step = block_rows(batch, heads, kv, state.method.block_cost)
-    for start in range(0, q, step):
-        rows = slice(start, min(q, start + step))
-        # Keys past the block's last query slot are masked for all its rows (eager keeps them: full-width weights).
-        columns = slice(0, kv if eager else max(1, min(kv, query_offset + rows.stop)))
+    for rows, columns in causal_blocks(query_slots, key_slots, block_rows(batch, heads, kv, state.method.block_cost),
+                                       eager):
         scores = state.method.block_scores(query[:, :, rows], key[:, :, columns], query_positions[:, rows],
                                            key_positions[:, columns]) * scaling
         allowed = key_slots[None, columns] <= query_slots[rows, None]
@@ -381,13 +387,8 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     eager = state.eager
     dropout = dropout if module.training else 0.0
-    query_offset = int(query_slots[0]) - (int(key_slots[0]) if kv else 0)
     outputs, weights = [], []
-    step = block_rows(batch, heads, kv, method.block_cost)
-    for start in range(0, q, step):
-        rows = slice(start, min(q, start + step))
-        # Keys past the block's last query slot are masked for all its rows (eager keeps them: full-width weights).
-        columns = slice(0, kv if eager else max(1, min(kv, query_offset + rows.stop)))
+    for rows, columns in causal_blocks(query_slots, key_slots, block_rows(batch, heads, kv, method.block_cost), eager):
         arguments = (state, layer_idx, scaling, query, key, value, attention_mask, rows, columns, query_slots,
                      key_slots, query_positions, key_positions, query_state, key_state, dropout, module.training)
         if eager or not torch.is_grad_enabled():

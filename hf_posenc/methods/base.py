@@ -317,3 +317,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     rotated_half = torch.cat((-rotary[..., half:], rotary[..., :half]), dim=-1)
     out = rotary * cos + rotated_half * sin
     return out if rest is None else torch.cat((out, rest), dim=-1)
+
+
+def rotate_per_head(x: torch.Tensor, rotation, heads: int) -> torch.Tensor:
+    """`rotate` with a (cos, sin) pair per key-value head, each [B or 1, q, heads, rotary_dim]: x [B, H, q, D] holds
+    the key-value heads (keys) or groups of query heads sharing one (queries)."""
+    group = x.shape[1] // heads
+    cos, sin = (part.transpose(1, 2).repeat_interleave(group, dim=1).to(x.dtype) for part in rotation)
+    return rotate(x, cos, sin)

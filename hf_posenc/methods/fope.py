@@ -27,7 +27,7 @@ from ..config import BASE_WHY, MAX_DISTANCE, MIN_BASE, PosEncConfig
 from ..errors import PosEncError
 from ..model_info import ModelInfo
 from ..registry import register_method
-from .base import RotaryMethod, rotate
+from .base import RotaryMethod, rotate_per_head
 from .rope import DEFAULT_THETA, default_inv_freq
 
 DEFAULT_WINDOW = 2048
@@ -97,6 +97,4 @@ class Fope(RotaryMethod):
     def rotate_heads(self, x, rotation):
         if self.heads is None:
             return super().rotate_heads(x, rotation)
-        group = x.shape[1] // self.heads  # x's heads: the kv heads (keys) or groups of them (queries)
-        cos, sin = (part.transpose(1, 2).repeat_interleave(group, dim=1).to(x.dtype) for part in rotation)
-        return rotate(x, cos, sin)
+        return rotate_per_head(x, rotation, self.heads)

@@ -334,8 +334,8 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
 
     summary = run_summary(args, training, progress, request, posenc, data, started)
     save_output(args, training, tokenizer, posenc, summary, progress.log)
-    if trackers:
-        accelerator.end_training()
+    # Always: it also destroys the process group, without which a rank can abort at exit under DDP.
+    accelerator.end_training()
     return summary
 
 

@@ -72,15 +72,22 @@ def estimate_forward_bytes(model, length: int, batch: int = 1) -> int:
     return int(1.25 * (params + batch * (length * per_token + attention)))
 
 
-def estimate_training_bytes(model, length: int, batch: int, trainable: int, checkpointing: bool) -> int:
+def estimate_training_bytes(model, length: int, batch: int, trainable: int, checkpointing: bool,
+                            teacher=None) -> int:
     """Rough peak memory of one training micro-step: weights, gradients and AdamW state of the trainable
-    parameters, activations kept for backward (all layers, or one with gradient checkpointing), fp32 logits."""
+    parameters, activations kept for backward (all layers, or one with gradient checkpointing), fp32 logits.
+    With a distillation `teacher` (distill.Teacher): its own weights where it holds a copy, and its fp32 logits
+    and their softmax, which live beside the student's through the loss."""
     info = get_family(model.config).model_info(model)
     hidden, layers, heads, vocab = info.hidden_size, info.num_layers, info.num_heads, info.vocab_size
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     kept_layers = 1 if checkpointing else layers
     per_token = 4 * (vocab * 3 + hidden * 34 * kept_layers + (hidden * 2 * layers if checkpointing else 0))
     attention = 4 * heads * length * length * kept_layers
+    if teacher is not None:
+        if teacher.model is not None:
+            params += sum(p.numel() * p.element_size() for p in teacher.model.parameters())
+        per_token += 4 * vocab * 2
     return int(1.25 * (params + 12 * trainable + batch * (length * per_token + attention)))
 
 

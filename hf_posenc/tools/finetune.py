@@ -324,7 +324,7 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
     from hf_posenc import get_posenc_config
 
     posenc = get_posenc_config(model)
-    training = prepare_training(args, accelerator, model, data)
+    training = prepare_training(args, accelerator, model, data, teacher)
     training.teacher = teacher.to(accelerator.device) if teacher is not None else None
     training.restarts = restarts
     if trackers:
@@ -474,7 +474,7 @@ def training_data(args: argparse.Namespace, tokenizer, docs, world: int) -> Trai
                         positions[n_train:])
 
 
-def prepare_training(args: argparse.Namespace, accelerator, model, data: TrainingData) -> Training:
+def prepare_training(args: argparse.Namespace, accelerator, model, data: TrainingData, teacher=None) -> Training:
     """Choose what trains, check the memory it needs, and build the optimizer, schedule and data loaders."""
     import torch
     from transformers import get_scheduler
@@ -483,7 +483,8 @@ def prepare_training(args: argparse.Namespace, accelerator, model, data: Trainin
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not args.no_memory_check:
         check_memory(estimate_training_bytes(model, args.max_length, args.batch_size,
-                                             sum(p.numel() for p in trainable), args.gradient_checkpointing),
+                                             sum(p.numel() for p in trainable), args.gradient_checkpointing,
+                                             teacher),
                      f"training on {args.batch_size} x {args.max_length} tokens")
     if args.gradient_checkpointing:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model

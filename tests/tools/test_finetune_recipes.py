@@ -129,6 +129,22 @@ def test_the_teachers_logits_are_the_unpatched_models_bit_for_bit(frozen_base):
         assert torch.equal(cut, model(long_ids[:, :64], position_ids=restarts[:, :64], use_cache=False).logits)
 
 
+def test_the_memory_estimate_counts_the_teacher():
+    from hf_posenc.tools.estimates import estimate_training_bytes
+
+    model = tiny_model("llama")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    vocab, length, batch = model.config.vocab_size, 256, 2
+    alone = estimate_training_bytes(model, length, batch, trainable=100, checkpointing=False)
+    view = estimate_training_bytes(model, length, batch, trainable=100, checkpointing=False,
+                                   teacher=Teacher.original(model, frozen_base=True))
+    copy = estimate_training_bytes(model, length, batch, trainable=100, checkpointing=False,
+                                   teacher=Teacher.original(model, frozen_base=False))
+    logits = batch * length * vocab * 4 * 2  # the teacher's fp32 logits and their softmax
+    assert view - alone == pytest.approx(1.25 * logits, abs=1)
+    assert copy - view == pytest.approx(1.25 * weights, abs=1)  # the frozen copy's own weights
+
+
 def test_the_unpatched_view_disables_lora_adapters():
     from peft import LoraConfig, get_peft_model
 

@@ -286,3 +286,50 @@ def test_the_command_line_takes_layers_as_a_method_option():
     assert hf_posenc.get_posenc_config(model).layer_methods(2) == ["native", "nope"]
     with pytest.raises(hf_posenc.PosEncError, match="input of the first layer"):
         MethodRequest.parse("learned:layers=[1]").check()
+
+
+# --- hybrids under torch.compile and on the flex path ---------------------------------------------------------------
+@pytest.mark.parametrize("name,model_type", [("alibi@1", "llama"), ("fire@0+rope@1", "llama"), ("alibi@1", "gpt2")])
+def test_a_compiled_hybrid_is_one_graph_with_the_eager_numbers(name, model_type):
+    import torch._dynamo
+
+    model = patch_hybrid(tiny_model(model_type), name)
+    ids = random_ids(2, 8)
+    with torch.no_grad():
+        expected = model(ids).logits
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        first, second = compiled(ids).logits, compiled(ids).logits
+    assert max_diff(first, expected) < 1e-4 and max_diff(second, expected) < 1e-4
+
+
+def test_the_flex_path_serves_only_the_patched_layers_of_a_hybrid(monkeypatch):
+    """Layer 1 runs T5's table through the flex dispatch (a right stand-in kernel, as compiled flex is checked per
+    machine); layer 0 stays native: one flex call per forward, and the numbers of the blocked path."""
+    from hf_posenc import attention
+    from hf_posenc.engine.kernel_check import table_attention_reference
+
+    model = hf_posenc.patch_model(tiny_model("llama"), "t5", layers=[1])
+    ids = random_ids(2, 20)
+    calls = []
+
+    def stand_in(*args, **kwargs):
+        calls.append(1)
+        return table_attention_reference(*args, **kwargs)
+
+    attention.reset_kernel_status()
+    try:
+        with torch.no_grad(), attention.attention_path("blocked"):
+            blocked = model(ids).logits
+        monkeypatch.setattr(attention, "_flex_kernel", stand_in)
+        attention.last_paths.clear()
+        with torch.no_grad(), attention.attention_path("flex"):
+            flex = model(ids).logits
+        assert attention.last_paths == {"flex": 1} and calls  # layer 1 only
+        assert all(verdict.passed for verdict in attention.kernel_status())
+    finally:
+        attention.reset_kernel_status()
+    assert max_diff(flex, blocked) <= 1e-5
+    with torch.no_grad():
+        assert max_diff(blocked, assembled_logits("llama", [None, ("t5", {})], ids)) <= 1e-5

@@ -154,3 +154,13 @@ def test_engine_and_checkpoints_import_nothing_dynamically():
             if calls:
                 found[module] = calls
     assert not found, found
+
+
+def test_the_readme_method_table_lists_exactly_the_registered_methods():
+    import re
+
+    readme = (PACKAGE_DIR.parent / "README.md").read_text()
+    table = readme.split("## Methods", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\| `([a-z0-9-]+)` \|", table, flags=re.MULTILINE)
+    assert sorted(listed) == sorted(hf_posenc.available_methods())
+    assert len(listed) == len(set(listed))

@@ -75,7 +75,7 @@ CONTRACT = {
     "sinks": ContractCase(options={"num_sinks": 2, "window": 4}, scales_rope=True),
     # Content-dependent attention (methods/base.py ContentMethod), alone (base="none"); base="native" and the
     # options are checked in test_content_methods.py.
-    "fox": ContractCase(),
+    "fox": ContractCase(options={"key_shift": True, "value_shift": True}),  # FoX-Pro's token shift: state and cache
     "stick-breaking": ContractCase(),
     "cope": ContractCase(),
     "transformer-xl": ContractCase(),

@@ -381,7 +381,7 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
     batch, heads, q, _ = query.shape
     kv = key.shape[2]
     layer_input, query_state, key_state = layer_state(state, layer_idx, q, key_slots)
-    query, key, value = method.prepare_heads(layer_idx, query, key, value, layer_input)
+    query, key, value = method.prepare_heads(layer_idx, query, key, value, layer_input, key_state, key_slots)
     groups = heads // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)

@@ -201,8 +201,8 @@ class ContentBlock:
     # base="native", e.g. BLOOM's ALiBi, and a caller's additive float mask), or None
     query_positions: torch.Tensor  # [B or 1, r] long
     key_positions: torch.Tensor  # [B or 1, k] long
-    query_state: torch.Tensor | None  # the method's carried per-token state (token_state) of the rows [B, H, r, ...]
-    key_state: torch.Tensor | None  # ... and of the keys [B, H, k, ...]
+    query_state: torch.Tensor | None  # the method's carried per-token state (token_state) of the rows [B, S, r, ...]
+    key_state: torch.Tensor | None  # ... and of the keys [B, S, k, ...]
     query_slots: torch.Tensor  # [r] cache slots of the rows
     key_slots: torch.Tensor  # [k] cache slots of the keys (a key at a row's own slot is that row's token)
 
@@ -229,10 +229,12 @@ class ContentMethod(PositionalMethod):
         must add itself (BLOOM's ALiBi, kept by base="native"), else None."""
         return None
 
-    def token_state(self, layer_idx: int, layer_input: torch.Tensor) -> torch.Tensor | None:
-        """Per-token state of this call's tokens from the layer input [B, q, hidden] -> float32 [B, H, q, ...],
-        or None. It is kept on the KV cache beside the keys (engine/content.py), so cached decoding sees exactly
-        the values a full forward computed."""
+    def token_state(self, layer_idx: int, layer_input: torch.Tensor, real: torch.Tensor | None = None
+                    ) -> torch.Tensor | None:
+        """Per-token state of this call's tokens from the layer input [B, q, hidden] -> float32 [B, S, q, ...],
+        or None (S: the method's rows, its heads say). It is kept on the KV cache beside the keys
+        (engine/content.py), so cached decoding sees exactly the values a full forward computed. `real`: bool
+        [B, q], the tokens that are not padding (from the base model's 2-D attention_mask; None: all are)."""
         return None
 
     def extend_token_state(self, past: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
@@ -241,9 +243,11 @@ class ContentMethod(PositionalMethod):
         return new if past is None else torch.cat((past, new), dim=2)
 
     def prepare_heads(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      layer_input: torch.Tensor | None):
-        """query [B, H, q, D], key/value [B, H_kv, kv, D] (the whole cache) -> the three the blocks use (QK-norm,
-        say); by default unchanged."""
+                      layer_input: torch.Tensor | None, key_state: torch.Tensor | None = None,
+                      key_slots: torch.Tensor | None = None):
+        """query [B, H, q, D], key/value [B, H_kv, kv, D] (the whole cache, at cache slots `key_slots` [kv], with
+        their carried state `key_state` [B, S, kv, ...]) -> the three the blocks use (QK-norm, a token shift, say);
+        by default unchanged."""
         return query, key, value
 
     def content_scores(self, query: torch.Tensor, key: torch.Tensor, block: ContentBlock) -> torch.Tensor:

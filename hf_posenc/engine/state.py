@@ -301,7 +301,7 @@ class PositionCapture:
         if source is None:
             return None
         q = source.shape[-2] if inputs_embeds is not None else source.shape[-1]
-        cache = arguments.get("past_key_values")
+        cache = cache_argument(arguments)
         traced = torch.compiler.is_compiling()
         offset = cache.get_seq_length() if cache is not None else 0
         if not traced:
@@ -376,7 +376,7 @@ class RecordKeyPositions:
         self.state = state
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output):
-        cache = getattr(output, "past_key_values", None)
+        cache = cache_output(output)
         if cache is not None and not self.state.call.traced:
             setattr(cache, KEY_POSITIONS_ATTR, self.state.call.key_positions)
             setattr(cache, KEY_SHIFT_ATTR, None)
@@ -388,6 +388,18 @@ class RecordKeyPositions:
             setattr(cache, KEY_POSITIONS_ATTR, None)
             setattr(cache, KEY_SHIFT_ATTR, self.state.call.key_positions)
         return output
+
+
+def cache_argument(arguments: dict[str, Any]):
+    """The KV cache a base model's forward got: `cache` since transformers 5.24, `past_key_values` before."""
+    cache = arguments.get("cache")
+    return cache if cache is not None else arguments.get("past_key_values")
+
+
+def cache_output(output: Any):
+    """The KV cache a base model's forward returned (`cache` since transformers 5.24, `past_key_values` before)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
 def cached_key_positions(cache: Any, offset: int) -> torch.Tensor | None:

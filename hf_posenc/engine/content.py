@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ..errors import PosEncError
-from .state import PositionState
+from .state import PositionState, cache_argument, cache_output
 
 CONTENT_STATE_ATTR = "hf_posenc_content_state"  # on a KV cache: {layer index: float32 [B, H, n, ...]}
 
@@ -64,7 +64,7 @@ class ContentCapture:
                 "cannot trace here; run the model uncompiled.")
         arguments = dict(zip(self.parameter_names, args))
         arguments.update(kwargs)
-        cache = arguments.get("past_key_values")
+        cache = cache_argument(arguments)
         offset = int(cache.get_seq_length()) if cache is not None else 0
         past = getattr(cache, CONTENT_STATE_ATTR, None) if offset else None
         call = ContentCall(offset)
@@ -97,7 +97,7 @@ class RecordContentState:
         self.state = state
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
-        cache = getattr(output, "past_key_values", None)
+        cache = cache_output(output)
         content = getattr(self.state.call, "content", None)
         if cache is not None and content is not None:
             setattr(cache, CONTENT_STATE_ATTR, dict(content.states))

@@ -218,6 +218,10 @@ class ContentMethod(PositionalMethod):
     # Computes each block's attention weights itself (`content_weights`) instead of logits for a softmax
     # (stick-breaking).
     replaces_softmax: ClassVar[bool] = False
+    # The per-token state changes from layer to layer (TAPE's position features): each layer's state of this call's
+    # tokens comes from `layer_token_state` (their previous-layer state and its attention-weighted average, which the
+    # attention path computes with the same weights as the values), not from `token_state`.
+    mixes_state: ClassVar[bool] = False
 
     @property
     def keeps_native(self) -> bool:
@@ -234,6 +238,14 @@ class ContentMethod(PositionalMethod):
         or None. It is kept on the KV cache beside the keys (engine/content.py), so cached decoding sees exactly
         the values a full forward computed."""
         return None
+
+    def layer_token_state(self, layer_idx: int, layer_input: torch.Tensor, positions: torch.Tensor,
+                          previous: torch.Tensor | None, mixed: torch.Tensor | None) -> torch.Tensor:
+        """For `mixes_state` methods: the state of this call's tokens at `layer_idx` [B, H_s, q, ...] from the layer
+        input [B, q, hidden], their positions [B or 1, q], their state at the previous content layer [B, H_s, q, ...]
+        and, per query head, the attention-weighted average of the keys' previous-layer state [B, H, q, ...] (both
+        None at the first layer). Kept on the KV cache per layer as `token_state` is."""
+        raise NotImplementedError
 
     def extend_token_state(self, past: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
         """The state of every token so far [B, H, offset + q, ...] from the cached one (None: no cache) and this

@@ -19,7 +19,8 @@ from tiny_models import random_ids, tiny_model
 ROPE_LIKE = [("comrope-ap", {}), ("comrope-ap", {"block_size": 2}), ("comrope-ld", {"block_size": 8}),
              ("liere", {}), ("fope", {"clip_floor": False}), ("rope-2d", {}),
              ("comrope-ap", {"per_head": True}), ("liere", {"block_size": 8, "per_head": True}),
-             ("fope", {"clip_floor": False, "per_head": True}), ("rope-2d", {"per_head": True}), ("tape", {})]
+             ("fope", {"clip_floor": False, "per_head": True}), ("rope-2d", {"per_head": True}),
+             ("rope-2d", {"per_layer": True}), ("rope-2d", {"per_layer": True, "per_head": True}), ("tape", {})]
 
 
 def method_on(model_type: str, method: str, **options):
@@ -240,7 +241,7 @@ def test_rotations_are_computed_once_per_forward_and_shared_by_the_layers(method
         assert len(calls) == 2
         # per layer, as before: every layer computes its own rotations
         monkeypatch.setattr(hf_posenc.engine.state.PositionState, "rotation_of",
-                            lambda state, positions: state.method.rotation(positions, state.call.seq_len))
+                            lambda state, positions, layer_idx=0: state.method.rotation(positions, state.call.seq_len))
         assert torch.equal(model(ids).logits, full)
         calls.clear()
         cache = DynamicCache(config=model.config)
@@ -319,6 +320,48 @@ def test_per_head_rope_2d_matches_a_float64_reference_and_decodes_on_a_grid():
             assert max_diff(full, torch.cat(steps, dim=1)) <= 1e-4
     with pytest.raises(hf_posenc.PosEncError, match=r"Rope2dConfig.per_head=True has nothing to learn per head"):
         hf_posenc.Rope2dConfig(variant="axial", per_head=True)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_per_layer_rope_2d_gives_each_layer_its_own_frequencies(per_head):
+    """Mixed 2-D RoPE with per_layer=True (the paper's frequencies per layer): layer l turns by its own wx_l, wy_l
+    (checked against float64 cos/sin), equal rates in every layer give the shared-rate model's logits, changing layer 1's
+    alone changes them; on a grid it stays translation invariant, decodes exactly, and every layer's rates train."""
+    torch.manual_seed(11)
+    model, module = method_on("llama", "rope-2d", init="random", per_layer=True, per_head=per_head)
+    assert module.column_rates.shape == ((2, 2, 8) if per_head else (2, 8)) and module.rotates_in_attention
+    coordinates = torch.tensor([[[0, 0], [2, 5], [7, 1]]])
+    for layer in range(2):
+        cos, sin = module.layer_rotation(layer, coordinates)
+        column, row = (rates[layer].detach().double().numpy() for rates in (module.column_rates, module.row_rates))
+        angles = coordinates[0, :, 1:].double().numpy()[..., None, :] * column + \
+            coordinates[0, :, :1].double().numpy()[..., None, :] * row if per_head else \
+            coordinates[0, :, 1:].double().numpy() * column + coordinates[0, :, :1].double().numpy() * row
+        assert np.abs(cos[0, ..., :8].detach().double().numpy() - np.cos(angles)).max() <= 1e-5
+        assert np.abs(sin[0, ..., 8:].detach().double().numpy() - np.sin(angles)).max() <= 1e-5
+    ids, positions = random_ids(2, 12), grid(3, 4).expand(2, -1, -1)
+    shared, shared_module = method_on("llama", "rope-2d", init="random", per_head=per_head)
+    with torch.no_grad():
+        for rates, own in ((module.column_rates, shared_module.column_rates), (module.row_rates,
+                                                                                  shared_module.row_rates)):
+            rates[1] = rates[0]
+            own.copy_(rates[0])
+        full = model(ids, position_ids=positions).logits
+        assert max_diff(full, shared(ids, position_ids=positions).logits) <= 1e-5
+        module.column_rates[1] += 0.05
+        full = model(ids, position_ids=positions).logits
+        assert max_diff(full, shared(ids, position_ids=positions).logits) > 1e-4
+        assert max_diff(full, model(ids, position_ids=positions + torch.tensor([4, 7])).logits) <= 1e-5
+        for cache in (DynamicCache(config=model.config), StaticCache(config=model.config, max_cache_len=16)):
+            steps = [model(ids[:, i:i + 1], position_ids=positions[:, i:i + 1], past_key_values=cache,
+                           use_cache=True).logits for i in range(12)]
+            assert max_diff(full, torch.cat(steps, dim=1)) <= 1e-4
+    model.train()
+    model(ids, position_ids=positions, labels=ids).loss.backward()
+    for rates in (module.column_rates, module.row_rates):
+        assert all(rates.grad[layer].abs().sum() > 0 for layer in range(2))
+    with pytest.raises(hf_posenc.PosEncError, match=r"Rope2dConfig.per_layer=True has nothing to learn per layer"):
+        hf_posenc.Rope2dConfig(variant="axial", per_layer=True)
 
 
 # --- TAPE: position features updated layer by layer -----------------------------------------------------------------

@@ -220,7 +220,8 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if rotary and not state.method.rotates_per_query_block:
         # Keys are cached un-rotated; rotating the whole cache here costs O(kv * D) per layer and step, the same
         # order as attention itself, and is what keeps length-dependent scalings exact under a KV cache.
-        query, key = state.rotate_query_key(query, key, query_positions, key_positions)  # once per forward
+        query, key = state.rotate_query_key(query, key, query_positions, key_positions,  # once per forward
+                                            getattr(module, "layer_idx", 0) or 0)
     dropout = dropout if module.training else 0.0
     eager = state.eager
     layer_idx = getattr(module, "layer_idx", 0) or 0

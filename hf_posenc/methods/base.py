@@ -143,6 +143,8 @@ class RotaryMethod(PositionalMethod):
     # `position_ids` of shape [B, L, position_axes]. Such a method is refused 1-D position_ids; with none given it
     # gets `default_coordinates` of the token positions.
     position_axes: int = 1
+    # Each layer has its own rotation (`layer_rotation`; rope-2d per_layer=True): needs rotates_in_attention.
+    per_layer_rotation: bool = False
 
     def scale_key(self, seq_len: int):
         """Equal for two lengths exactly when they give the same frequencies."""
@@ -169,6 +171,11 @@ class RotaryMethod(PositionalMethod):
         once per forward and handed to `rotate_heads`. By default the (cos, sin) pair of `cos_sin`, which is also
         what LLaMA-family layers apply themselves."""
         return self.cos_sin(positions, seq_len)
+
+    def layer_rotation(self, layer_idx: int, positions: torch.Tensor, seq_len: int = 0):
+        """For `per_layer_rotation` methods: the rotation of layer `layer_idx` (as `rotation()`, which is what every
+        layer gets otherwise)."""
+        return self.rotation(positions, seq_len)
 
     def rotate_heads(self, x: torch.Tensor, rotation) -> torch.Tensor:
         """x [B, heads, q, D] -> x rotated by `rotation` (from `rotation()` for its q positions), in x's dtype."""

@@ -80,6 +80,10 @@ CONTRACT = {
     "cope": ContractCase(),
     "transformer-xl": ContractCase(),
     "cape": ContractCase(options={"bias": "kerple"}),  # a bias with parameters, so gradients reach them too
+    # Updates of the position features drawn at random (init="rope" starts them at zero, where the products of the
+    # update's maps give no gradient to D and W, and the cache would carry RoPE's features only); init="rope"
+    # reproducing RoPE is checked in test_rotations.py.
+    "tape": ContractCase(options={"init": "random", "init_std": 0.3}),
 }
 
 

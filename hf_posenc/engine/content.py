@@ -50,6 +50,9 @@ class ContentCall:
     past: dict[int, torch.Tensor] = field(default_factory=dict)
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     states: dict[int, torch.Tensor] = field(default_factory=dict)
+    # For `mixes_state` methods: per layer, the attention-weighted average of the keys' state for this call's
+    # queries [B, H, q, ...] (float32), which the next layer's `layer_token_state` reads.
+    mixed: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class ContentCapture:
@@ -155,7 +158,13 @@ def layer_state(state: PositionState, layer_idx: int, q: int, key_slots: torch.T
     layer_input = content.inputs.get(layer_idx)
     if method.reads_layer_input and layer_input is None:
         raise RuntimeError(f"hf_posenc: no layer input was captured for layer {layer_idx}.")
-    new = method.token_state(layer_idx, layer_input, content.real) if layer_input is not None else None
+    if method.mixes_state and layer_input is not None:
+        below = [layer for layer in content.states if layer < layer_idx]
+        previous = content.states[max(below)][:, :, content.offset:content.offset + q] if below else None
+        new = method.layer_token_state(layer_idx, layer_input, state.call.query_positions.to(layer_input.device),
+                                       previous, content.mixed.get(max(below)) if below else None)
+    else:
+        new = method.token_state(layer_idx, layer_input, content.real) if layer_input is not None else None
     if new is None:
         return layer_input, None, None
     past = content.past.get(layer_idx)

@@ -52,6 +52,8 @@ class CallPositions:
     rotation: Any = None  # a rotary method's rotation of the queries (its `rotation()`: by default cos/sin)
     # (positions, rotation) pairs computed in this forward, shared by its layers (PositionState.rotation_of)
     rotations: list = field(default_factory=list)
+    # (layer index, positions, rotation) for a method with a rotation per layer (RotaryMethod.per_layer_rotation)
+    layer_rotations: list = field(default_factory=list)
     # For a method over several position axes (rope-2d): the coordinates [B or 1, q, axes] of the queries and
     # [B or 1, slot_offset + q, axes] of every key, in slot order (what it rotates by inside attention).
     query_coordinates: torch.Tensor | None = None
@@ -190,23 +192,37 @@ class PositionState:
         return call.query_coordinates.to(device), keys
 
     def rotate_query_key(self, query: torch.Tensor, key: torch.Tensor, query_positions: torch.Tensor,
-                         key_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                         key_positions: torch.Tensor, layer_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The method's rotate_query_key for one layer, with each rotation computed once per forward and reused by
         every layer (`rotation_of`): for ComRoPE/LieRE a matrix exponential per position, for the dynamic scalings
-        cos/sin of the whole key cache. A method that overrides rotate_query_key (xPos) is called as it is."""
+        cos/sin of the whole key cache. A method that overrides rotate_query_key (xPos) is called as it is. A method
+        with a rotation per layer (`per_layer_rotation`) gets layer `layer_idx`'s."""
         method, call = self.method, self.call
-        if call.traced or type(method).rotate_query_key is not RotaryMethod.rotate_query_key:
+        if type(method).rotate_query_key is not RotaryMethod.rotate_query_key or (
+                call.traced and not method.per_layer_rotation):
             return method.rotate_query_key(query, key, query_positions, key_positions, call.seq_len)
-        coordinates = self.attention_coordinates(key.shape[2], key.device)
+        coordinates = None if call.traced else self.attention_coordinates(key.shape[2], key.device)
         if coordinates is not None:  # a method over several axes rotates by the tokens' coordinates
             query_positions, key_positions = coordinates
-        return (method.rotate_heads(query, self.rotation_of(query_positions)),
-                method.rotate_heads(key, self.rotation_of(key_positions)))
+        if call.traced:  # no per-forward reuse under torch.compile
+            return (method.rotate_heads(query, method.layer_rotation(layer_idx, query_positions, call.seq_len)),
+                    method.rotate_heads(key, method.layer_rotation(layer_idx, key_positions, call.seq_len)))
+        return (method.rotate_heads(query, self.rotation_of(query_positions, layer_idx)),
+                method.rotate_heads(key, self.rotation_of(key_positions, layer_idx)))
 
-    def rotation_of(self, positions: torch.Tensor):
+    def rotation_of(self, positions: torch.Tensor, layer_idx: int = 0):
         """The method's rotation of `positions` [B or 1, n] in the current forward: computed by the first layer that
-        asks (the queries' by `update`) and reused by the others, which see the same positions."""
+        asks (the queries' by `update`) and reused by the others, which see the same positions (for a method with a
+        rotation per layer: computed once per layer and positions)."""
         call = self.call
+        if self.method.per_layer_rotation:
+            for layer, known, rotation in call.layer_rotations:
+                if layer == layer_idx and known.shape == positions.shape and known.device == positions.device \
+                        and torch.equal(known, positions):
+                    return rotation
+            rotation = self.method.layer_rotation(layer_idx, positions, call.seq_len)
+            call.layer_rotations.append((layer_idx, positions, rotation))
+            return rotation
         for known, rotation in call.rotations:
             if known.shape == positions.shape and known.device == positions.device and torch.equal(known, positions):
                 return rotation

@@ -143,6 +143,8 @@ class RotaryMethod(PositionalMethod):
     # `position_ids` of shape [B, L, position_axes]. Such a method is refused 1-D position_ids; with none given it
     # gets `default_coordinates` of the token positions.
     position_axes: int = 1
+    # Each layer has its own rotation (`layer_rotation`; rope-2d per_layer=True): needs rotates_in_attention.
+    per_layer_rotation: bool = False
 
     def scale_key(self, seq_len: int):
         """Equal for two lengths exactly when they give the same frequencies."""
@@ -169,6 +171,11 @@ class RotaryMethod(PositionalMethod):
         once per forward and handed to `rotate_heads`. By default the (cos, sin) pair of `cos_sin`, which is also
         what LLaMA-family layers apply themselves."""
         return self.cos_sin(positions, seq_len)
+
+    def layer_rotation(self, layer_idx: int, positions: torch.Tensor, seq_len: int = 0):
+        """For `per_layer_rotation` methods: the rotation of layer `layer_idx` (as `rotation()`, which is what every
+        layer gets otherwise)."""
+        return self.rotation(positions, seq_len)
 
     def rotate_heads(self, x: torch.Tensor, rotation) -> torch.Tensor:
         """x [B, heads, q, D] -> x rotated by `rotation` (from `rotation()` for its q positions), in x's dtype."""
@@ -218,6 +225,10 @@ class ContentMethod(PositionalMethod):
     # Computes each block's attention weights itself (`content_weights`) instead of logits for a softmax
     # (stick-breaking).
     replaces_softmax: ClassVar[bool] = False
+    # The per-token state changes from layer to layer (TAPE's position features): each layer's state of this call's
+    # tokens comes from `layer_token_state` (their previous-layer state and its attention-weighted average, which the
+    # attention path computes with the same weights as the values), not from `token_state`.
+    mixes_state: ClassVar[bool] = False
 
     @property
     def keeps_native(self) -> bool:
@@ -236,6 +247,14 @@ class ContentMethod(PositionalMethod):
         (engine/content.py), so cached decoding sees exactly the values a full forward computed. `real`: bool
         [B, q], the tokens that are not padding (from the base model's 2-D attention_mask; None: all are)."""
         return None
+
+    def layer_token_state(self, layer_idx: int, layer_input: torch.Tensor, positions: torch.Tensor,
+                          previous: torch.Tensor | None, mixed: torch.Tensor | None) -> torch.Tensor:
+        """For `mixes_state` methods: the state of this call's tokens at `layer_idx` [B, H_s, q, ...] from the layer
+        input [B, q, hidden], their positions [B or 1, q], their state at the previous content layer [B, H_s, q, ...]
+        and, per query head, the attention-weighted average of the keys' previous-layer state [B, H, q, ...] (both
+        None at the first layer). Kept on the KV cache per layer as `token_state` is."""
+        raise NotImplementedError
 
     def extend_token_state(self, past: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
         """The state of every token so far [B, H, offset + q, ...] from the cached one (None: no cache) and this

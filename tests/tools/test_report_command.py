@@ -50,6 +50,11 @@ def test_a_model_card_takes_the_report(runs, tmp_path):
     card = str(hf_posenc.make_model_card(model, evaluation=out / "report.md"))
     assert "## Evaluation" in card and "### Evaluation" in card and "#### Passkey retrieval (pk)" in card
     assert "| tiny + alibi | 300 |" in card
+    # published with the card, the report's plots go into the uploaded folder (the card shows them by file name)
+    model.save_pretrained(tmp_path / "ckpt")
+    files = hf_posenc.push_to_hub(tmp_path / "ckpt", "acme/tiny-alibi", dry_run=tmp_path / "upload",
+                                  evaluation=out / "report.md")
+    assert "pk-passkey.png" in files and "](pk-passkey.png)" in (tmp_path / "upload" / "README.md").read_text()
 
 
 def test_bad_input_is_one_line(runs, tmp_path, capsys):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from tool_helpers import BOOK, run_cli, save_tiny_model
 
@@ -39,6 +41,32 @@ def test_report_has_every_run_its_table_and_its_plot(runs, tmp_path):
     assert "| model | length | depth 0 | depth 1 |" in page and "| tiny + alibi | 300 |" in page
     assert "| model | length | depth 0.5 |" in page
     assert "`hf-posenc passkey`: model:" in page and "trials: 1" in page
+
+
+def test_several_runs_of_a_command_are_compared_in_one_table_and_plot(runs, tmp_path):
+    """Two passkey runs (another length, the same 'tiny' row) and two niah runs: a section with every model of both,
+    '-' where a run did not measure a cell, and a row label both runs share told apart by the run's name."""
+    extra = ["--model", str(runs / "tiny"), "--method", "none", "--trials", "1", "--max-new-tokens", "2",
+             "--no-progress"]
+    assert run_cli("passkey", [*extra, "--lengths", "400", "--depths", "0", "--output-dir", str(tmp_path / "pk2")]) == 0
+    assert run_cli("niah", [*extra, "--lengths", "600", "--depths", "0.5", "--haystack-file", str(BOOK),
+                            "--output-dir", str(tmp_path / "niah2")]) == 0
+    out = tmp_path / "report"
+    assert run_cli("report", [str(runs / "pk"), str(tmp_path / "pk2"), str(runs / "niah"), str(tmp_path / "niah2"),
+                              "--output-dir", str(out)]) == 0
+    page = (out / "report.md").read_text()
+    combined = page.split("## Passkey retrieval: every run (pk, pk2)")[1].split("## ")[0]
+    pk = {r["model"]: r for r in json.loads((runs / "pk" / "passkey.json").read_text())["accuracy"]
+          if r["length"] == 300 and r["depth"] == 0}
+    assert f"| tiny | 300 | {pk['tiny']['accuracy']:.0%} |" in combined and "| tiny + alibi | 300 |" in combined
+    assert "| tiny (pk2) | 400 | " in combined and "| tiny (pk2) | 300 |" not in combined
+    assert "| tiny + alibi | 300 | " in combined and "| model | length | depth 0 | depth 1 |" in combined
+    assert "| tiny + alibi | 400 |" not in combined and "](combined-passkey.png)" in combined
+    combined = page.split("## Needle in a haystack: every run (niah, niah2)")[1]
+    assert "| tiny (niah2) | 600 | " in combined and "| tiny | 500 | " in combined
+    assert "| tiny + alibi | 600 |" not in combined
+    for plot in ("combined-passkey.png", "combined-niah.png"):
+        assert (out / plot).stat().st_size > 1000
 
 
 def test_a_model_card_takes_the_report(runs, tmp_path):

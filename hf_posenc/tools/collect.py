@@ -90,20 +90,24 @@ def _numbers(values) -> list:
 
 def combined_section(command: str, runs: list[tuple[str, dict]], output: Path) -> str:
     """One table and one plot of every model in several runs of the same command (passkey, niah or lm-eval), over
-    the union of their lengths and depths ("-" where a run did not measure a cell). A row label that two runs share
-    gets the run's name."""
-    seen: dict[str, str] = {}
-
-    def label(model: str, name: str) -> str:
-        key = model if seen.setdefault(model, name) == name else f"{model} ({name})"
-        return key
-
+    the union of their lengths and depths ("-" where no run measured a cell). Runs of one model at other lengths (or
+    tasks) share its row; a row whose cells another run measured too gets the run's name."""
+    key = {"passkey": "accuracy", "niah": "scores", "lm-eval": "rows"}[command]
+    cell = (lambda r: (r["task"], r["metric"])) if command == "lm-eval" else (lambda r: (r["length"], r["depth"]))
+    measured: dict[str, set] = {}  # row label -> cells of the runs seen so far
+    rows = []
+    for name, data in runs:
+        mine: dict[str, set] = {}
+        for r in data[key]:
+            mine.setdefault(r["model"], set()).add(cell(r))
+        renamed = {label: f"{label} ({name})" if cells & measured.get(label, set()) else label
+                   for label, cells in mine.items()}
+        for label, cells in mine.items():
+            measured.setdefault(renamed[label], set()).update(cells)
+        rows += [{**r, "model": renamed[r["model"]]} for r in data[key]]
     if command == "lm-eval":
-        rows = [{**r, "model": label(r["model"], name)} for name, data in runs for r in data["rows"]]
         report.metric_bars(output / "combined-lm_eval.png", rows)
         return report.metric_markdown(rows) + "\n\n![lm-eval, every run](combined-lm_eval.png)"
-    key = "accuracy" if command == "passkey" else "scores"
-    rows = [{**r, "model": label(r["model"], name)} for name, data in runs for r in data[key]]
     lengths = _numbers(r["length"] for r in rows)
     depths = _numbers(r["depth"] for r in rows)
     if command == "passkey":

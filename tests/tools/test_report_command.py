@@ -44,11 +44,13 @@ def test_report_has_every_run_its_table_and_its_plot(runs, tmp_path):
 
 
 def test_several_runs_of_a_command_are_compared_in_one_table_and_plot(runs, tmp_path):
-    """Two passkey runs (another length, the same 'tiny' row) and two niah runs: a section with every model of both,
-    '-' where a run did not measure a cell, and a row label both runs share told apart by the run's name."""
+    """Two passkey runs and two niah runs: a section with every model of both, '-' where no run measured a cell. The
+    second niah run measures 'tiny' at another length: the same row. The second passkey run measures a cell of
+    'tiny' again: its rows are told apart by the run's name."""
     extra = ["--model", str(runs / "tiny"), "--method", "none", "--trials", "1", "--max-new-tokens", "2",
              "--no-progress"]
-    assert run_cli("passkey", [*extra, "--lengths", "400", "--depths", "0", "--output-dir", str(tmp_path / "pk2")]) == 0
+    assert run_cli("passkey", [*extra, "--lengths", "300,400", "--depths", "0", "--output-dir",
+                               str(tmp_path / "pk2")]) == 0
     assert run_cli("niah", [*extra, "--lengths", "600", "--depths", "0.5", "--haystack-file", str(BOOK),
                             "--output-dir", str(tmp_path / "niah2")]) == 0
     out = tmp_path / "report"
@@ -59,12 +61,14 @@ def test_several_runs_of_a_command_are_compared_in_one_table_and_plot(runs, tmp_
     pk = {r["model"]: r for r in json.loads((runs / "pk" / "passkey.json").read_text())["accuracy"]
           if r["length"] == 300 and r["depth"] == 0}
     assert f"| tiny | 300 | {pk['tiny']['accuracy']:.0%} |" in combined and "| tiny + alibi | 300 |" in combined
-    assert "| tiny (pk2) | 400 | " in combined and "| tiny (pk2) | 300 |" not in combined
-    assert "| tiny + alibi | 300 | " in combined and "| model | length | depth 0 | depth 1 |" in combined
+    assert "| tiny (pk2) | 300 | " in combined and "| tiny (pk2) | 400 | " in combined
+    assert "| tiny | 400 |" not in combined and "| model | length | depth 0 | depth 1 |" in combined
     assert "| tiny + alibi | 400 |" not in combined and "](combined-passkey.png)" in combined
+    assert "| tiny (pk2) | 300 | " + ("100%" if json.loads((tmp_path / "pk2" / "passkey.json").read_text())[
+        "accuracy"][0]["accuracy"] else "0%") + " | - |" in combined  # depth 1 not measured by pk2
     combined = page.split("## Needle in a haystack: every run (niah, niah2)")[1]
-    assert "| tiny (niah2) | 600 | " in combined and "| tiny | 500 | " in combined
-    assert "| tiny + alibi | 600 |" not in combined
+    assert "| tiny | 600 | " in combined and "| tiny | 500 | " in combined and "(niah2)" not in combined
+    assert "| tiny + alibi | 600 |" not in combined and "| tiny + alibi | 500 |" in combined
     for plot in ("combined-passkey.png", "combined-niah.png"):
         assert (out / plot).stat().st_size > 1000
 

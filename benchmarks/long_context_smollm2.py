@@ -15,7 +15,7 @@ rerope and sinks at their defaults. Every part uses the library's own functions 
 tools.passkey.run_trials, tools.models.load_model).
 
     OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python benchmarks/long_context_smollm2.py ppl \\
-        --lengths 4096,12288,16384 --max-windows 1 --output-dir docs/figures/long_context_smollm2
+        --lengths 12288,16384,4096 --max-windows 1 --output-dir docs/figures/long_context_smollm2
     ... passkey --lengths 16384 --depths 0.5 --trials 1
     ... timing --lengths 2048,4096,8192 --new-tokens 16
 
@@ -49,27 +49,32 @@ def _methods(args) -> list[str]:
 # --- perplexity -----------------------------------------------------------------------------------------------
 def run_ppl(model: str, methods, lengths, output_dir, text_file: str = DEFAULT_TEXT, text_fraction: str = "0.8:1",
             max_windows: int = 1, progress: bool = True) -> eval_ppl.EvalRun:
-    """eval-ppl's run, one method at a time, the outputs rewritten after each."""
+    """eval-ppl's run, one (length, method) at a time in the order given (lengths outer, so a run cut short has every
+    method at the first lengths), the outputs rewritten after each."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    whole = None
-    for method in methods:
-        args = eval_ppl.settings(model=[model], method=[method], lengths=list(lengths), non_overlapping=True,
-                                 max_windows=max_windows, text_file=[text_file], text_fraction=text_fraction,
-                                 no_progress=not progress)
-        started = time.perf_counter()
-        got = eval_ppl.run_eval(args)
-        if whole is None:
-            whole = got
-        else:
-            whole.extend(got)
-        whole.settings["seconds_per_method"] = {**whole.settings.get("seconds_per_method", {}),
-                                                method: time.perf_counter() - started}
-        whole.settings["methods"] = list(dict.fromkeys(r.method for r in whole.results))
-        eval_ppl.write_outputs(out, whole, sorted(set(lengths)),
-                               title=f"{model_name(model)}: perplexity vs length (held-out text)")
-        print(f"[ppl] {method} done in {time.perf_counter() - started:.0f} s; wrote {out}/perplexity.*", flush=True)
-    print(report.perplexity_markdown(whole.table(), sorted(set(lengths))))
+    whole, seconds = None, {}
+    for length in lengths:
+        for method in methods:
+            args = eval_ppl.settings(model=[model], method=[method], lengths=[length], non_overlapping=True,
+                                     max_windows=max_windows, text_file=[text_file], text_fraction=text_fraction,
+                                     no_progress=not progress)
+            started = time.perf_counter()
+            got = eval_ppl.run_eval(args)
+            if whole is None:
+                whole = got
+            else:
+                whole.extend(got)
+            seconds[f"{method} @{length}"] = time.perf_counter() - started
+            whole.settings.update(lengths=sorted({r.length for r in whole.results}), seconds=seconds,
+                                  methods=list(dict.fromkeys(r.method for r in whole.results)),
+                                  torch_threads=torch.get_num_threads())
+            whole.settings.pop("method", None)
+            eval_ppl.write_outputs(out, whole, whole.settings["lengths"],
+                                   title=f"{model_name(model)}: perplexity vs length (held-out text)")
+            print(f"[ppl] {method} @{length} done in {seconds[f'{method} @{length}']:.0f} s; wrote {out}/perplexity.*",
+                  flush=True)
+    print(report.perplexity_markdown(whole.table(), whole.settings["lengths"]))
     return whole
 
 
@@ -213,7 +218,7 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--method", action="append", default=None, help=f"repeatable (default: {', '.join(DEFAULT_METHODS)})")
     p.add_argument("--lengths", default=None,
-                   help="ppl: 4096,12288,16384; passkey: 16384; timing: 2048,4096,8192 (defaults)")
+                   help="ppl: 12288,16384,4096 (in this order); passkey: 16384; timing: 2048,4096,8192 (defaults)")
     p.add_argument("--max-windows", type=int, default=1, help="ppl: windows per length (default 1)")
     p.add_argument("--text-file", default=DEFAULT_TEXT)
     p.add_argument("--text-fraction", default="0.8:1", help="ppl: the held-out part of the text (default 0.8:1)")
@@ -229,7 +234,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     methods, progress = _methods(args), not args.no_progress
     if args.part == "ppl":
-        run_ppl(args.model, methods, _numbers(args.lengths or "4096,12288,16384"), args.output_dir, args.text_file,
+        run_ppl(args.model, methods, _numbers(args.lengths or "12288,16384,4096"), args.output_dir, args.text_file,
                 args.text_fraction, args.max_windows, progress)
     elif args.part == "passkey":
         run_passkey(args.model, methods, _numbers(args.lengths or "16384"), _numbers(args.depths, float), args.trials,

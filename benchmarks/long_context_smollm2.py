@@ -7,6 +7,7 @@ still leaves the methods it finished):
            held-out text (default: the last 20 % of Pride and Prejudice in ../shared/data), one row per method, all
            from one run -> perplexity.{json,csv,png}
   passkey  passkey retrieval (hf-posenc passkey's prompt, greedy) at --lengths -> passkey.{json,csv,png}
+  merge-ppl  one table and plot from the perplexity.json of several ppl runs (--from DIR, repeatable)
   timing   prefill of an L-token prompt and --new-tokens greedy decode steps with a KV cache, per method beside
            native RoPE in the same run (methods interleaved per length) -> timing.{json,csv,png}
 
@@ -74,6 +75,28 @@ def run_ppl(model: str, methods, lengths, output_dir, text_file: str = DEFAULT_T
                                    title=f"{model_name(model)}: perplexity vs length (held-out text)")
             print(f"[ppl] {method} @{length} done in {seconds[f'{method} @{length}']:.0f} s; wrote {out}/perplexity.*",
                   flush=True)
+    print(report.perplexity_markdown(whole.table(), whole.settings["lengths"]))
+    return whole
+
+
+def merge_ppl(directories, output_dir, title: str = "") -> eval_ppl.EvalRun:
+    """One perplexity table and plot from the perplexity.json of several runs of the same text and protocol (e.g. two
+    processes, each given some of the methods)."""
+    whole = None
+    for directory in directories:
+        data = json.loads((Path(directory) / "perplexity.json").read_text())
+        run = eval_ppl.EvalRun(settings=data["settings"], training_lengths=data["training_lengths"],
+                               results=[eval_ppl.LengthResult(**r) for r in data["results"]])
+        if whole is None:
+            whole = run
+        else:
+            whole.extend(run)
+            whole.settings["seconds"] = {**whole.settings.get("seconds", {}), **run.settings.get("seconds", {})}
+    whole.settings.update(lengths=sorted({r.length for r in whole.results}), merged_from=[str(d) for d in directories],
+                          methods=list(dict.fromkeys(r.method for r in whole.results)))
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    eval_ppl.write_outputs(out, whole, whole.settings["lengths"], title=title)
     print(report.perplexity_markdown(whole.table(), whole.settings["lengths"]))
     return whole
 
@@ -214,7 +237,9 @@ def _numbers(text: str, kind=int) -> list:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("part", choices=("ppl", "passkey", "timing"))
+    p.add_argument("part", choices=("ppl", "passkey", "timing", "merge-ppl"))
+    p.add_argument("--from", dest="sources", action="append", default=None,
+                   help="merge-ppl: an --output-dir of a ppl run; repeatable")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--method", action="append", default=None, help=f"repeatable (default: {', '.join(DEFAULT_METHODS)})")
     p.add_argument("--lengths", default=None,
@@ -236,6 +261,8 @@ def main(argv=None) -> None:
     if args.part == "ppl":
         run_ppl(args.model, methods, _numbers(args.lengths or "12288,16384,4096"), args.output_dir, args.text_file,
                 args.text_fraction, args.max_windows, progress)
+    elif args.part == "merge-ppl":
+        merge_ppl(args.sources or [], args.output_dir, "SmolLM2-135M: perplexity vs length (held-out text)")
     elif args.part == "passkey":
         run_passkey(args.model, methods, _numbers(args.lengths or "16384"), _numbers(args.depths, float), args.trials,
                     args.output_dir, args.max_new_tokens, progress=progress)

@@ -123,6 +123,9 @@ def test_long_context_benchmark_writes_every_method_beside_native(tmp_path):
     assert table["tiny + sinks"][64] == pytest.approx(table["tiny"][64], rel=1e-5)
     assert table["tiny + sinks"][128] != pytest.approx(table["tiny"][128], rel=1e-6)
     assert (tmp_path / "ppl" / "perplexity.png").stat().st_size > 0
+    more = bench.run_ppl(model, ["rerope"], [64], tmp_path / "ppl2", text_file=str(BOOK), progress=False)
+    merged = bench.merge_ppl([tmp_path / "ppl", tmp_path / "ppl2"], tmp_path / "merged").table()
+    assert merged["tiny + rerope"] == {64: more.table()["tiny + rerope"][64], 128: table["tiny + rerope"][128]}
 
     accuracy = bench.run_passkey(model, ["none", "rerope"], [300], [0.5], 1, tmp_path / "pk", max_new_tokens=2,
                                  progress=False)

@@ -351,11 +351,12 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
     eager = state.eager
     dropout = dropout if module.training else 0.0
     low = torch.finfo(torch.float32).min
+    keys = state.method.block_keys(key, key_positions)
     outputs, weights = [], []
     for rows, columns in causal_blocks(query_slots, key_slots, block_rows(batch, heads, kv, state.method.block_cost),
                                        eager):
-        scores = state.method.block_scores(query[:, :, rows], key[:, :, columns], query_positions[:, rows],
-                                           key_positions[:, columns]) * scaling
+        scores = state.method.block_scores(query[:, :, rows], tuple(part[:, :, columns] for part in keys),
+                                           query_positions[:, rows], key_positions[:, columns]) * scaling
         allowed = key_slots[None, columns] <= query_slots[rows, None]
         given = attention_mask[..., rows, columns] if attention_mask is not None else None
         mask = _combine(state, allowed, None, given, query_positions[:, rows], key_positions[:, columns],

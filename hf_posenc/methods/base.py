@@ -188,10 +188,16 @@ class RotaryMethod(PositionalMethod):
         return (self.rotate_heads(query, self.rotation(query_positions, seq_len)),
                 self.rotate_heads(key, self.rotation(key_positions, seq_len)))
 
-    def block_scores(self, query: torch.Tensor, key: torch.Tensor, query_positions: torch.Tensor,
+    def block_keys(self, key: torch.Tensor, key_positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """For `scores_per_query_block` methods: what `block_scores` needs of the call's keys [B, H, kv, D] (heads
+        already matched), computed once per layer call, not once per query block (the keys rotated for each of the
+        method's position assignments; each [B, H, kv, ...], cut to a block's columns before `block_scores`)."""
+        return (key,)
+
+    def block_scores(self, query: torch.Tensor, keys: tuple[torch.Tensor, ...], query_positions: torch.Tensor,
                      key_positions: torch.Tensor) -> torch.Tensor:
-        """For `scores_per_query_block` methods: un-rotated query [B, H, r, D] and key [B, H, k, D] (heads already
-        matched), positions [B or 1, r] and [B or 1, k] -> float32 scores q.k [B, H, r, k] before the softmax scaling
+        """For `scores_per_query_block` methods: un-rotated query [B, H, r, D], `block_keys` cut to the block's k
+        columns, positions [B or 1, r] and [B or 1, k] -> float32 scores q.k [B, H, r, k] before the softmax scaling
         and any mask."""
         raise NotImplementedError
 

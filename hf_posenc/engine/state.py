@@ -414,8 +414,9 @@ def cache_argument(arguments: dict[str, Any]):
 
 def cache_output(output: Any):
     """The KV cache a base model's forward returned (`cache` since transformers 5.24, `past_key_values` before)."""
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else getattr(output, "past_key_values", None)
+    fields = getattr(output, "__dataclass_fields__", {})
+    # Only the field the output class has: on 5.24 `past_key_values` is a property that warns of its deprecation.
+    return getattr(output, "past_key_values" if "past_key_values" in fields else "cache", None)
 
 
 def cached_key_positions(cache: Any, offset: int) -> torch.Tensor | None:

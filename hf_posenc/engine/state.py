@@ -50,10 +50,9 @@ class CallPositions:
     shift: torch.Tensor | None
     seq_len: int = 0  # highest position + 1: what length-dependent rotary scalings depend on
     rotation: Any = None  # a rotary method's rotation of the queries (its `rotation()`: by default cos/sin)
-    # (positions, rotation) pairs computed in this forward, shared by its layers (PositionState.rotation_of)
+    # (layer index, positions, rotation) computed in this forward (PositionState.rotation_of): the layer index is
+    # None where every layer shares the rotation, as all but `per_layer_rotation` methods do
     rotations: list = field(default_factory=list)
-    # (layer index, positions, rotation) for a method with a rotation per layer (RotaryMethod.per_layer_rotation)
-    layer_rotations: list = field(default_factory=list)
     # For a method over several position axes (rope-2d): the coordinates [B or 1, q, axes] of the queries and
     # [B or 1, slot_offset + q, axes] of every key, in slot order (what it rotates by inside attention).
     query_coordinates: torch.Tensor | None = None
@@ -157,7 +156,7 @@ class PositionState:
         if isinstance(self.method, RotaryMethod):
             call.seq_len = int(query_positions.max()) + 1 if self.method.length_dependent else 0
             call.rotation = self.method.rotation(query_positions if coordinates is None else coordinates, call.seq_len)
-            call.rotations.append((query_positions if coordinates is None else coordinates, call.rotation))
+            call.rotations.append((None, query_positions if coordinates is None else coordinates, call.rotation))
             if coordinates is not None:
                 call.query_coordinates = coordinates
                 call.key_coordinates = self._key_coordinates(coordinates, call.key_positions, slot_offset,
@@ -215,19 +214,13 @@ class PositionState:
         asks (the queries' by `update`) and reused by the others, which see the same positions (for a method with a
         rotation per layer: computed once per layer and positions)."""
         call = self.call
-        if self.method.per_layer_rotation:
-            for layer, known, rotation in call.layer_rotations:
-                if layer == layer_idx and known.shape == positions.shape and known.device == positions.device \
-                        and torch.equal(known, positions):
-                    return rotation
-            rotation = self.method.layer_rotation(layer_idx, positions, call.seq_len)
-            call.layer_rotations.append((layer_idx, positions, rotation))
-            return rotation
-        for known, rotation in call.rotations:
-            if known.shape == positions.shape and known.device == positions.device and torch.equal(known, positions):
+        layer = layer_idx if self.method.per_layer_rotation else None
+        for known_layer, known, rotation in call.rotations:
+            if known_layer == layer and known.shape == positions.shape and known.device == positions.device \
+                    and torch.equal(known, positions):
                 return rotation
-        rotation = self.method.rotation(positions, call.seq_len)
-        call.rotations.append((positions, rotation))
+        rotation = self.method.layer_rotation(layer_idx, positions, call.seq_len)
+        call.rotations.append((layer, positions, rotation))
         return rotation
 
     def slots(self, q: int, kv: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

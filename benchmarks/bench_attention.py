@@ -16,11 +16,12 @@ refused on this machine (`attention.kernel_status()`), and a method without a bi
 SDPA's own causal kernel ("causal"). Native RoPE never enters hf_posenc's attention path: its rows say "sdpa".
 
 Times are taken first, for every case, with the allocator as users have it. Memory is measured afterwards, in a
-second pass: the resident high-water mark (VmHWM, reset through /proc/self/clear_refs before each measurement) with
-glibc's mmap threshold lowered so that freed tensors go back to the system at once and the mark follows live tensor
+second pass: on the CPU the resident high-water mark (VmHWM, reset through /proc/self/clear_refs before each
+measurement) with glibc's mmap threshold lowered so that freed tensors go back to the system at once and the mark follows live tensor
 memory. (That setting makes every freed block a page fault when it is allocated again, a tax on code that allocates
 many per-block tensors: timing under it overstated the blocked path's cost, up to 1.56x instead of 1.17x for T5 at
-4096.) "extra" is the peak minus native's; it is compared with the size of one materialised float32 bias [1, H, L, L].
+4096.) On CUDA (--device cuda) times are taken between device synchronisations and peaks are the allocator's
+(torch.cuda.max_memory_allocated above the start). "extra" is the peak minus native's; it is compared with the size of one materialised float32 bias [1, H, L, L].
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from hf_posenc import attention, patch_model, unpatch_model
 METHODS = ["alibi", "alibi:trainable=true", "fire", "t5", "kerple", "sandwich", "xpos"]
 MODES = ("train", "last-logit")
 LENGTHS = [512, 1024, 2048, 4096, 8192]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -90,8 +92,22 @@ def _trim_heap() -> None:
         pass
 
 
-def peak_mib(fn) -> float:
-    """Peak resident memory above the starting point while fn runs (Linux)."""
+def synchronize(device: torch.device | str | None = None) -> None:
+    """Wait for queued device work, so that a host clock around a region times the region (no-op on the CPU)."""
+    if torch.device(device or "cpu").type == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_mib(fn, device: torch.device | str | None = None) -> float:
+    """Peak memory above the starting point while fn runs: the resident set on the CPU (Linux), the caching
+    allocator's allocated bytes on CUDA."""
+    if torch.device(device or "cpu").type == "cuda":
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        fn()
+        synchronize(device)
+        return (torch.cuda.max_memory_allocated() - start) / 2**20
     _trim_heap()
     try:
         with open("/proc/self/clear_refs", "w") as refs:
@@ -148,8 +164,10 @@ def measure_time(model, ids, mode: str, repeats: int, backward_repeats: int) -> 
         fn()
         times = []
         for _ in range(count):
+            synchronize(ids.device)
             start = time.perf_counter()
             fn()
+            synchronize(ids.device)
             times.append(time.perf_counter() - start)
         medians.append(statistics.median(times))
     return medians[0], medians[1]
@@ -160,7 +178,7 @@ def measure_memory(model, ids, mode: str) -> tuple[float, float]:
     model.eval()
     forward, forward_backward = step_functions(model, ids, mode)
     forward_backward()  # gradients allocated once, as in the timing pass
-    return peak_mib(forward), peak_mib(forward_backward)
+    return peak_mib(forward, ids.device), peak_mib(forward_backward, ids.device)
 
 
 def measure(model, ids, repeats: int, backward_repeats: int, mode: str = "last-logit"):
@@ -171,9 +189,10 @@ def measure(model, ids, repeats: int, backward_repeats: int, mode: str = "last-l
 
 def run_benchmark(lengths=LENGTHS, methods=METHODS, paths=("blocked",), layers: int = 2, heads: int = 8,
                   head_dim: int = 64, repeats: int = 3, backward_repeats: int = 2, threads: int | None = None,
-                  mode: str = "train", memory: bool = True, progress: bool = True) -> list[Row]:
+                  mode: str = "train", memory: bool = True, progress: bool = True, device: str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> list[Row]:
     """Run every (method, path) at every length; returns rows with ratios to native RoPE (sdpa). Times first for
-    every case, then (with `memory`) peak memory for every case with the mmap threshold lowered."""
+    every case, then (with `memory`) peak memory for every case (on the CPU with the mmap threshold lowered)."""
     from tqdm import tqdm
 
     from hf_posenc.tools.runtime import MethodRequest
@@ -185,7 +204,7 @@ def run_benchmark(lengths=LENGTHS, methods=METHODS, paths=("blocked",), layers: 
     requests = {spec: MethodRequest.parse(spec) for spec in methods}
     for request in requests.values():
         request.check()
-    model = build_model(layers, heads, head_dim, max(lengths))
+    model = build_model(layers, heads, head_dim, max(lengths)).to(device=device, dtype=dtype)
     jobs = [(length, "rope (native)", "sdpa") for length in lengths]
     for length in lengths:
         for method in methods:
@@ -196,7 +215,7 @@ def run_benchmark(lengths=LENGTHS, methods=METHODS, paths=("blocked",), layers: 
 
     def each_job(desc):
         for length, method, path in tqdm(jobs, disable=not progress, desc=desc):
-            ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(length))
+            ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(length)).to(device)
             unpatch_model(model)
             if method != "rope (native)":
                 requests[method].apply(model)
@@ -223,6 +242,8 @@ def run_benchmark(lengths=LENGTHS, methods=METHODS, paths=("blocked",), layers: 
             base = native[length]
             row.extra_forward_mib = row.forward_peak_mib - base.forward_peak_mib
             row.extra_vs_materialised_bias = row.extra_forward_mib / (heads * length * length * 4 / 2**20)
+            if device != "cpu":
+                torch.cuda.empty_cache()
     unpatch_model(model)
     return rows
 
@@ -245,10 +266,11 @@ def refused_kernels() -> list[str]:
     return [f"{v.kernel} on {v.device}: {v.detail}" for v in attention.kernel_status() if not v.passed]
 
 
-def save(rows: list[Row], output_dir: str | Path) -> dict[str, Path]:
+def save(rows: list[Row], output_dir: str | Path, name: str = "bench_attention") -> dict[str, Path]:
+    """``name``.json and ``name``.png (the ratios to native and the extra memory per method) in ``output_dir``."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    json_path = out / "bench_attention.json"
+    json_path = out / f"{name}.json"
     json_path.write_text(json.dumps([asdict(r) for r in rows], indent=2))
     paths = {"json": json_path}
     try:
@@ -279,7 +301,7 @@ def save(rows: list[Row], output_dir: str | Path) -> dict[str, Path]:
     axes[2].axhline(5, color="k", linestyle="--", linewidth=0.8)
     axes[0].legend(fontsize=8)
     figure.tight_layout()
-    png = out / "bench_attention.png"
+    png = out / f"{name}.png"
     figure.savefig(png, dpi=120)
     plt.close(figure)
     paths["png"] = png
@@ -303,9 +325,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed forwards per case (median)")
     parser.add_argument("--backward-repeats", type=int, default=2, help="timed forward+backward per case (median)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="model and activations dtype")
     parser.add_argument("--output-dir", default="runs/bench_attention")
     args = parser.parse_args()
-    rows = run_benchmark(lengths=[int(x) for x in args.lengths.split(",")], methods=args.methods.split(";"),
+    rows = run_benchmark(device=args.device, dtype=DTYPES[args.dtype],lengths=[int(x) for x in args.lengths.split(",")], methods=args.methods.split(";"),
                          paths=tuple(args.paths.split(",")), layers=args.layers, repeats=args.repeats,
                          backward_repeats=args.backward_repeats, threads=args.threads, mode=args.mode,
                          memory=not args.no_memory)

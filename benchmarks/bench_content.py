@@ -2,7 +2,7 @@
 native RoPE under causal SDPA against each content-dependent method (`fox`, `stick-breaking`, `cope`,
 `transformer-xl`, `cape`, base="none", served by the shared attention path per query block), at several lengths:
 forward time, forward+backward time and peak memory, as ratios to native in the same run. Prints a table and writes
-bench_content.json to --output-dir.
+bench_content.json and bench_content.png to --output-dir (--device cuda: on a GPU).
 
     .venv/bin/python benchmarks/bench_content.py --lengths 1024,2048,4096 --output-dir runs/bench_content
     .venv/bin/python benchmarks/bench_content.py --lengths 8192 --forward-only --repeats 1 --output-dir runs/bench_content_8192
@@ -20,7 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import format_table, run_benchmark  # noqa: E402
+from bench_attention import DTYPES, format_table, run_benchmark, save  # noqa: E402
 
 METHODS = ["fox", "stick-breaking", "cope", "transformer-xl", "cape"]
 LENGTHS = [1024, 2048, 4096]
@@ -36,6 +36,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--forward-only", action="store_true",
                         help="time the forward only (no forward+backward, no memory pass): for long lengths")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--output-dir", default="runs/bench_content")
     args = parser.parse_args()
     out = Path(args.output_dir)
@@ -45,10 +47,12 @@ def main() -> None:
         rows += run_benchmark(lengths=[length], methods=args.methods.split(","), paths=("blocked",),
                               layers=args.layers, repeats=args.repeats,
                               backward_repeats=0 if args.forward_only else args.backward_repeats,
-                              threads=args.threads, memory=not args.forward_only, progress=False)
+                              threads=args.threads, memory=not args.forward_only, progress=False,
+                              device=args.device, dtype=DTYPES[args.dtype])
         (out / "bench_content.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
         print(format_table(rows), flush=True)
-    print(f"wrote {out / 'bench_content.json'}")
+    for kind, path in save(rows, out, "bench_content").items():
+        print(f"{kind}: {path}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import _fix_mmap_threshold, peak_mib  # noqa: E402
+from bench_attention import _fix_mmap_threshold, peak_mib, synchronize  # noqa: E402
 
 from hf_posenc import available_methods  # noqa: E402
 
@@ -65,7 +65,7 @@ def smollm2_shaped(layers: int, max_length: int):
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
 
 
-def training(model, length: int, checkpointing: bool, steps: int):
+def training(model, length: int, checkpointing: bool, steps: int, mixed_precision: str = "no"):
     """The fine-tune's training objects (finetune.prepare_training) over random blocks, and its step function."""
     from accelerate import Accelerator
 
@@ -76,13 +76,24 @@ def training(model, length: int, checkpointing: bool, steps: int):
     blocks = torch.randint(0, model.config.vocab_size, (steps + 1, length), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(length).expand_as(blocks)  # one document per block: positions 0..L-1
     data = finetune.TrainingData([], blocks.numel(), blocks, blocks[:0], positions, positions[:0])
-    prepared = finetune.prepare_training(args, Accelerator(cpu=not torch.cuda.is_available()), model, data)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision)
+    prepared = finetune.prepare_training(args, accelerator, model, data)
     prepared.model.train()
-    return lambda step: finetune.training_step(args, prepared, blocks[step % len(blocks)][None], step)
+    device = prepared.accelerator.device
+
+    def step_and_wait(step):
+        finetune.training_step(args, prepared, blocks[step % len(blocks)][None].to(device), step)
+        synchronize(device)
+
+    step_and_wait.device = device
+    return step_and_wait
 
 
 def run_benchmark(lengths=LENGTHS, methods=None, layers: int = 30, steps: int = 2, checkpointing=(False, True),
-                  threads: int | None = None, memory: bool = True, progress: bool = True) -> list[Row]:
+                  threads: int | None = None, memory: bool = True, progress: bool = True,
+                  mixed_precision: str = "no", on_row=None) -> list[Row]:
+    """Time every case, then (with ``memory``) measure its peak; ``on_row(rows)`` after every measurement (a run
+    cut short keeps what it measured)."""
     from tqdm import tqdm
 
     from hf_posenc.tools.runtime import MethodRequest
@@ -100,7 +111,7 @@ def run_benchmark(lengths=LENGTHS, methods=None, layers: int = 30, steps: int = 
             model = smollm2_shaped(layers, length)
             if method != "native":
                 requests[method].apply(model)
-            yield length, gc, method, training(model, length, gc, steps)
+            yield length, gc, method, training(model, length, gc, steps, mixed_precision)
 
     rows, native = [], {}
     for length, gc, method, step in each_job("bench_finetune: time"):
@@ -115,12 +126,16 @@ def run_benchmark(lengths=LENGTHS, methods=None, layers: int = 30, steps: int = 
         native.setdefault((length, gc), row)
         row.throughput_ratio = row.tokens_per_s / native[length, gc].tokens_per_s
         rows.append(row)
+        if on_row:
+            on_row(rows)
     if memory:
         _fix_mmap_threshold()
         for row, (length, gc, method, step) in zip(rows, each_job("bench_finetune: memory")):
             step(0)  # optimizer state allocated, as in the timed steps
-            row.peak_mib = peak_mib(lambda: step(1))
+            row.peak_mib = peak_mib(lambda: step(1), step.device)
             row.peak_ratio = row.peak_mib / native[length, gc].peak_mib
+            if on_row:
+                on_row(rows)
     return rows
 
 
@@ -133,11 +148,14 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def save(rows: list[Row], output_dir: str | Path) -> dict[str, Path]:
+def save(rows: list[Row], output_dir: str | Path, plot: bool = True) -> dict[str, Path]:
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "bench_finetune.json"}
-    paths["json"].write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    paths["json"].write_text(json.dumps([{**asdict(r), "device": device} for r in rows], indent=2))
+    if not plot:
+        return paths
     try:
         import matplotlib
 
@@ -177,12 +195,15 @@ def main() -> None:
     parser.add_argument("--checkpointing", default="no,yes", help="gradient checkpointing: no, yes or no,yes")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-memory", action="store_true", help="times only")
+    parser.add_argument("--mixed-precision", default="no", choices=("no", "bf16", "fp16"),
+                        help="accelerate's mixed precision (CUDA; default no: fp32)")
     parser.add_argument("--output-dir", default="runs/bench_finetune")
     args = parser.parse_args()
     checkpointing = tuple({"no": False, "yes": True}[x.strip()] for x in args.checkpointing.split(","))
     rows = run_benchmark([int(x) for x in args.lengths.split(",")],
                          args.methods.split(";") if args.methods else None, args.layers, args.steps, checkpointing,
-                         args.threads, not args.no_memory)
+                         args.threads, not args.no_memory, mixed_precision=args.mixed_precision,
+                         on_row=lambda so_far: save(so_far, args.output_dir, plot=False))
     print(format_table(rows))
     for kind, path in save(rows, args.output_dir).items():
         print(f"{kind}: {path}")

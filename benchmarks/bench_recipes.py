@@ -6,7 +6,9 @@ evidence run stays short); every run appends its row to bench_recipes.json in --
     nice -n 10 python benchmarks/bench_recipes.py --recipe lm --method alibi --steps 16 --max-length 256
     nice -n 10 python benchmarks/bench_recipes.py --recipe distill --method alibi --steps 16 --max-length 256
 
-Training text: the first 80 % of Pride and Prejudice; held out: its last 20 % (never trained on).
+Training text: the first 80 % of Pride and Prejudice; held out: its last 20 % (never trained on), and with
+--wikitext-lengths also WikiText-2's test split (one document). On a machine with CUDA the fine-tune and the
+evaluation run on the GPU (float32).
 """
 
 from __future__ import annotations
@@ -19,14 +21,17 @@ from pathlib import Path
 
 import torch
 
-BOOK = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "pg1342-pride-and-prejudice.txt"
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+BOOK = DATA / "pg1342-pride-and-prejudice.txt"
+WIKITEXT = DATA / "wikitext-2-raw-test.txt"
 
 
-def held_out_perplexity(model, tokenizer, lengths: list[int], windows: list[int]) -> dict[str, float]:
+def held_out_perplexity(model, tokenizer, lengths: list[int], windows: list[int], text: Path = BOOK,
+                        fraction: str = "0.8:1") -> dict[str, float]:
     from hf_posenc.tools.perplexity import perplexity_at_length
     from hf_posenc.tools.text import load_documents, tokenize_documents
 
-    docs = tokenize_documents(tokenizer, load_documents([str(BOOK)], fraction="0.8:1"))
+    docs = tokenize_documents(tokenizer, load_documents([str(text)], fraction=fraction))
     return {str(length): round(perplexity_at_length(model, docs, length, length, max_windows=count,
                                                     progress=False)[0], 2) for length, count in zip(lengths, windows)}
 
@@ -44,6 +49,8 @@ def main() -> None:
     p.add_argument("--pose-target-length", type=int, default=None)
     p.add_argument("--lengths", default="512,2048")
     p.add_argument("--windows", default="2,1", help="held-out windows per length (one number, or one per length)")
+    p.add_argument("--wikitext-lengths", default="",
+                   help="also WikiText-2 test perplexity at these lengths (one window each), e.g. 2048")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--output-dir", type=Path, default=Path("runs/bench_recipes"),
                    help="where bench_recipes.json collects the rows (default %(default)s)")
@@ -97,7 +104,12 @@ def main() -> None:
             (args.keep / "bench_row.json").write_text(json.dumps(row, indent=2) + "\n")
             print(f"kept in {args.keep}; evaluate with --recipe saved --keep {args.keep}")
             return
-    row["perplexity"] = held_out_perplexity(model, tokenizer, lengths, windows)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the fine-tune (accelerate) picks the GPU alike
+    row["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    row["perplexity"] = held_out_perplexity(model.to(device), tokenizer, lengths, windows)
+    if args.wikitext_lengths:
+        wiki = [int(x) for x in args.wikitext_lengths.split(",")]
+        row["perplexity_wikitext"] = held_out_perplexity(model, tokenizer, wiki, [1] * len(wiki), WIKITEXT, "0:1")
     row["seconds"] = round(time.perf_counter() - started, 1)
     output = args.output_dir / "bench_recipes.json"
     rows = json.loads(output.read_text()) if output.is_file() else []

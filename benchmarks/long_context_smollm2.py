@@ -48,10 +48,21 @@ def _methods(args) -> list[str]:
 
 
 # --- perplexity -----------------------------------------------------------------------------------------------
+def device_name(device: str) -> str:
+    """What ran it, for the outputs' settings: the GPU's name, or "cpu"."""
+    return torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu"
+
+
 def run_ppl(model: str, methods, lengths, output_dir, text_file: str = DEFAULT_TEXT, text_fraction: str = "0.8:1",
-            max_windows: int = 1, progress: bool = True) -> eval_ppl.EvalRun:
+            max_windows: int = 1, progress: bool = True, device: str = "cpu") -> eval_ppl.EvalRun:
     """eval-ppl's run, one (length, method) at a time in the order given (lengths outer, so a run cut short has every
-    method at the first lengths), the outputs rewritten after each."""
+    method at the first lengths), the outputs rewritten after each. ``device="cuda"`` evaluates on the GPU (one
+    process, through the accelerator eval-ppl takes under ``accelerate launch``), in float32 as on the CPU."""
+    accelerator = None
+    if torch.device(device).type != "cpu":
+        from accelerate import Accelerator
+
+        accelerator = Accelerator()
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     whole, seconds = None, {}
@@ -61,7 +72,7 @@ def run_ppl(model: str, methods, lengths, output_dir, text_file: str = DEFAULT_T
                                      max_windows=max_windows, text_file=[text_file], text_fraction=text_fraction,
                                      no_progress=not progress)
             started = time.perf_counter()
-            got = eval_ppl.run_eval(args)
+            got = eval_ppl.run_eval(args, accelerator)
             if whole is None:
                 whole = got
             else:
@@ -69,7 +80,7 @@ def run_ppl(model: str, methods, lengths, output_dir, text_file: str = DEFAULT_T
             seconds[f"{method} @{length}"] = time.perf_counter() - started
             whole.settings.update(lengths=sorted({r.length for r in whole.results}), seconds=seconds,
                                   methods=list(dict.fromkeys(r.method for r in whole.results)),
-                                  torch_threads=torch.get_num_threads())
+                                  torch_threads=torch.get_num_threads(), device=device_name(device))
             whole.settings.pop("method", None)
             eval_ppl.write_outputs(out, whole, whole.settings["lengths"],
                                    title=f"{model_name(model)}: perplexity vs length (held-out text)")
@@ -103,10 +114,11 @@ def merge_ppl(directories, output_dir, title: str = "") -> eval_ppl.EvalRun:
 
 # --- passkey --------------------------------------------------------------------------------------------------
 def run_passkey(model: str, methods, lengths, depths, trials: int, output_dir, max_new_tokens: int = 8,
-                seed: int = 0, progress: bool = True) -> dict:
+                seed: int = 0, progress: bool = True, device: str = "cpu") -> dict:
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     net, tokenizer = load_model(model, verbose=progress)
+    net.to(device)
     passkey.check_prompts_fit(tokenizer, list(lengths), None, 1, 5)
     name = model_name(model)
     all_trials, seconds = [], {}
@@ -121,7 +133,7 @@ def run_passkey(model: str, methods, lengths, depths, trials: int, output_dir, m
         all_trials.extend(got)
         settings = {"model": model, "methods": list(methods), "lengths": list(lengths), "depths": list(depths),
                     "trials": trials, "max_new_tokens": max_new_tokens, "seed": seed, "seconds_per_method": seconds,
-                    "torch_threads": torch.get_num_threads(), "versions": versions()}
+                    "torch_threads": torch.get_num_threads(), "device": device_name(device), "versions": versions()}
         table = passkey.write_outputs(out, all_trials, settings, list(lengths), list(depths))
         answers = ", ".join(repr(t.answer) for t in got)
         print(f"[passkey] {method}: {sum(t.correct for t in got)}/{len(got)} correct ({answers}) in "
@@ -133,14 +145,19 @@ def run_passkey(model: str, methods, lengths, depths, trials: int, output_dir, m
 # --- prefill and decode time ----------------------------------------------------------------------------------
 @torch.inference_mode()
 def time_one(net, ids: torch.LongTensor, new_tokens: int, cache) -> tuple[float, float]:
-    """(prefill seconds, seconds per decode step): greedy decoding of ``new_tokens`` tokens after the prompt."""
+    """(prefill seconds, seconds per decode step): greedy decoding of ``new_tokens`` tokens after the prompt (device
+    work waited for before each clock reading)."""
+    wait = torch.cuda.synchronize if ids.device.type == "cuda" else (lambda: None)
+    wait()
     started = time.perf_counter()
     logits = net(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    wait()
     prefill = time.perf_counter() - started
     token = logits[:, -1:].argmax(-1)
     started = time.perf_counter()
     for _ in range(new_tokens):
         token = net(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    wait()
     return prefill, (time.perf_counter() - started) / max(new_tokens, 1)
 
 
@@ -155,11 +172,13 @@ def _cache(net, request: MethodRequest):
 
 
 def run_timing(model: str, methods, lengths, new_tokens: int, output_dir, text_file: str = DEFAULT_TEXT,
-               progress: bool = True) -> dict:
-    """Per length, every method in turn (native first), so load changes on a shared machine hit them alike."""
+               progress: bool = True, device: str = "cpu", warmup: bool = False) -> dict:
+    """Per length, every method in turn (native first), so load changes on a shared machine hit them alike.
+    ``warmup``: one untimed run of each case first (on a GPU the first call of a shape pays for kernel selection)."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     net, tokenizer = load_model(model, verbose=progress)
+    net.to(device)
     text = Path(text_file).read_text(encoding="utf-8")
     stream = tokenizer(text[: max(lengths) * 8], verbose=False)["input_ids"]
     if len(stream) < max(lengths):
@@ -167,10 +186,12 @@ def run_timing(model: str, methods, lengths, new_tokens: int, output_dir, text_f
     methods = ["none", *[m for m in methods if m != "none"]]
     rows: list[dict] = []
     for length in lengths:
-        ids = torch.tensor([stream[:length]])
+        ids = torch.tensor([stream[:length]], device=device)
         for method in methods:
             request = MethodRequest.parse(method)
             request.apply(net)
+            if warmup:
+                time_one(net, ids, min(new_tokens, 2), _cache(net, request))
             prefill, decode = time_one(net, ids, new_tokens, _cache(net, request))
             request.remove(net)
             rows.append({"method": method, "length": length, "prefill_s": prefill, "decode_ms_per_token": decode * 1e3})
@@ -179,6 +200,7 @@ def run_timing(model: str, methods, lengths, new_tokens: int, output_dir, text_f
                       f"ms/token", flush=True)
             _write_timing(out, rows, {"model": model, "methods": methods, "lengths": list(lengths),
                                       "new_tokens": new_tokens, "torch_threads": torch.get_num_threads(),
+                                      "device": device_name(device), "warmup": warmup,
                                       "versions": versions()})
     return _write_timing(out, rows, None)
 
@@ -253,6 +275,8 @@ def main(argv=None) -> None:
     p.add_argument("--new-tokens", type=int, default=16, help="timing: decode steps (default 16)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--output-dir", type=Path, default=Path("runs/long_context_smollm2"))
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda: float32 either way")
+    p.add_argument("--warmup", action="store_true", help="timing: one untimed run of each case first")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.threads:
@@ -260,15 +284,15 @@ def main(argv=None) -> None:
     methods, progress = _methods(args), not args.no_progress
     if args.part == "ppl":
         run_ppl(args.model, methods, _numbers(args.lengths or "12288,16384,4096"), args.output_dir, args.text_file,
-                args.text_fraction, args.max_windows, progress)
+                args.text_fraction, args.max_windows, progress, args.device)
     elif args.part == "merge-ppl":
         merge_ppl(args.sources or [], args.output_dir, "SmolLM2-135M: perplexity vs length (held-out text)")
     elif args.part == "passkey":
         run_passkey(args.model, methods, _numbers(args.lengths or "16384"), _numbers(args.depths, float), args.trials,
-                    args.output_dir, args.max_new_tokens, progress=progress)
+                    args.output_dir, args.max_new_tokens, progress=progress, device=args.device)
     else:
         run_timing(args.model, methods, _numbers(args.lengths or "2048,4096,8192"), args.new_tokens, args.output_dir,
-                   args.text_file, progress)
+                   args.text_file, progress, args.device, args.warmup)
 
 
 if __name__ == "__main__":

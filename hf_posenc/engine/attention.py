@@ -62,7 +62,10 @@ from .state import STATE_ATTR, PositionState
 from .table_attention import TableBiasAttention
 
 ATTENTION_NAME = "hf_posenc"
-BLOCK_BYTES = 16 * 2**20
+BLOCK_BYTES = 16 * 2**20  # per block temporary on the CPU: about what its caches hold
+# On a GPU the per-block Python loop and kernel launches cost more than the memory traffic, and the memory is large:
+# bigger blocks, still a constant budget (memory stays linear in L per query block).
+ACCELERATOR_BLOCK_BYTES = 256 * 2**20
 VIEW_BLOCK_ROWS = 256  # query rows per block when the bias is a view: fewer wastes the masked keys less, more calls
 ATTENTION_PATHS = ("auto", "blocked", "flex", "flash")
 
@@ -128,8 +131,9 @@ def attention_path(path: str):
         set_attention_path(previous)
 
 
-def block_rows(batch: int, heads: int, kv: int, cost: float = 1.0) -> int:
-    return max(1, int(BLOCK_BYTES // (4 * batch * heads * max(kv, 1) * cost)))
+def block_rows(batch: int, heads: int, kv: int, cost: float = 1.0, device: torch.device | None = None) -> int:
+    budget = BLOCK_BYTES if device is None or device.type == "cpu" else ACCELERATOR_BLOCK_BYTES
+    return max(1, int(budget // (4 * batch * heads * max(kv, 1) * cost)))
 
 
 def block_mask(state: PositionState, layer_idx: int, rows: slice, query_slots, key_slots, query_positions,
@@ -268,10 +272,10 @@ def _blocked(module, state, layer_idx, query, key, value, attention_mask, scalin
     # A bias table and nothing else to mask: each block's mask is a view of the table (see toeplitz_view).
     as_view = table is not None and attention_mask is None and not state.method.masks_keys
     if table is not None:
-        step = VIEW_BLOCK_ROWS if as_view else block_rows(batch, heads, kv)
+        step = VIEW_BLOCK_ROWS if as_view else block_rows(batch, heads, kv, device=query.device)
         padded = padded_table(table, step, query.dtype if as_view else torch.float32)
     else:
-        step = block_rows(batch, heads, kv, state.method.block_cost)
+        step = block_rows(batch, heads, kv, state.method.block_cost, query.device)
     rotate_blocks = isinstance(state.method, RotaryMethod) and state.method.rotates_per_query_block
     if as_view and dropout == 0.0 and padded.requires_grad and torch.is_grad_enabled():
         # A learned table in training: SDPA takes the bias as a constant, the backward recomputes each block and
@@ -353,8 +357,8 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
     low = torch.finfo(torch.float32).min
     keys = state.method.block_keys(key, key_positions)
     outputs, weights = [], []
-    for rows, columns in causal_blocks(query_slots, key_slots, block_rows(batch, heads, kv, state.method.block_cost),
-                                       eager):
+    step = block_rows(batch, heads, kv, state.method.block_cost, query.device)
+    for rows, columns in causal_blocks(query_slots, key_slots, step, eager):
         scores = state.method.block_scores(query[:, :, rows], tuple(part[:, :, columns] for part in keys),
                                            query_positions[:, rows], key_positions[:, columns]) * scaling
         allowed = key_slots[None, columns] <= query_slots[rows, None]
@@ -390,7 +394,8 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
     eager = state.eager
     dropout = dropout if module.training else 0.0
     outputs, weights, mixed = [], [], []
-    for rows, columns in causal_blocks(query_slots, key_slots, block_rows(batch, heads, kv, method.block_cost), eager):
+    step = block_rows(batch, heads, kv, method.block_cost, query.device)
+    for rows, columns in causal_blocks(query_slots, key_slots, step, eager):
         arguments = (state, layer_idx, scaling, query, key, value, attention_mask, rows, columns, query_slots,
                      key_slots, query_positions, key_positions, query_state, key_state, dropout, module.training)
         if eager or not torch.is_grad_enabled():

@@ -117,8 +117,8 @@ def _internal_imports(module: str, tree: ast.AST) -> list[tuple[ast.ImportFrom, 
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import) and any(a.name.split(".")[0] == PACKAGE for a in node.names):
-            raise PosEncError(f"{module} uses `import {PACKAGE}...`, which standalone export cannot make flat" +
-                              ("." if inside else f": write `from {PACKAGE} import Name, ...` in it instead."))
+            fix = "." if inside else f": write `from {PACKAGE} import Name` in it, or save without standalone=True."
+            raise PosEncError(f"{module} uses `import {PACKAGE}...`, which standalone export cannot make flat{fix}")
         if not isinstance(node, ast.ImportFrom):
             continue
         if not inside and (node.level or package and (node.module or "").split(".")[0] == module.split(".")[0]):

@@ -242,7 +242,8 @@ def standalone_files(metadata: dict[str, Any]) -> dict[str, str]:
     users = [spec for spec in specs if user_modules(spec)]  # methods registered from outside hf_posenc
     outside = tuple(dict.fromkeys(module for spec in users for module in user_modules(spec)))
     registered = [type(family), *(spec.module_class for spec in specs if spec not in users)]
-    modules = module_closure([*CORE_MODULES, *(cls.__module__ for cls in registered), *outside], outside)
+    user_classes = [cls for spec in users for cls in (spec.config_class, spec.module_class)]
+    modules = module_closure([*CORE_MODULES, *(cls.__module__ for cls in [*registered, *user_classes])], outside)
     files = {f"{flat_name(module)}.py": flatten_source(module) for module in modules}
     registrations = "".join(f"from .{flat_name(cls.__module__)} import {cls.__name__}  # noqa: F401  (registers it)\n"
                             for cls in registered)

@@ -47,6 +47,11 @@ class PosEncConfig:
     def validate(self) -> None:
         """Check option values that do not depend on the model; raise PosEncError naming the bad one."""
 
+    def sub_configs(self) -> list["PosEncConfig"]:
+        """The configs of the other registered methods this one is built from, named by its options (a hybrid's
+        parts, CAPE's bias). Standalone export ships their code too (checkpoints/export.py)."""
+        return []
+
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, **dataclasses.asdict(self)}
 

@@ -169,12 +169,14 @@ def perturb_positional_state(model):
 
 # --- loading checkpoints where hf_posenc cannot be imported ---------------------------------------------------------
 WITHOUT_HF_POSENC = textwrap.dedent('''
-    import importlib.abc, json, sys
+    import importlib.abc, json, os, sys
+
+    HIDDEN = ["hf_posenc", *json.loads(os.environ.get("POSENC_TEST_HIDDEN", "[]"))]
 
     class HideHfPosenc(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
-            if name == "hf_posenc" or name.startswith("hf_posenc."):
-                raise ImportError("hf_posenc is hidden in this test")
+            if any(name == hidden or name.startswith(hidden + ".") for hidden in HIDDEN):
+                raise ImportError(f"{name} is hidden in this test")
 
     sys.meta_path.insert(0, HideHfPosenc())
     import torch
@@ -196,10 +198,11 @@ WITHOUT_HF_POSENC = textwrap.dedent('''
 ''')
 
 
-def load_without_hf_posenc(directories: list[Path], workdir: Path) -> dict:
+def load_without_hf_posenc(directories: list[Path], workdir: Path, hidden: tuple[str, ...] = ()) -> dict:
     """{directory: [module of the loaded model's class, max |logits - reference.pt logits|]} for checkpoints loaded
-    with trust_remote_code=True in one process where `import hf_posenc` fails."""
-    env = {**os.environ, "HF_HOME": str(workdir / "hf_home"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+    with trust_remote_code=True in one process where `import hf_posenc` fails (and importing the `hidden` modules)."""
+    env = {**os.environ, "HF_HOME": str(workdir / "hf_home"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": "",
+           "POSENC_TEST_HIDDEN": json.dumps(list(hidden))}
     result = subprocess.run([sys.executable, "-c", WITHOUT_HF_POSENC, *map(str, directories)], capture_output=True,
                             text=True, env=env, cwd=workdir, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]

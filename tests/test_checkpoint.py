@@ -124,6 +124,130 @@ def test_a_model_patched_by_standalone_code_refuses_what_needs_the_library(contr
         assert torch.equal(hf_posenc.from_pretrained(tmp_path / "plain")(saved.ids).logits, saved.logits)
 
 
+# --- methods registered from outside hf_posenc in standalone checkpoints ------------------------------------------
+USER_MODULE = "user_decay_bias"  # a user's module, written to a temporary directory by the test
+USER_METHOD = textwrap.dedent('''
+    """A user's attention-bias method in a module of its own: a decay -rate_h * (i - j), rates trainable."""
+    from dataclasses import dataclass
+
+    import torch
+    from torch import nn
+
+    from hf_posenc import AttentionBiasMethod, PosEncConfig, register_method
+
+
+    @dataclass
+    class DecayConfig(PosEncConfig):
+        rate: float = 0.25
+
+
+    @register_method("test-user-decay", DecayConfig)
+    class Decay(AttentionBiasMethod):
+        def __init__(self, config, info):
+            super().__init__(config, info)
+            self.rates = nn.Parameter(config.rate * torch.arange(1, info.num_heads + 1, dtype=torch.float32))
+
+        def bias(self, layer_idx, query_positions, key_positions):
+            distance = (query_positions[:, :, None] - key_positions[:, None, :]).clamp(min=0).float()
+            return -self.rates[None, :, None, None] * distance[:, None]
+''')
+
+
+@pytest.fixture
+def method_registry():
+    """Methods a test registers are removed after it: the registry is put back as it was."""
+    from hf_posenc.registry import _METHODS
+
+    hf_posenc.available_methods()  # the built-in methods registered now, so that they are put back too
+    before = dict(_METHODS)
+    yield
+    _METHODS.clear()
+    _METHODS.update(before)
+
+
+@pytest.fixture
+def user_bias_method(method_registry, tmp_path):
+    """The name of a bias method registered by importing a user's module file from outside hf_posenc (forgotten
+    after the test)."""
+    import importlib.util
+
+    path = tmp_path / "user_code" / f"{USER_MODULE}.py"
+    path.parent.mkdir()
+    path.write_text(USER_METHOD)
+    spec = importlib.util.spec_from_file_location(USER_MODULE, path)
+    sys.modules[USER_MODULE] = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(sys.modules[USER_MODULE])
+        yield "test-user-decay"
+    finally:
+        del sys.modules[USER_MODULE]
+
+
+def test_standalone_code_ships_a_user_registered_method(user_bias_method, tmp_path):
+    """A method registered from outside hf_posenc goes into the standalone code that needs it, as CAPE's `bias`, a
+    hybrid's part or the patch itself: the checkpoints load where neither hf_posenc nor the user's module can be
+    imported, with the logits of the model that was saved."""
+    from helpers import load_without_hf_posenc
+
+    ids = random_ids(2, 9)
+    patches = {"cape": ("cape", {"bias": user_bias_method, "bias_options": {"rate": 0.5}}),
+               "hybrid": (user_bias_method, {"layers": [1]}), "alone": (user_bias_method, {})}
+    directories = []
+    for name, (method, options) in patches.items():
+        model = hf_posenc.patch_model(tiny_model("llama"), method, **options)
+        perturb_positional_state(model)
+        with torch.no_grad():
+            logits = model(ids).logits
+        directory = tmp_path / "checkpoints" / name
+        model.save_pretrained(directory, standalone=True)
+        torch.save({"ids": ids, "logits": logits}, directory / "reference.pt")
+        directories.append(directory)
+        copied = (directory / f"posenc_user_{USER_MODULE}.py").read_text()
+        assert f"by hf_posenc {hf_posenc.__version__} from {USER_MODULE} ({USER_MODULE}.py)" in copied
+        # `from hf_posenc import A, B, C` becomes one import from each module that defines them
+        assert {"from .posenc_methods_base import AttentionBiasMethod", "from .posenc_config import PosEncConfig",
+                "from .posenc_registry import register_method"} <= set(copied.splitlines())
+        assert "from hf_posenc" not in copied
+        with torch.no_grad():
+            assert torch.equal(hf_posenc.from_pretrained(directory)(ids).logits, logits)
+    (tmp_path / "load").mkdir()
+    results = load_without_hf_posenc(directories, tmp_path / "load", hidden=(USER_MODULE,))
+    for directory in directories:
+        module, diff = results[str(directory)]
+        assert module.startswith("transformers_modules."), module
+        assert diff <= 1e-6, directory
+
+
+@pytest.mark.parametrize("where", ["__main__", "function"])
+def test_a_user_method_that_cannot_be_shipped_is_refused_before_anything_is_written(method_registry, tmp_path,
+                                                                                     where):
+    """A method defined in __main__ (a script, a notebook) or inside a function has no module file that would
+    register it: standalone export refuses it, naming the fix, before it writes anything. A plain save works."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class LocalConfig(hf_posenc.PosEncConfig):
+        pass
+
+    class Local(hf_posenc.AttentionBiasMethod):
+        def bias(self, layer_idx, query_positions, key_positions):
+            return torch.zeros(1, self.num_heads, query_positions.shape[-1], key_positions.shape[-1])
+
+    if where == "__main__":
+        LocalConfig.__module__ = Local.__module__ = "__main__"  # as a script or a notebook defines them
+    hf_posenc.register_method("test-local-bias", LocalConfig, Local)
+    model = hf_posenc.patch_model(tiny_model("llama"), "cape", bias="test-local-bias")
+    problem = "is defined in __main__" if where == "__main__" else "is not a top-level name of its module"
+    message = rf"method 'test-local-bias'.* {problem} .*: move the method into a \.py module of its own"
+    with pytest.raises(PosEncError, match=message):
+        model.save_pretrained(tmp_path / "standalone", standalone=True)
+    assert not (tmp_path / "standalone").exists()
+    model.save_pretrained(tmp_path / "plain")
+    with pytest.raises(PosEncError, match=message):
+        export_checkpoint(tmp_path / "plain", tmp_path / "exported")
+    assert not (tmp_path / "exported").exists() and not list((tmp_path / "plain").glob("*.py"))
+
+
 # --- what is saved -----------------------------------------------------------------------------------------
 def test_weights_a_patch_removed_are_saved_so_unpatching_the_reloaded_model_works(tmp_path):
     original = tiny_model("gpt2")

@@ -36,11 +36,16 @@ def check_repo_id(repo_id: Any) -> str:
 
 
 def publish_saved(directory, metadata: dict[str, Any], *, standalone: bool, upload: bool, token: str | None = None,
-                  **push_options) -> None:
+                  check: bool = False, **push_options) -> None:
     """After a patched model's save_pretrained has written `directory`: add the standalone code, and upload it to the
-    Hub repo `repo_id` (default: the directory's name) with the other push options."""
-    from .export import write_standalone_code
+    Hub repo `repo_id` (default: the directory's name) with the other push options. check=True, before it writes:
+    only refuse standalone code that cannot be made (a user's method defined in __main__, ...)."""
+    from .export import standalone_files, write_standalone_code
 
+    if check:
+        if standalone:
+            standalone_files(metadata)
+        return
     if standalone:
         write_standalone_code(None, directory, metadata)
     if upload:

@@ -44,8 +44,8 @@ ADAPTER_KEY_PREFIX = "base_model.model."  # what PeftModel puts before the base 
 # save_pretrained keywords that only an upload uses (kept from transformers' own save).
 PUSH_OPTIONS = ("repo_id", "commit_message", "private", "revision", "create_pr")
 
-# After a checkpoint is written: publish(directory, metadata, standalone=..., upload=..., token=..., **push options).
-# See checkpoints/hub.py: publish_saved.
+# After a checkpoint is written: publish(directory, metadata, standalone=..., upload=..., token=..., **push options);
+# before, with check=True: refuse what it cannot do. See checkpoints/hub.py: publish_saved.
 Publish = Callable[..., Any]
 
 
@@ -122,6 +122,8 @@ class PatchedSavePretrained:
         if missing:
             raise PosEncError(f"The state_dict given to save_pretrained lacks the positional weights {missing}.")
         push_options = {key: kwargs.pop(key) for key in PUSH_OPTIONS if key in kwargs}
+        if standalone:  # refuse code that cannot be made before anything is written
+            self.publish(save_directory, metadata, standalone=True, upload=False, check=True)
         self.original_save(save_directory, is_main_process=is_main_process, state_dict=state_dict, **kwargs)
         if not is_main_process:
             return

@@ -111,6 +111,9 @@ class HybridConfig(PosEncConfig):
         return [(get_method(part["method"]).config_class.from_options(**part["options"]), part["layers"])
                 for part in self.parts]
 
+    def sub_configs(self) -> list[PosEncConfig]:
+        return [config for config, _ in self.part_configs()]
+
     def layer_methods(self, num_layers: int) -> list[str]:
         """What each layer runs: a part's method name, or "native"."""
         names = [NATIVE] * num_layers

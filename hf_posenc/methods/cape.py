@@ -29,7 +29,8 @@ from torch import nn
 
 from ..model_info import ModelInfo
 from ..registry import available_methods, get_method, register_method
-# The bias methods CAPE may name are registered by importing them (standalone checkpoints copy what is imported).
+# The built-in bias methods CAPE may name, registered by importing them. Standalone export also ships the module of
+# the one `bias` names, a user's method too (sub_configs).
 from .alibi import Alibi  # noqa: F401
 from .relative_biases import Fire, Kerple, Sandwich, T5Bias  # noqa: F401
 from .base import AttentionBiasMethod
@@ -53,6 +54,9 @@ class CapeConfig(ContentConfig):
         if not isinstance(self.bias_options, dict):
             self.refuse("bias_options", "is not a dict", "the bias method's options as a dict, e.g. {}")
         self.require_int("mlp_width", 1, 4096)
+
+    def sub_configs(self):
+        return [get_method(self.bias).config_class.from_options(**self.bias_options)]
 
 
 @register_method("cape", CapeConfig)

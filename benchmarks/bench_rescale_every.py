@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_rope_cache import build_model  # noqa: E402 (the same model as the other decode benchmark)
 
 from hf_posenc import patch_model, unpatch_model  # noqa: E402
+from hf_posenc.engine.cache_names import forward_cache_keyword  # noqa: E402
 from hf_posenc.engine.replay import replay_count  # noqa: E402
 
 EVERY = (1, 64, 256, 1024)
@@ -43,12 +44,13 @@ def decode(model, prompt: int, new_tokens: int) -> tuple[float, int]:
     ids = torch.randint(0, model.config.vocab_size, (1, prompt + new_tokens), generator=generator).to(device)
     wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     cache = DynamicCache(config=model.config)
-    model(ids[:, :prompt], past_key_values=cache, use_cache=True)
+    cached = {forward_cache_keyword(model): cache}
+    model(ids[:, :prompt], **cached, use_cache=True)
     replayed_before = replay_count(cache)
     wait()
     start = time.perf_counter()
     for t in range(prompt, prompt + new_tokens):
-        model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+        model(ids[:, t:t + 1], **cached, use_cache=True)
     wait()
     return (time.perf_counter() - start) / new_tokens, replay_count(cache) - replayed_before
 

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hf_posenc import patch_model, unpatch_model
+from hf_posenc.engine.cache_names import forward_cache_keyword
 
 VARIANTS = {
     "native rope": None,
@@ -48,10 +49,11 @@ def build_model(layers: int, window: int) -> LlamaForCausalLM:
 def seconds_per_token(model, prompt_length: int, new_tokens: int) -> float:
     ids = torch.randint(0, model.config.vocab_size, (1, prompt_length + new_tokens))
     cache = DynamicCache(config=model.config)
-    model(ids[:, :prompt_length], past_key_values=cache, use_cache=True)
+    cached = {forward_cache_keyword(model): cache}
+    model(ids[:, :prompt_length], **cached, use_cache=True)
     start = time.perf_counter()
     for t in range(prompt_length, prompt_length + new_tokens):
-        model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+        model(ids[:, t:t + 1], **cached, use_cache=True)
     return (time.perf_counter() - start) / new_tokens
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from hf_posenc.engine.cache_names import forward_cache_keyword
 from hf_posenc.tools import eval_ppl, passkey, report
 from hf_posenc.tools.models import load_model, model_name
 from hf_posenc.tools.outputs import write_json
@@ -148,15 +149,16 @@ def time_one(net, ids: torch.LongTensor, new_tokens: int, cache) -> tuple[float,
     """(prefill seconds, seconds per decode step): greedy decoding of ``new_tokens`` tokens after the prompt (device
     work waited for before each clock reading)."""
     wait = torch.cuda.synchronize if ids.device.type == "cuda" else (lambda: None)
+    cached = {forward_cache_keyword(net): cache}
     wait()
     started = time.perf_counter()
-    logits = net(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    logits = net(input_ids=ids, **cached, use_cache=True, logits_to_keep=1).logits
     wait()
     prefill = time.perf_counter() - started
     token = logits[:, -1:].argmax(-1)
     started = time.perf_counter()
     for _ in range(new_tokens):
-        token = net(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        token = net(input_ids=token, **cached, use_cache=True).logits[:, -1:].argmax(-1)
     wait()
     return prefill, (time.perf_counter() - started) / max(new_tokens, 1)
 

@@ -51,6 +51,17 @@ CASES = {  # (batch, query length, keys, cache offset, left padding of row 0)
 }
 
 
+def test_blocks_are_larger_on_an_accelerator():
+    """The CPU's block budget stays near its caches; a GPU's is larger (fewer Python iterations and kernel launches),
+    still a constant, so memory stays linear in the keys per block."""
+    from hf_posenc.engine import attention as engine
+
+    cpu = engine.block_rows(1, 8, 8192, 5.0, torch.device("cpu"))
+    gpu = engine.block_rows(1, 8, 8192, 5.0, torch.device("cuda"))
+    assert cpu == engine.block_rows(1, 8, 8192, 5.0) == int(engine.BLOCK_BYTES // (4 * 8 * 8192 * 5.0))
+    assert gpu == int(engine.ACCELERATOR_BLOCK_BYTES // (4 * 8 * 8192 * 5.0)) > cpu
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("method,options", [("alibi", {}), ("fire", {}), ("fire", {"threshold": 10.0}),

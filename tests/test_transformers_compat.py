@@ -124,3 +124,26 @@ def test_patched_base_model_checkpoint_loads_with_and_without_head(model_type, m
         expected = base(ids).last_hidden_state
         assert max_diff(head.base_model(ids).last_hidden_state, expected) < TOL
         assert max_diff(plain_base(ids).last_hidden_state, expected) < TOL
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "bloom"])
+def test_cache_names_follow_the_installed_transformers(model_type):
+    """transformers 5.24 renamed the forward's and the outputs' `past_key_values` to `cache`: the engine reads
+    either, and callers pass the one the installed forward takes (no deprecation warning on either version)."""
+    import inspect
+    import warnings
+
+    from transformers import DynamicCache
+
+    from hf_posenc.engine.cache_names import cache_argument, cache_keyword, cache_output, forward_cache_keyword
+
+    model = tiny_model(model_type)
+    name = forward_cache_keyword(model)
+    assert name in inspect.signature(model.forward).parameters
+    cache = DynamicCache(config=model.config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        output = model(random_ids(1, 5), **{name: cache}, use_cache=True)
+        assert cache_output(output) is cache
+    assert cache_argument({name: cache}) is cache and cache_keyword({name: cache}) == name
+    assert cache_argument({}) is None and cache_keyword({}) == "past_key_values"

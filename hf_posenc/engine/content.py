@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 from ..errors import PosEncError
-from .state import PositionState, attended_tokens, cache_argument, cache_output
+from .cache_names import cache_argument, cache_output
+from .state import PositionState, attended_tokens
 
 CONTENT_STATE_ATTR = "hf_posenc_content_state"  # on a KV cache: {layer index: float32 [B, H, n, ...]}
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import PosEncError
-from .state import cache_output
+from .cache_names import cache_output
 
 REPLAY_ATTR = "hf_posenc_replay"  # on a KV cache: the ReplayRecord of the text it holds
 

@@ -24,6 +24,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from ..errors import PosEncError
+from .cache_names import cache_argument, cache_keyword
 
 
 class EvictionPlan:
@@ -236,11 +237,10 @@ class GenerateWithBoundedCache:
         self.method = method
 
     def __call__(self, generation_config, model_kwargs, *args, **kwargs):
-        # transformers 5.24 names the cache "cache" (formerly "past_key_values")
-        given = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        given = cache_argument(model_kwargs)
         result = type(self.model)._prepare_cache_for_generation(self.model, generation_config, model_kwargs, *args,
                                                                 **kwargs)
-        name = "cache" if model_kwargs.get("cache") is not None else "past_key_values"
+        name = cache_keyword(model_kwargs)
         created = model_kwargs.get(name)
         if given is None and type(created) is DynamicCache and not getattr(created, "_is_user_defined", False):
             model_kwargs[name] = self.method.kv_cache(num_layers(self.model))

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..errors import PosEncError
 from ..methods.base import AbsolutePositionMethod, PositionalMethod, RotaryMethod
+from .cache_names import cache_argument, cache_output
 from .sink_cache import SinkCache
 
 STATE_ATTR = "hf_posenc_state"
@@ -397,19 +398,6 @@ class RecordKeyPositions:
             setattr(cache, KEY_POSITIONS_ATTR, None)
             setattr(cache, KEY_SHIFT_ATTR, self.state.call.key_positions)
         return output
-
-
-def cache_argument(arguments: dict[str, Any]):
-    """The KV cache a base model's forward got: `cache` since transformers 5.24, `past_key_values` before."""
-    cache = arguments.get("cache")
-    return cache if cache is not None else arguments.get("past_key_values")
-
-
-def cache_output(output: Any):
-    """The KV cache a base model's forward returned (`cache` since transformers 5.24, `past_key_values` before)."""
-    fields = getattr(output, "__dataclass_fields__", {})
-    # Only the field the output class has: on 5.24 `past_key_values` is a property that warns of its deprecation.
-    return getattr(output, "past_key_values" if "past_key_values" in fields else "cache", None)
 
 
 def cached_key_positions(cache: Any, offset: int) -> torch.Tensor | None:

@@ -17,11 +17,12 @@ SDPA's own causal kernel ("causal"). Native RoPE never enters hf_posenc's attent
 
 Times are taken first, for every case, with the allocator as users have it. Memory is measured afterwards, in a
 second pass: on the CPU the resident high-water mark (VmHWM, reset through /proc/self/clear_refs before each
-measurement) with glibc's mmap threshold lowered so that freed tensors go back to the system at once and the mark follows live tensor
-memory. (That setting makes every freed block a page fault when it is allocated again, a tax on code that allocates
-many per-block tensors: timing under it overstated the blocked path's cost, up to 1.56x instead of 1.17x for T5 at
-4096.) On CUDA (--device cuda) times are taken between device synchronisations and peaks are the allocator's
-(torch.cuda.max_memory_allocated above the start). "extra" is the peak minus native's; it is compared with the size of one materialised float32 bias [1, H, L, L].
+measurement) with glibc's mmap threshold lowered so that freed tensors go back to the system at once and the mark
+follows live tensor memory. (That setting makes every freed block a page fault when it is allocated again, a tax on
+code that allocates many per-block tensors: timing under it overstated the blocked path's cost, up to 1.56x instead
+of 1.17x for T5 at 4096.) On CUDA (--device cuda) times are taken between device synchronisations and peaks are the
+allocator's (torch.cuda.max_memory_allocated above the start). "extra" is the peak minus native's; it is compared
+with the size of one materialised float32 bias [1, H, L, L].
 """
 
 from __future__ import annotations
@@ -329,7 +330,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="model and activations dtype")
     parser.add_argument("--output-dir", default="runs/bench_attention")
     args = parser.parse_args()
-    rows = run_benchmark(device=args.device, dtype=DTYPES[args.dtype],lengths=[int(x) for x in args.lengths.split(",")], methods=args.methods.split(";"),
+    rows = run_benchmark(device=args.device, dtype=DTYPES[args.dtype],
+                         lengths=[int(x) for x in args.lengths.split(",")], methods=args.methods.split(";"),
                          paths=tuple(args.paths.split(",")), layers=args.layers, repeats=args.repeats,
                          backward_repeats=args.backward_repeats, threads=args.threads, mode=args.mode,
                          memory=not args.no_memory)

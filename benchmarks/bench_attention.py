@@ -142,6 +142,9 @@ def measure_time(model, ids, mode: str, repeats: int, backward_repeats: int) -> 
     forward, forward_backward = step_functions(model, ids, mode)
     medians = []
     for fn, count in ((forward, repeats), (forward_backward, backward_repeats)):
+        if count == 0:  # not measured (bench_content.py --forward-only)
+            medians.append(float("nan"))
+            continue
         fn()
         times = []
         for _ in range(count):

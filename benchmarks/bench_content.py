@@ -5,6 +5,7 @@ forward time, forward+backward time and peak memory, as ratios to native in the 
 bench_content.json to --output-dir.
 
     .venv/bin/python benchmarks/bench_content.py --lengths 1024,2048,4096 --output-dir runs/bench_content
+    .venv/bin/python benchmarks/bench_content.py --lengths 8192 --forward-only --repeats 1 --output-dir runs/bench_content_8192
 
 Measurement as in bench_attention.py (median times, resident high-water mark above the start for peak memory);
 "% of bias" is the extra forward peak over native relative to one materialised float32 [1, H, L, L] tensor.
@@ -33,6 +34,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed forwards per case (median)")
     parser.add_argument("--backward-repeats", type=int, default=2, help="timed forward+backward per case (median)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--forward-only", action="store_true",
+                        help="time the forward only (no forward+backward, no memory pass): for long lengths")
     parser.add_argument("--output-dir", default="runs/bench_content")
     args = parser.parse_args()
     out = Path(args.output_dir)
@@ -40,8 +43,9 @@ def main() -> None:
     rows = []
     for length in (int(x) for x in args.lengths.split(",")):  # one length at a time, written as it completes
         rows += run_benchmark(lengths=[length], methods=args.methods.split(","), paths=("blocked",),
-                              layers=args.layers, repeats=args.repeats, backward_repeats=args.backward_repeats,
-                              threads=args.threads, progress=False)
+                              layers=args.layers, repeats=args.repeats,
+                              backward_repeats=0 if args.forward_only else args.backward_repeats,
+                              threads=args.threads, memory=not args.forward_only, progress=False)
         (out / "bench_content.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
         print(format_table(rows), flush=True)
     print(f"wrote {out / 'bench_content.json'}")

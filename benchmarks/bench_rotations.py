@@ -5,7 +5,8 @@ peak memory, as ratios to native RoPE in the same run. Reuses bench_attention's 
     .venv/bin/python benchmarks/bench_rotations.py --lengths 1024,4096 --output-dir runs/bench_rotations
 
 ComRoPE and LieRE rotate inside the shared attention path (a b x b matrix per block and position: matrix_exp once
-per forward, float32, shared by the layers); FoPE and 2-D RoPE are cos/sin pairs that the layers apply as native RoPE does.
+per forward, float32, shared by the layers); FoPE and 2-D RoPE are cos/sin pairs that the layers apply as native RoPE does. TAPE is a content method (per-token
+position features updated per layer, carried on the KV cache): the content path, per query block.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from bench_attention import _fix_mmap_threshold, build_model, measure  # noqa: E
 from hf_posenc import patch_model, unpatch_model  # noqa: E402
 
 CASES = [("comrope-ap", {"block_size": 2}), ("comrope-ap", {"block_size": 4}), ("comrope-ld", {"block_size": 8}),
-         ("liere", {"block_size": 16}), ("liere", {}), ("fope", {}), ("rope-2d", {})]
+         ("liere", {"block_size": 16}), ("liere", {}), ("fope", {}), ("rope-2d", {}), ("tape", {})]
 
 
 def label(method, options) -> str:

@@ -1,7 +1,7 @@
 """Short fine-tune evidence for the learned rotations (issue 13), on CPU in a few minutes: a tiny LLaMA-style model
 (bytes as tokens, 2 layers, hidden 128, trained window 128 bytes) is first trained from scratch with its own RoPE, then
 fine-tuned from that same base with each method (RoPE itself continued, ALiBi, ComRoPE-AP/LD, LieRE, FoPE, 2-D RoPE on
-the 1 x L grid), the same steps, data and seed; perplexity vs length on held-out text (another book) for every
+the 1 x L grid, TAPE), the same steps, data and seed; perplexity vs length on held-out text (another book) for every
 fine-tuned model in one run. Everything goes through the library's own tools (tools/finetune.run_finetune,
 tools/eval_ppl.run_eval), so this is also what `hf-posenc finetune` / `hf-posenc eval-ppl` do.
 
@@ -33,6 +33,7 @@ METHODS = {
     "liere:block_size=8": "liere",
     "fope": "fope",
     "rope-2d": "rope-2d",
+    "tape": "tape",  # init="rope": starts as the base model's RoPE, its updates at zero
 }
 
 

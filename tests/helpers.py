@@ -75,11 +75,15 @@ CONTRACT = {
     "sinks": ContractCase(options={"num_sinks": 2, "window": 4}, scales_rope=True),
     # Content-dependent attention (methods/base.py ContentMethod), alone (base="none"); base="native" and the
     # options are checked in test_content_methods.py.
-    "fox": ContractCase(),
+    "fox": ContractCase(options={"key_shift": True, "value_shift": True}),  # FoX-Pro's token shift: state and cache
     "stick-breaking": ContractCase(),
     "cope": ContractCase(),
     "transformer-xl": ContractCase(),
     "cape": ContractCase(options={"bias": "kerple"}),  # a bias with parameters, so gradients reach them too
+    # Updates of the position features drawn at random (init="rope" starts them at zero, where the products of the
+    # update's maps give no gradient to D and W, and the cache would carry RoPE's features only); init="rope"
+    # reproducing RoPE is checked in test_rotations.py.
+    "tape": ContractCase(options={"init": "random", "init_std": 0.3}),
 }
 
 

@@ -104,3 +104,39 @@ def test_eager_calls_after_a_compiled_forward_know_the_cached_positions(model_ty
                 setattr(cache, name, None)  # as if nothing recorded them
             assert max_diff(decode(cache), expected) > 1e-3
     assert max_diff(after_compiled, expected) < TOLERANCE
+
+
+CONTENT_METHODS = [("fox", {"key_shift": True, "value_shift": True}), ("stick-breaking", {}), ("cope", {}),
+                   ("transformer-xl", {}), ("cape", {})]
+
+
+@pytest.mark.parametrize("method, options", CONTENT_METHODS)
+def test_content_methods_refuse_a_fullgraph_compile_by_name(method, options):
+    """Content methods carry Python-side per-token state on the KV cache (engine/content.py): one graph cannot hold
+    it, so a fullgraph compile stops at the base model's pre-hook with hf_posenc's reason (inside dynamo's error)."""
+    model = hf_posenc.patch_model(tiny_model("llama"), method, **options)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with torch.no_grad(), pytest.raises(Exception) as raised:
+        compiled(random_ids(2, 8))
+    assert f"{method!r} carries per-token state on the KV cache" in str(raised.value)
+    assert "run the model uncompiled" in str(raised.value)
+
+
+@pytest.mark.slow
+def test_content_method_compiled_with_graph_breaks_matches_eager_forward_and_cached_decoding():
+    """Without fullgraph, dynamo breaks the graph at the content hooks and runs them uncompiled: the numbers are
+    the eager ones, for a full forward and for decoding on a cache (FoX with its token shifts: the most state)."""
+    from transformers import DynamicCache
+
+    from helpers import decode_token_by_token
+
+    model = hf_posenc.patch_model(tiny_model("llama"), "fox", key_shift=True, value_shift=True)
+    ids = random_ids(2, 8)
+    with torch.no_grad():
+        expected = model(ids).logits
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        assert max_diff(compiled(ids).logits, expected) < TOLERANCE
+        assert max_diff(decode_token_by_token(compiled, ids, DynamicCache(config=model.config)), expected) < TOLERANCE

@@ -78,6 +78,17 @@ def fox_reference(module, layer: int, record: dict) -> torch.Tensor:
     for i in range(length):
         for j in range(i):
             decay[:, :, i, j] = log_f[:, j + 1:i + 1].sum(1)
+    groups = heads // module.num_kv_heads
+    for name in ("key", "value"):  # FoX-Pro's token shift, per key-value head, before the QK-norm
+        if getattr(config, f"{name}_shift"):
+            amount = torch.sigmoid(x @ getattr(module, f"{name}_shift_weight")[layer].double().T)  # [B, L, H_kv]
+            amount = amount.transpose(1, 2).repeat_interleave(groups, dim=1)[..., None]
+            tensor = {"key": k, "value": v}[name]
+            shifted = torch.zeros_like(tensor)
+            for t in range(length):
+                shifted[:, :, t] = (1 - amount[:, :, t]) * tensor[:, :, t] + (
+                    amount[:, :, t] * tensor[:, :, t - 1] if t > 0 else 0.0)
+            k, v = (shifted, v) if name == "key" else (k, shifted)
     if config.qk_norm:
         q = rms(q, module.query_norm[layer].double().repeat_interleave(1, 0)[None, :, None])
         kv_norm = module.key_norm[layer].double()
@@ -93,7 +104,10 @@ def fox_reference(module, layer: int, record: dict) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("options", [{}, {"gate_init": "decay-time", "qk_norm": True, "output_norm": True,
-                                          "output_gate": True}])
+                                          "output_gate": True},
+                                     {"key_shift": True}, {"value_shift": True},
+                                     {"qk_norm": True, "output_norm": True, "output_gate": True, "key_shift": True,
+                                      "value_shift": True}])
 def test_fox_matches_a_float64_reference(options):
     model = hf_posenc.patch_model(tiny_model("llama"), "fox", **options)
     module = hf_posenc.get_positional_module(model)
@@ -120,6 +134,10 @@ NATIVE_CASES = [("fox", {"base": "native"}), ("fox", {"base": "native", "output_
 OPTION_CASES = [("stick-breaking", {"attend_current": True}), ("stick-breaking", {"base": "native"}),
                 ("fox", {"gate_init": "decay-time", "qk_norm": True, "output_norm": True, "output_gate": True}),
                 ("fox", {"base": "native", "gate_bias": -1.0, "output_gate": True}),
+                ("fox", {}),  # the contract suite patches fox with its token shifts on (helpers.CONTRACT)
+                ("fox", {"qk_norm": True, "output_norm": True, "output_gate": True, "key_shift": True,
+                         "value_shift": True}),
+                ("fox", {"base": "native", "value_shift": True}),
                 ("cope", {"max_pos": 3}), ("cope", {"base": "native"}),
                 ("transformer-xl", {"base": "native", "relative_dim": 6}),
                 ("cape", {"bias": "fire", "mlp_width": 8}), ("cape", {"base": "native", "bias": "t5"})]
@@ -186,6 +204,7 @@ def test_a_cache_filled_without_the_state_is_refused():
     ("fox", {"gate_init": "slow"}, "gate_init"),
     ("fox", {"decay_time": [100.0, 10.0]}, "decay_time"),
     ("fox", {"qk_norm": 1}, "qk_norm"),
+    ("fox", {"key_shift": "yes"}, "key_shift"),
     ("stick-breaking", {"base": "rope"}, "base"),
     ("cope", {"max_pos": 0}, "max_pos"),
     ("transformer-xl", {"relative_dim": 5}, "relative_dim"),
@@ -400,3 +419,38 @@ def test_many_query_blocks_give_what_one_block_gives(method, monkeypatch):
     assert engine.block_rows(2, 4, 20, cost) == rows
     for a, b in zip(one, run()):
         assert max_diff(a, b) <= 1e-5
+
+
+# --- FoX-Pro's token shift -------------------------------------------------------------------------------------------
+def test_fox_token_shift_is_not_the_identity_at_init():
+    """Documented as such (a_t starts near 1/2): on top of the native RoPE, a value shift moves the logits at once."""
+    model = tiny_model("llama")
+    ids = random_ids(2, 10)
+    with torch.no_grad():
+        original = model(ids).logits
+        hf_posenc.patch_model(model, "fox", base="native", value_shift=True)
+        assert max_diff(model(ids).logits, original) > 1e-3
+
+
+def test_fox_token_shift_ignores_the_padding_before_a_row():
+    """The first real token of a left-padded row is shifted with zeros, as the first token of the sequence alone:
+    whatever the padding tokens are."""
+    model = hf_posenc.patch_model(tiny_model("llama"), "fox", key_shift=True, value_shift=True)
+    sequence = random_ids(1, 6, seed=3)[0]
+    mask = torch.tensor([[0, 0, 0] + [1] * 6])
+    with torch.no_grad():
+        alone = model(sequence[None]).logits[0]
+        for pad in (0, 7):
+            padded = torch.cat((torch.full((3,), pad), sequence))[None]
+            logits = model(padded, attention_mask=mask, position_ids=positions_from_mask(mask)).logits[0, 3:]
+            assert max_diff(logits, alone) <= TOL
+
+
+def test_fox_token_shift_refuses_a_cache_that_dropped_a_predecessor():
+    model = tiny_model("mistral")
+    model.config.sliding_window = 4
+    hf_posenc.patch_model(model, "fox", key_shift=True)
+    ids = random_ids(1, 8)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad(), pytest.raises(hf_posenc.PosEncError, match="predecessor"):
+        decode_token_by_token(model, ids, cache)

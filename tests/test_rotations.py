@@ -1,4 +1,4 @@
-"""Learned and generalised rotations (issue 13): ComRoPE (AP, LD), LieRE, FoPE and 2-D RoPE. Each is checked against
+"""Learned and generalised rotations (issue 13): ComRoPE (AP, LD), LieRE, FoPE, 2-D RoPE and TAPE. Each is checked against
 an independent float64 computation of its paper's formula, for its relativity property, and for init="rope"
 reproducing the model's own RoPE (on GPT-2 and BLOOM: the `rope` patch)."""
 
@@ -19,7 +19,8 @@ from tiny_models import random_ids, tiny_model
 ROPE_LIKE = [("comrope-ap", {}), ("comrope-ap", {"block_size": 2}), ("comrope-ld", {"block_size": 8}),
              ("liere", {}), ("fope", {"clip_floor": False}), ("rope-2d", {}),
              ("comrope-ap", {"per_head": True}), ("liere", {"block_size": 8, "per_head": True}),
-             ("fope", {"clip_floor": False, "per_head": True}), ("rope-2d", {"per_head": True})]
+             ("fope", {"clip_floor": False, "per_head": True}), ("rope-2d", {"per_head": True}),
+             ("rope-2d", {"per_layer": True}), ("rope-2d", {"per_layer": True, "per_head": True}), ("tape", {})]
 
 
 def method_on(model_type: str, method: str, **options):
@@ -240,7 +241,7 @@ def test_rotations_are_computed_once_per_forward_and_shared_by_the_layers(method
         assert len(calls) == 2
         # per layer, as before: every layer computes its own rotations
         monkeypatch.setattr(hf_posenc.engine.state.PositionState, "rotation_of",
-                            lambda state, positions: state.method.rotation(positions, state.call.seq_len))
+                            lambda state, positions, layer_idx=0: state.method.rotation(positions, state.call.seq_len))
         assert torch.equal(model(ids).logits, full)
         calls.clear()
         cache = DynamicCache(config=model.config)
@@ -319,3 +320,182 @@ def test_per_head_rope_2d_matches_a_float64_reference_and_decodes_on_a_grid():
             assert max_diff(full, torch.cat(steps, dim=1)) <= 1e-4
     with pytest.raises(hf_posenc.PosEncError, match=r"Rope2dConfig.per_head=True has nothing to learn per head"):
         hf_posenc.Rope2dConfig(variant="axial", per_head=True)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_per_layer_rope_2d_gives_each_layer_its_own_frequencies(per_head):
+    """Mixed 2-D RoPE with per_layer=True (the paper's frequencies per layer): layer l turns by its own wx_l, wy_l
+    (checked against float64 cos/sin), equal rates in every layer give the shared-rate model's logits, changing layer 1's
+    alone changes them; on a grid it stays translation invariant, decodes exactly, and every layer's rates train."""
+    torch.manual_seed(11)
+    model, module = method_on("llama", "rope-2d", init="random", per_layer=True, per_head=per_head)
+    assert module.column_rates.shape == ((2, 2, 8) if per_head else (2, 8)) and module.rotates_in_attention
+    coordinates = torch.tensor([[[0, 0], [2, 5], [7, 1]]])
+    for layer in range(2):
+        cos, sin = module.layer_rotation(layer, coordinates)
+        column, row = (rates[layer].detach().double().numpy() for rates in (module.column_rates, module.row_rates))
+        angles = coordinates[0, :, 1:].double().numpy()[..., None, :] * column + \
+            coordinates[0, :, :1].double().numpy()[..., None, :] * row if per_head else \
+            coordinates[0, :, 1:].double().numpy() * column + coordinates[0, :, :1].double().numpy() * row
+        assert np.abs(cos[0, ..., :8].detach().double().numpy() - np.cos(angles)).max() <= 1e-5
+        assert np.abs(sin[0, ..., 8:].detach().double().numpy() - np.sin(angles)).max() <= 1e-5
+    ids, positions = random_ids(2, 12), grid(3, 4).expand(2, -1, -1)
+    shared, shared_module = method_on("llama", "rope-2d", init="random", per_head=per_head)
+    with torch.no_grad():
+        for rates, own in ((module.column_rates, shared_module.column_rates), (module.row_rates,
+                                                                                  shared_module.row_rates)):
+            rates[1] = rates[0]
+            own.copy_(rates[0])
+        full = model(ids, position_ids=positions).logits
+        assert max_diff(full, shared(ids, position_ids=positions).logits) <= 1e-5
+        module.column_rates[1] += 0.05
+        full = model(ids, position_ids=positions).logits
+        assert max_diff(full, shared(ids, position_ids=positions).logits) > 1e-4
+        assert max_diff(full, model(ids, position_ids=positions + torch.tensor([4, 7])).logits) <= 1e-5
+        for cache in (DynamicCache(config=model.config), StaticCache(config=model.config, max_cache_len=16)):
+            steps = [model(ids[:, i:i + 1], position_ids=positions[:, i:i + 1], past_key_values=cache,
+                           use_cache=True).logits for i in range(12)]
+            assert max_diff(full, torch.cat(steps, dim=1)) <= 1e-4
+    model.train()
+    model(ids, position_ids=positions, labels=ids).loss.backward()
+    for rates in (module.column_rates, module.row_rates):
+        assert all(rates.grad[layer].abs().sum() > 0 for layer in range(2))
+    with pytest.raises(hf_posenc.PosEncError, match=r"Rope2dConfig.per_layer=True has nothing to learn per layer"):
+        hf_posenc.Rope2dConfig(variant="axial", per_layer=True)
+
+
+# --- TAPE: position features updated layer by layer -----------------------------------------------------------------
+def tape_reference(model, module, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of a tiny LLaMA with TAPE, in float64 and complex arithmetic, written from the paper's formulas (the
+    tape.py docstring) with the model's own modules, one row at a time: z = exp(i p w) at the first layer; q and k
+    turned by z per plane; a = the attention average of the keys' z; u = z + A a; z' = u + D diag(silu(W x)) U u."""
+    reference = __import__("copy").deepcopy(model).double()
+    layers, config = reference.model.layers, reference.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim, group = config.hidden_size // heads, heads // config.num_key_value_heads
+    half = dim // 2
+    A, U, D, W = (getattr(module, name).detach().double() for name in
+                  ("attention_mix", "feature_up", "feature_down", "content_gate"))
+    frequencies = 10000.0 ** (-torch.arange(half, dtype=torch.float64) * 2 / dim)
+    rows = []
+    for row in ids:
+        length = row.shape[0]
+        hidden = reference.model.embed_tokens(row)
+        z = torch.exp(1j * torch.arange(length, dtype=torch.float64)[:, None] * frequencies)  # [T, d/2]
+        z = z.expand(kv_heads, -1, -1).clone()  # [H_kv, T, d/2]
+        averaged = None
+        for index, layer in enumerate(layers):
+            x = layer.input_layernorm(hidden)
+            if averaged is not None:
+                u = z + torch.einsum("gh,htk->gtk", A[index].to(torch.complex128), averaged)
+                gate = torch.nn.functional.silu(x @ W[index].T)  # [T, m]
+                up = torch.einsum("mg,gtk->mtk", U[index].to(torch.complex128), u) * gate.T[..., None]
+                z = u + torch.einsum("gm,mtk->gtk", D[index].to(torch.complex128), up)
+            attention = layer.self_attn
+            q = attention.q_proj(x).view(length, heads, dim)
+            k = attention.k_proj(x).view(length, kv_heads, dim)
+            v = attention.v_proj(x).view(length, kv_heads, dim)
+            out, averaged = torch.zeros(length, heads, dim, dtype=torch.float64), []
+            for h in range(heads):
+                g = h // group
+                Q = torch.complex(q[:, h, :half], q[:, h, half:]) * z[g]
+                K = torch.complex(k[:, g, :half], k[:, g, half:]) * z[g]
+                logits = (Q @ K.conj().T).real * dim ** -0.5
+                logits = logits.masked_fill(torch.ones(length, length).triu(1).bool(), float("-inf"))
+                weights = logits.softmax(-1)
+                out[:, h] = weights @ v[:, g]
+                averaged.append(weights.to(torch.complex128) @ z[g])
+            averaged = torch.stack(averaged)
+            hidden = hidden + attention.o_proj(out.reshape(length, -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        rows.append(reference.lm_head(reference.model.norm(hidden)))
+    return torch.stack(rows)
+
+
+def test_tape_matches_a_float64_reference():
+    model, module = method_on("llama", "tape", init="random", init_std=0.3)
+    ids = random_ids(2, 14)
+    with torch.no_grad():
+        assert max_diff(model(ids).logits, tape_reference(model, module, ids).float()) <= 1e-4
+        # the updates act: the same model with them at zero (RoPE) differs
+        module.attention_mix.zero_()
+        module.feature_up.zero_()
+        rope = tiny_model("llama")(ids).logits
+        assert max_diff(model(ids).logits, rope) <= 1e-5
+
+
+def turned_features(module, turn):
+    """Wrap the module's first-layer features: every token's z multiplied by turn(z) (complex, broadcast)."""
+    original = module.initial_features
+
+    def initial_features(positions, batch):
+        features = original(positions, batch)
+        real, imaginary = features.chunk(2, dim=-1)
+        z = torch.complex(real.double(), imaginary.double()) * turn(real.shape)
+        return torch.cat((z.real, z.imag), dim=-1).float()
+    return initial_features
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "bloom"])
+def test_tape_is_equivariant_under_rotations_of_the_position_features(model_type):
+    """The paper's orthogonal equivariance, numerically: with random (non-zero) updates, turning every token's
+    position features by one rotation per plane leaves the logits unchanged; a shift of all positions (such a rotation)
+    too; a rotation that differs from token to token (no symmetry) changes them."""
+    model, module = method_on(model_type, "tape", init="random", init_std=0.3)
+    ids = random_ids(2, 12)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        logits = model(ids).logits
+        plane = torch.exp(1j * 2 * math.pi * torch.rand(module.initial_features(torch.zeros(1, 1), 1).shape[-1] // 2,
+                                                         generator=generator, dtype=torch.float64))
+        module.initial_features = turned_features(module, lambda shape: plane)
+        turned = model(ids).logits
+        per_token = torch.exp(1j * 2 * math.pi * torch.rand(12, plane.shape[0], generator=generator,
+                                                             dtype=torch.float64))
+        module.initial_features = turned_features(module, lambda shape: per_token)
+        broken = model(ids).logits
+        del module.initial_features
+        shifted = model(ids, position_ids=torch.arange(12)[None] + 101).logits
+    assert max_diff(logits, turned) <= 1e-5
+    assert max_diff(logits, shifted) <= 1e-5
+    assert max_diff(logits, broken) > 1e-4  # (positions move tiny BLOOM's logits ~1e-3)
+
+
+def test_tape_updates_commute_with_plane_rotations():
+    """The update maps alone: update(z u, a u) = update(z, a) u for a unit complex u per plane, and the content
+    update depends on the content (two inputs give two results)."""
+    _, module = method_on("llama", "tape", init="random", init_std=0.3)
+    generator = torch.Generator().manual_seed(5)
+    previous, mixed = torch.randn(2, 2, 5, 16, generator=generator), torch.randn(2, 4, 5, 16, generator=generator)
+    x, other = torch.randn(2, 5, 64, generator=generator), torch.randn(2, 5, 64, generator=generator)
+    angle = 2 * math.pi * torch.rand(8, generator=generator)
+
+    def turn(features):
+        real, imaginary = features.chunk(2, dim=-1)
+        return torch.cat((real * angle.cos() - imaginary * angle.sin(), real * angle.sin() + imaginary * angle.cos()),
+                         dim=-1)
+    with torch.no_grad():
+        updated = module.update_features(1, x, previous, mixed)
+        assert max_diff(module.update_features(1, x, turn(previous), turn(mixed)), turn(updated)) <= 1e-5
+        assert max_diff(module.update_features(1, other, previous, mixed), updated) > 1e-4
+
+
+def test_tape_decodes_exactly_and_trains_its_updates():
+    model, module = method_on("qwen2", "tape", init="random", init_std=0.3)
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        full = model(ids).logits
+        assert max_diff(full, decode_token_by_token(model, ids, DynamicCache(config=model.config))) <= 1e-4
+        assert max_diff(full, decode_token_by_token(model, ids, StaticCache(config=model.config,
+                                                                            max_cache_len=16))) <= 1e-4
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    for name, parameter in module.named_parameters():
+        assert parameter.grad is not None and parameter.grad.abs().sum() > 0, name
+
+
+def test_tape_refuses_native_base_on_rope_models():
+    with pytest.raises(hf_posenc.PosEncError, match="base='none'"):
+        hf_posenc.patch_model(tiny_model("llama"), "tape", base="native")
+    model = hf_posenc.patch_model(tiny_model("gpt2"), "tape", base="native")  # learned positions kept underneath
+    assert model(random_ids(1, 6)).logits.isfinite().all()

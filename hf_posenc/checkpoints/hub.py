@@ -12,6 +12,7 @@ that folder to DIR and uploads nothing.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -47,6 +48,17 @@ def publish_saved(directory, metadata: dict[str, Any], *, standalone: bool, uplo
         push_to_hub(directory, repo_id, token=token, **push_options)
 
 
+def report_images(evaluation: Any) -> list[Path]:
+    """The images that the Markdown page ``evaluation`` (an ``hf-posenc report`` page) shows by a plain file name, the
+    files beside it: the card nests the page, so they go into the uploaded folder with it."""
+    if not isinstance(evaluation, (str, os.PathLike)) or Path(evaluation).suffix != ".md" \
+            or not Path(evaluation).is_file():
+        return []
+    page = Path(evaluation)
+    names = re.findall(r"!\[[^\]]*\]\(([^)\s/\\]+)\)", page.read_text(encoding="utf-8"))
+    return [page.parent / name for name in dict.fromkeys(names) if (page.parent / name).is_file()]
+
+
 def build_upload_folder(model_or_dir: Any, folder, *, repo_id: str | None = None, standalone: bool = False,
                         model_card: bool = True, plot: str | os.PathLike | None = None, **card_options) -> list[str]:
     """Write into `folder` (new or empty) what push_to_hub uploads; returns its file names, sorted."""
@@ -74,6 +86,9 @@ def build_upload_folder(model_or_dir: Any, folder, *, repo_id: str | None = None
             raise PosEncError(f"Plot {plot} does not exist.")
         shutil.copy(plot, folder / Path(plot).name)
     if model_card:
+        for image in report_images(card_options.get("evaluation")):  # an hf-posenc report's plots, beside its page
+            if not (folder / image.name).exists():  # never over a file of the checkpoint
+                shutil.copy(image, folder / image.name)
         card = make_model_card(folder, repo_id=repo_id, plot=plot, **card_options)
         card.save(folder / "README.md")
     return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())

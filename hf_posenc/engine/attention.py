@@ -220,7 +220,8 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if rotary and not state.method.rotates_per_query_block:
         # Keys are cached un-rotated; rotating the whole cache here costs O(kv * D) per layer and step, the same
         # order as attention itself, and is what keeps length-dependent scalings exact under a KV cache.
-        query, key = state.rotate_query_key(query, key, query_positions, key_positions)  # once per forward
+        query, key = state.rotate_query_key(query, key, query_positions, key_positions,  # once per forward
+                                            getattr(module, "layer_idx", 0) or 0)
     dropout = dropout if module.training else 0.0
     eager = state.eager
     layer_idx = getattr(module, "layer_idx", 0) or 0
@@ -350,11 +351,12 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
     eager = state.eager
     dropout = dropout if module.training else 0.0
     low = torch.finfo(torch.float32).min
+    keys = state.method.block_keys(key, key_positions)
     outputs, weights = [], []
     for rows, columns in causal_blocks(query_slots, key_slots, block_rows(batch, heads, kv, state.method.block_cost),
                                        eager):
-        scores = state.method.block_scores(query[:, :, rows], key[:, :, columns], query_positions[:, rows],
-                                           key_positions[:, columns]) * scaling
+        scores = state.method.block_scores(query[:, :, rows], tuple(part[:, :, columns] for part in keys),
+                                           query_positions[:, rows], key_positions[:, columns]) * scaling
         allowed = key_slots[None, columns] <= query_slots[rows, None]
         given = attention_mask[..., rows, columns] if attention_mask is not None else None
         mask = _combine(state, allowed, None, given, query_positions[:, rows], key_positions[:, columns],
@@ -381,26 +383,29 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
     batch, heads, q, _ = query.shape
     kv = key.shape[2]
     layer_input, query_state, key_state = layer_state(state, layer_idx, q, key_slots)
-    query, key, value = method.prepare_heads(layer_idx, query, key, value, layer_input)
+    query, key, value = method.prepare_heads(layer_idx, query, key, value, layer_input, key_state, key_slots)
     groups = heads // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     eager = state.eager
     dropout = dropout if module.training else 0.0
-    outputs, weights = [], []
+    outputs, weights, mixed = [], [], []
     for rows, columns in causal_blocks(query_slots, key_slots, block_rows(batch, heads, kv, method.block_cost), eager):
         arguments = (state, layer_idx, scaling, query, key, value, attention_mask, rows, columns, query_slots,
                      key_slots, query_positions, key_positions, query_state, key_state, dropout, module.training)
         if eager or not torch.is_grad_enabled():
-            output, probs = _content_block(*arguments)
+            output, probs, mixed_state = _content_block(*arguments)
         else:
             # Recomputed in the backward pass (the block's mask too): otherwise every block's [B, H, rows, keys]
             # temporaries would be kept for it, O(L^2) in all; this way a forward+backward holds one block at a time.
-            output = torch.utils.checkpoint.checkpoint(lambda *a: _content_block(*a)[0], *arguments,
-                                                       use_reentrant=False)
+            output, mixed_state = torch.utils.checkpoint.checkpoint(lambda *a: _content_block(*a)[::2], *arguments,
+                                                                    use_reentrant=False)
         outputs.append(output)
+        mixed.append(mixed_state)
         if eager:
             weights.append(probs.to(value.dtype))
+    if method.mixes_state:  # the attention-weighted state of the keys, for the next layer (engine/content.py)
+        state.call.content.mixed[layer_idx] = torch.cat(mixed, dim=2) if len(mixed) > 1 else mixed[0]
     output = method.finish_output(layer_idx, torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0],
                                   layer_input)
     attn_weights = (torch.cat(weights, dim=2) if len(weights) > 1 else weights[0]) if eager else None
@@ -410,7 +415,8 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
 def _content_block(state, layer_idx, scaling, query, key, value, attention_mask, rows, columns, query_slots, key_slots,
                    query_positions, key_positions, query_state, key_state, dropout, training):
     """Query rows `rows` against key columns `columns` in `_content_blocks`: (output [B, H, r, D], attention weights
-    float32 [B, H, r, k])."""
+    float32 [B, H, r, k], for `mixes_state` methods the same weights applied to the keys' state [B, H, r, ...] in
+    float32, else None)."""
     method = state.method
     low = torch.finfo(torch.float32).min
     allowed = key_slots[None, columns] <= query_slots[rows, None]
@@ -431,7 +437,12 @@ def _content_block(state, layer_idx, scaling, query, key, value, attention_mask,
     else:
         probs = F.softmax(method.content_scores(query, key, block).masked_fill(~mask, low), dim=-1)
     probs = F.dropout(probs, p=dropout, training=training)
-    return torch.matmul(probs.to(value.dtype), value), probs
+    mixed = None
+    if method.mixes_state and key_state is not None:
+        keys = key_state[:, :, columns]
+        keys = keys.repeat_interleave(probs.shape[1] // keys.shape[1], dim=1).float()
+        mixed = torch.matmul(probs.float(), keys.flatten(3)).unflatten(-1, keys.shape[3:])
+    return torch.matmul(probs.to(value.dtype), value), probs, mixed
 
 
 def _traced(module, state, layer_idx, query, key, value, attention_mask, scaling, dropout, eager, query_slots,

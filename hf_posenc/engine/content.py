@@ -34,20 +34,25 @@ import torch
 from torch import nn
 
 from ..errors import PosEncError
-from .state import PositionState
+from .state import PositionState, attended_tokens, cache_argument, cache_output
 
 CONTENT_STATE_ATTR = "hf_posenc_content_state"  # on a KV cache: {layer index: float32 [B, H, n, ...]}
 
 
 @dataclass
 class ContentCall:
-    """The content state of one forward: the cached tokens' state per layer (`past`), the layer inputs of this
-    call (`inputs`) and every token's state once a layer has run (`states`)."""
+    """The content state of one forward: which of its tokens are padding (`real`, from the base model's 2-D
+    attention_mask), the cached tokens' state per layer (`past`), the layer inputs of this call (`inputs`) and every
+    token's state once a layer has run (`states`)."""
 
     offset: int
+    real: torch.Tensor | None = None  # bool [B, q]: this call's tokens that are not padding (None: all are)
     past: dict[int, torch.Tensor] = field(default_factory=dict)
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     states: dict[int, torch.Tensor] = field(default_factory=dict)
+    # For `mixes_state` methods: per layer, the attention-weighted average of the keys' state for this call's
+    # queries [B, H, q, ...] (float32), which the next layer's `layer_token_state` reads.
+    mixed: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class ContentCapture:
@@ -64,10 +69,14 @@ class ContentCapture:
                 "cannot trace here; run the model uncompiled.")
         arguments = dict(zip(self.parameter_names, args))
         arguments.update(kwargs)
-        cache = arguments.get("past_key_values")
+        cache = cache_argument(arguments)
         offset = int(cache.get_seq_length()) if cache is not None else 0
         past = getattr(cache, CONTENT_STATE_ATTR, None) if offset else None
-        call = ContentCall(offset)
+        source = arguments.get("inputs_embeds")
+        source = arguments.get("input_ids") if source is None else source[..., 0]
+        attended = attended_tokens(arguments.get("attention_mask"), offset + source.shape[-1]) \
+            if source is not None else None
+        call = ContentCall(offset, attended[:, offset:] if attended is not None else None)
         for layer, tensor in (past or {}).items():
             if tensor.shape[2] >= offset:
                 call.past[layer] = tensor[:, :, :offset]
@@ -97,7 +106,7 @@ class RecordContentState:
         self.state = state
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
-        cache = getattr(output, "past_key_values", None)
+        cache = cache_output(output)
         content = getattr(self.state.call, "content", None)
         if cache is not None and content is not None:
             setattr(cache, CONTENT_STATE_ATTR, dict(content.states))
@@ -149,7 +158,13 @@ def layer_state(state: PositionState, layer_idx: int, q: int, key_slots: torch.T
     layer_input = content.inputs.get(layer_idx)
     if method.reads_layer_input and layer_input is None:
         raise RuntimeError(f"hf_posenc: no layer input was captured for layer {layer_idx}.")
-    new = method.token_state(layer_idx, layer_input) if layer_input is not None else None
+    if method.mixes_state and layer_input is not None:
+        below = [layer for layer in content.states if layer < layer_idx]
+        previous = content.states[max(below)][:, :, content.offset:content.offset + q] if below else None
+        new = method.layer_token_state(layer_idx, layer_input, state.call.query_positions.to(layer_input.device),
+                                       previous, content.mixed.get(max(below)) if below else None)
+    else:
+        new = method.token_state(layer_idx, layer_input, content.real) if layer_input is not None else None
     if new is None:
         return layer_input, None, None
     past = content.past.get(layer_idx)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import PosEncError
+from .state import cache_output
 
 REPLAY_ATTR = "hf_posenc_replay"  # on a KV cache: the ReplayRecord of the text it holds
 
@@ -98,7 +99,7 @@ class PrefixReplay:
         """Forward hook on the base model: keeps the record on the returned cache and, after a replay, keeps the
         outputs of the new positions only."""
         record = getattr(self._calls, "record", None)
-        cache = getattr(output, "past_key_values", None)
+        cache = cache_output(output)
         if record is not None and cache is not None:
             setattr(cache, REPLAY_ATTR, record)
         new = getattr(self._calls, "replayed_length", None)

@@ -236,12 +236,14 @@ class GenerateWithBoundedCache:
         self.method = method
 
     def __call__(self, generation_config, model_kwargs, *args, **kwargs):
-        given = model_kwargs.get("past_key_values")
+        # transformers 5.24 names the cache "cache" (formerly "past_key_values")
+        given = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         result = type(self.model)._prepare_cache_for_generation(self.model, generation_config, model_kwargs, *args,
                                                                 **kwargs)
-        created = model_kwargs.get("past_key_values")
+        name = "cache" if model_kwargs.get("cache") is not None else "past_key_values"
+        created = model_kwargs.get(name)
         if given is None and type(created) is DynamicCache and not getattr(created, "_is_user_defined", False):
-            model_kwargs["past_key_values"] = self.method.kv_cache(num_layers(self.model))
+            model_kwargs[name] = self.method.kv_cache(num_layers(self.model))
         return result
 
 

@@ -50,7 +50,8 @@ class CallPositions:
     shift: torch.Tensor | None
     seq_len: int = 0  # highest position + 1: what length-dependent rotary scalings depend on
     rotation: Any = None  # a rotary method's rotation of the queries (its `rotation()`: by default cos/sin)
-    # (positions, rotation) pairs computed in this forward, shared by its layers (PositionState.rotation_of)
+    # (layer index, positions, rotation) computed in this forward (PositionState.rotation_of): the layer index is
+    # None where every layer shares the rotation, as all but `per_layer_rotation` methods do
     rotations: list = field(default_factory=list)
     # For a method over several position axes (rope-2d): the coordinates [B or 1, q, axes] of the queries and
     # [B or 1, slot_offset + q, axes] of every key, in slot order (what it rotates by inside attention).
@@ -155,7 +156,7 @@ class PositionState:
         if isinstance(self.method, RotaryMethod):
             call.seq_len = int(query_positions.max()) + 1 if self.method.length_dependent else 0
             call.rotation = self.method.rotation(query_positions if coordinates is None else coordinates, call.seq_len)
-            call.rotations.append((query_positions if coordinates is None else coordinates, call.rotation))
+            call.rotations.append((None, query_positions if coordinates is None else coordinates, call.rotation))
             if coordinates is not None:
                 call.query_coordinates = coordinates
                 call.key_coordinates = self._key_coordinates(coordinates, call.key_positions, slot_offset,
@@ -190,28 +191,36 @@ class PositionState:
         return call.query_coordinates.to(device), keys
 
     def rotate_query_key(self, query: torch.Tensor, key: torch.Tensor, query_positions: torch.Tensor,
-                         key_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                         key_positions: torch.Tensor, layer_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The method's rotate_query_key for one layer, with each rotation computed once per forward and reused by
         every layer (`rotation_of`): for ComRoPE/LieRE a matrix exponential per position, for the dynamic scalings
-        cos/sin of the whole key cache. A method that overrides rotate_query_key (xPos) is called as it is."""
+        cos/sin of the whole key cache. A method that overrides rotate_query_key (xPos) is called as it is. A method
+        with a rotation per layer (`per_layer_rotation`) gets layer `layer_idx`'s."""
         method, call = self.method, self.call
-        if call.traced or type(method).rotate_query_key is not RotaryMethod.rotate_query_key:
+        if type(method).rotate_query_key is not RotaryMethod.rotate_query_key or (
+                call.traced and not method.per_layer_rotation):
             return method.rotate_query_key(query, key, query_positions, key_positions, call.seq_len)
-        coordinates = self.attention_coordinates(key.shape[2], key.device)
+        coordinates = None if call.traced else self.attention_coordinates(key.shape[2], key.device)
         if coordinates is not None:  # a method over several axes rotates by the tokens' coordinates
             query_positions, key_positions = coordinates
-        return (method.rotate_heads(query, self.rotation_of(query_positions)),
-                method.rotate_heads(key, self.rotation_of(key_positions)))
+        if call.traced:  # no per-forward reuse under torch.compile
+            return (method.rotate_heads(query, method.layer_rotation(layer_idx, query_positions, call.seq_len)),
+                    method.rotate_heads(key, method.layer_rotation(layer_idx, key_positions, call.seq_len)))
+        return (method.rotate_heads(query, self.rotation_of(query_positions, layer_idx)),
+                method.rotate_heads(key, self.rotation_of(key_positions, layer_idx)))
 
-    def rotation_of(self, positions: torch.Tensor):
+    def rotation_of(self, positions: torch.Tensor, layer_idx: int = 0):
         """The method's rotation of `positions` [B or 1, n] in the current forward: computed by the first layer that
-        asks (the queries' by `update`) and reused by the others, which see the same positions."""
+        asks (the queries' by `update`) and reused by the others, which see the same positions (for a method with a
+        rotation per layer: computed once per layer and positions)."""
         call = self.call
-        for known, rotation in call.rotations:
-            if known.shape == positions.shape and known.device == positions.device and torch.equal(known, positions):
+        layer = layer_idx if self.method.per_layer_rotation else None
+        for known_layer, known, rotation in call.rotations:
+            if known_layer == layer and known.shape == positions.shape and known.device == positions.device \
+                    and torch.equal(known, positions):
                 return rotation
-        rotation = self.method.rotation(positions, call.seq_len)
-        call.rotations.append((positions, rotation))
+        rotation = self.method.layer_rotation(layer_idx, positions, call.seq_len)
+        call.rotations.append((layer, positions, rotation))
         return rotation
 
     def slots(self, q: int, kv: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,7 +310,7 @@ class PositionCapture:
         if source is None:
             return None
         q = source.shape[-2] if inputs_embeds is not None else source.shape[-1]
-        cache = arguments.get("past_key_values")
+        cache = cache_argument(arguments)
         traced = torch.compiler.is_compiling()
         offset = cache.get_seq_length() if cache is not None else 0
         if not traced:
@@ -376,7 +385,7 @@ class RecordKeyPositions:
         self.state = state
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output):
-        cache = getattr(output, "past_key_values", None)
+        cache = cache_output(output)
         if cache is not None and not self.state.call.traced:
             setattr(cache, KEY_POSITIONS_ATTR, self.state.call.key_positions)
             setattr(cache, KEY_SHIFT_ATTR, None)
@@ -388,6 +397,19 @@ class RecordKeyPositions:
             setattr(cache, KEY_POSITIONS_ATTR, None)
             setattr(cache, KEY_SHIFT_ATTR, self.state.call.key_positions)
         return output
+
+
+def cache_argument(arguments: dict[str, Any]):
+    """The KV cache a base model's forward got: `cache` since transformers 5.24, `past_key_values` before."""
+    cache = arguments.get("cache")
+    return cache if cache is not None else arguments.get("past_key_values")
+
+
+def cache_output(output: Any):
+    """The KV cache a base model's forward returned (`cache` since transformers 5.24, `past_key_values` before)."""
+    fields = getattr(output, "__dataclass_fields__", {})
+    # Only the field the output class has: on 5.24 `past_key_values` is a property that warns of its deprecation.
+    return getattr(output, "past_key_values" if "past_key_values" in fields else "cache", None)
 
 
 def cached_key_positions(cache: Any, offset: int) -> torch.Tensor | None:

@@ -18,6 +18,7 @@ from .self_extend import SelfExtend, SelfExtendConfig
 from .sinks import AttentionSinks, SinksConfig
 from .sinusoidal import Sinusoidal, SinusoidalConfig
 from .stick_breaking import StickBreakingAttention, StickBreakingConfig
+from .tape import Tape, TapeConfig
 from .transformer_xl import TransformerXlAttention, TransformerXlConfig
 from .relative_biases import *  # noqa: F401,F403  (fire, t5, kerple, sandwich, xpos)
 
@@ -28,5 +29,5 @@ __all__ = [
     "Rope", "RopeConfig", "Sinusoidal", "SinusoidalConfig",
     "DynamicConfig", "DynamicYarnConfig", "Llama3Config", "LinearConfig", "LongRopeConfig", "NtkConfig",
     "RopeScalingConfig", "ScaledRope", "YarnConfig", "Rerope", "ReropeConfig", "SelfExtend", "SelfExtendConfig",
-    "AttentionSinks", "SinksConfig",
+    "AttentionSinks", "SinksConfig", "Tape", "TapeConfig",
 ]

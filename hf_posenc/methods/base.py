@@ -143,6 +143,8 @@ class RotaryMethod(PositionalMethod):
     # `position_ids` of shape [B, L, position_axes]. Such a method is refused 1-D position_ids; with none given it
     # gets `default_coordinates` of the token positions.
     position_axes: int = 1
+    # Each layer has its own rotation (`layer_rotation`; rope-2d per_layer=True): needs rotates_in_attention.
+    per_layer_rotation: bool = False
 
     def scale_key(self, seq_len: int):
         """Equal for two lengths exactly when they give the same frequencies."""
@@ -170,6 +172,11 @@ class RotaryMethod(PositionalMethod):
         what LLaMA-family layers apply themselves."""
         return self.cos_sin(positions, seq_len)
 
+    def layer_rotation(self, layer_idx: int, positions: torch.Tensor, seq_len: int = 0):
+        """For `per_layer_rotation` methods: the rotation of layer `layer_idx` (as `rotation()`, which is what every
+        layer gets otherwise)."""
+        return self.rotation(positions, seq_len)
+
     def rotate_heads(self, x: torch.Tensor, rotation) -> torch.Tensor:
         """x [B, heads, q, D] -> x rotated by `rotation` (from `rotation()` for its q positions), in x's dtype."""
         cos, sin = rotation
@@ -181,10 +188,16 @@ class RotaryMethod(PositionalMethod):
         return (self.rotate_heads(query, self.rotation(query_positions, seq_len)),
                 self.rotate_heads(key, self.rotation(key_positions, seq_len)))
 
-    def block_scores(self, query: torch.Tensor, key: torch.Tensor, query_positions: torch.Tensor,
+    def block_keys(self, key: torch.Tensor, key_positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """For `scores_per_query_block` methods: what `block_scores` needs of the call's keys [B, H, kv, D] (heads
+        already matched), computed once per layer call, not once per query block (the keys rotated for each of the
+        method's position assignments; each [B, H, kv, ...], cut to a block's columns before `block_scores`)."""
+        return (key,)
+
+    def block_scores(self, query: torch.Tensor, keys: tuple[torch.Tensor, ...], query_positions: torch.Tensor,
                      key_positions: torch.Tensor) -> torch.Tensor:
-        """For `scores_per_query_block` methods: un-rotated query [B, H, r, D] and key [B, H, k, D] (heads already
-        matched), positions [B or 1, r] and [B or 1, k] -> float32 scores q.k [B, H, r, k] before the softmax scaling
+        """For `scores_per_query_block` methods: un-rotated query [B, H, r, D], `block_keys` cut to the block's k
+        columns, positions [B or 1, r] and [B or 1, k] -> float32 scores q.k [B, H, r, k] before the softmax scaling
         and any mask."""
         raise NotImplementedError
 
@@ -201,8 +214,8 @@ class ContentBlock:
     # base="native", e.g. BLOOM's ALiBi, and a caller's additive float mask), or None
     query_positions: torch.Tensor  # [B or 1, r] long
     key_positions: torch.Tensor  # [B or 1, k] long
-    query_state: torch.Tensor | None  # the method's carried per-token state (token_state) of the rows [B, H, r, ...]
-    key_state: torch.Tensor | None  # ... and of the keys [B, H, k, ...]
+    query_state: torch.Tensor | None  # the method's carried per-token state (token_state) of the rows [B, S, r, ...]
+    key_state: torch.Tensor | None  # ... and of the keys [B, S, k, ...]
     query_slots: torch.Tensor  # [r] cache slots of the rows
     key_slots: torch.Tensor  # [k] cache slots of the keys (a key at a row's own slot is that row's token)
 
@@ -218,6 +231,10 @@ class ContentMethod(PositionalMethod):
     # Computes each block's attention weights itself (`content_weights`) instead of logits for a softmax
     # (stick-breaking).
     replaces_softmax: ClassVar[bool] = False
+    # The per-token state changes from layer to layer (TAPE's position features): each layer's state of this call's
+    # tokens comes from `layer_token_state` (their previous-layer state and its attention-weighted average, which the
+    # attention path computes with the same weights as the values), not from `token_state`.
+    mixes_state: ClassVar[bool] = False
 
     @property
     def keeps_native(self) -> bool:
@@ -229,11 +246,21 @@ class ContentMethod(PositionalMethod):
         must add itself (BLOOM's ALiBi, kept by base="native"), else None."""
         return None
 
-    def token_state(self, layer_idx: int, layer_input: torch.Tensor) -> torch.Tensor | None:
-        """Per-token state of this call's tokens from the layer input [B, q, hidden] -> float32 [B, H, q, ...],
-        or None. It is kept on the KV cache beside the keys (engine/content.py), so cached decoding sees exactly
-        the values a full forward computed."""
+    def token_state(self, layer_idx: int, layer_input: torch.Tensor, real: torch.Tensor | None = None
+                    ) -> torch.Tensor | None:
+        """Per-token state of this call's tokens from the layer input [B, q, hidden] -> float32 [B, S, q, ...],
+        or None (S: the method's rows, its heads say). It is kept on the KV cache beside the keys
+        (engine/content.py), so cached decoding sees exactly the values a full forward computed. `real`: bool
+        [B, q], the tokens that are not padding (from the base model's 2-D attention_mask; None: all are)."""
         return None
+
+    def layer_token_state(self, layer_idx: int, layer_input: torch.Tensor, positions: torch.Tensor,
+                          previous: torch.Tensor | None, mixed: torch.Tensor | None) -> torch.Tensor:
+        """For `mixes_state` methods: the state of this call's tokens at `layer_idx` [B, H_s, q, ...] from the layer
+        input [B, q, hidden], their positions [B or 1, q], their state at the previous content layer [B, H_s, q, ...]
+        and, per query head, the attention-weighted average of the keys' previous-layer state [B, H, q, ...] (both
+        None at the first layer). Kept on the KV cache per layer as `token_state` is."""
+        raise NotImplementedError
 
     def extend_token_state(self, past: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
         """The state of every token so far [B, H, offset + q, ...] from the cached one (None: no cache) and this
@@ -241,9 +268,11 @@ class ContentMethod(PositionalMethod):
         return new if past is None else torch.cat((past, new), dim=2)
 
     def prepare_heads(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      layer_input: torch.Tensor | None):
-        """query [B, H, q, D], key/value [B, H_kv, kv, D] (the whole cache) -> the three the blocks use (QK-norm,
-        say); by default unchanged."""
+                      layer_input: torch.Tensor | None, key_state: torch.Tensor | None = None,
+                      key_slots: torch.Tensor | None = None):
+        """query [B, H, q, D], key/value [B, H_kv, kv, D] (the whole cache, at cache slots `key_slots` [kv], with
+        their carried state `key_state` [B, S, kv, ...]) -> the three the blocks use (QK-norm, a token shift, say);
+        by default unchanged."""
         return query, key, value
 
     def content_scores(self, query: torch.Tensor, key: torch.Tensor, block: ContentBlock) -> torch.Tensor:

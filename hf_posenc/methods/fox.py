@@ -24,7 +24,20 @@ FoX-Pro parts (each off by default):
 - `output_norm`: RMSNorm of each head's attention output (per-head weights, init 1): NOT the identity at init;
 - `output_gate`: output * 2 sigmoid(W_o x_t) per channel, W_o zero-initialised: exactly the identity at init (the
   factor 2 makes it so; the paper's gate is sigmoid(W_o x_t), the same family of functions up to that factor).
-The key/value token shift of FoX-Pro is not implemented (see docs/methods.md).
+- `key_shift` / `value_shift`: the data-dependent token shift of keys / values (FoX-Pro's "ShiftLinear"): per
+  key-value head h,  k'_t = (1 - a_t) k_t + a_t k_{t-1},  a_t = sigmoid(w_h . x_t)  (no bias, w_h ~ N(0, 0.02^2) as
+  the gate weights), the same with its own weights for values; k_{t-1} = 0 for the first token and where token t-1
+  is padding (per the base model's 2-D attention_mask), so that a left-padded row equals the sequence alone.
+  NOT the identity at init: a_t is about 1/2, each key starts near the mean of itself and its predecessor. The shift
+  acts on the keys and values as the attention function gets them, before the QK-norm (as in FoX-Pro); under
+  base="native" on LLaMA-family models that is after the model's RoPE (the cache holds rotated keys), a case
+  FoX-Pro (no RoPE) does not define.
+  The KV cache holds the un-shifted keys and values, so k_{t-1} of every cached token is the cache's own exact
+  value; a_t and the padding flag of each token are carried as per-token state beside c (engine/content.py), and
+  the shifted keys and values of the whole cache are formed again at each call: O(kv * D) per layer and step, the
+  order of the attention itself. The state holds the logit w . x_t, so that 1 - a_t is computed as sigmoid(-w . x_t)
+  and stays exact in float32 where a_t is near 1. A cache that has dropped a key's predecessor (a sliding-window cache past its
+  window) cannot give it, and the shift refuses to run there.
 """
 
 from __future__ import annotations
@@ -36,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import PosEncError
 from ..model_info import ModelInfo
 from ..registry import register_method
 from .content import ContentAttention, ContentConfig, rms_norm
@@ -51,6 +65,8 @@ class FoxConfig(ContentConfig):
     qk_norm: bool = False  # FoX-Pro: RMSNorm of each head's query and key (not the identity at init)
     output_norm: bool = False  # FoX-Pro: RMSNorm of each head's output (not the identity at init)
     output_gate: bool = False  # FoX-Pro: output * 2 sigmoid(W_o x), W_o = 0 (the identity at init)
+    key_shift: bool = False  # FoX-Pro: k'_t = (1 - a_t) k_t + a_t k_{t-1}, a_t = sigmoid(w . x_t) (not the identity)
+    value_shift: bool = False  # FoX-Pro: the same for values, with its own weights (not the identity at init)
 
     def validate(self) -> None:
         super().validate()
@@ -59,7 +75,7 @@ class FoxConfig(ContentConfig):
         self.require_numbers("decay_time", 1.0, 2.0 ** 24, why="decay times in tokens, [T_min, T_max]")
         if len(self.decay_time) != 2 or self.decay_time[0] > self.decay_time[1]:
             self.refuse("decay_time", "is not [T_min, T_max] with T_min <= T_max", "two numbers, e.g. [16, 4096]")
-        for name in ("qk_norm", "output_norm", "output_gate"):
+        for name in ("qk_norm", "output_norm", "output_gate", "key_shift", "value_shift"):
             self.require_bool(name)
 
 
@@ -94,6 +110,17 @@ class ForgettingAttention(ContentAttention):
             self.output_norm_weight = nn.Parameter(torch.ones(layers, heads, head_dim))
         if config.output_gate:
             self.output_gate_weight = nn.Parameter(torch.zeros(layers, heads * head_dim, hidden))
+        self.num_heads, self.num_kv_heads = heads, info.num_kv_heads
+        # The token shifts' mixing weights, one row per key-value head (seeded on their own: enabling one leaves
+        # the other parameters' initial values as they were).
+        shift_generator = torch.Generator().manual_seed(1)
+        self.shifts = [name for name in ("key", "value") if getattr(config, f"{name}_shift")]
+        if config.key_shift:
+            self.key_shift_weight = nn.Parameter(
+                torch.randn(layers, info.num_kv_heads, hidden, generator=shift_generator) * GATE_INIT_STD)
+        if config.value_shift:
+            self.value_shift_weight = nn.Parameter(
+                torch.randn(layers, info.num_kv_heads, hidden, generator=shift_generator) * GATE_INIT_STD)
 
     def log_forget(self, layer_idx: int, layer_input: torch.Tensor) -> torch.Tensor:
         """log f_t per head, float32 [B, H, q], from the layer input [B, q, hidden]."""
@@ -103,25 +130,71 @@ class ForgettingAttention(ContentAttention):
             log_gate = log_gate * self.gate_scale[layer_idx].float()
         return log_gate.transpose(1, 2)
 
-    def token_state(self, layer_idx, layer_input):
-        return self.log_forget(layer_idx, layer_input)
+    def token_state(self, layer_idx, layer_input, real=None):
+        """[B, H + S, q]: log f per head, then (with a token shift) the key shift's logit w . x_t per key-value head
+        (a_t = sigmoid of it; 1 - a_t = sigmoid of minus it, exact where a_t is near 1), the value shift's, and 1.0
+        for a real token, 0.0 for padding."""
+        log_forget = self.log_forget(layer_idx, layer_input)
+        if not self.shifts:
+            return log_forget
+        x = layer_input.float()
+        rows = [log_forget]
+        for name in self.shifts:
+            weight = getattr(self, f"{name}_shift_weight")[layer_idx].float()
+            rows.append((x @ weight.T).transpose(1, 2))
+        batch, q = layer_input.shape[:2]
+        rows.append(real.float()[:, None] if real is not None else x.new_ones(batch, 1, q))
+        return torch.cat(rows, dim=1)
 
     def extend_token_state(self, past, new):
-        """c for every token: the cached c (None: none) followed by its last value plus this call's cumsum."""
-        cumulative = new.cumsum(dim=2)
-        if past is None or past.shape[2] == 0:
+        """c for every token: the cached c (None: none) followed by its last value plus this call's cumsum; the
+        token shift's rows (if any) are per token, appended as they are."""
+        heads = self.num_heads
+        cumulative = new[:, :heads].cumsum(dim=2)
+        if past is not None and past.shape[2] > 0:
+            cumulative = torch.cat((past[:, :heads], past[:, :heads, -1:] + cumulative), dim=2)
+        if not self.shifts:
             return cumulative
-        return torch.cat((past, past[:, :, -1:] + cumulative), dim=2)
+        rest = new[:, heads:] if past is None or past.shape[2] == 0 else torch.cat((past[:, heads:], new[:, heads:]), 2)
+        return torch.cat((cumulative, rest), dim=1)
 
-    def prepare_heads(self, layer_idx, query, key, value, layer_input):
+    def prepare_heads(self, layer_idx, query, key, value, layer_input, key_state=None, key_slots=None):
+        if self.shifts:
+            key, value = self.token_shift(key, value, key_state, key_slots)
         if self.config.qk_norm:
             query = rms_norm(query, self.query_norm[layer_idx][None, :, None, :])
             key = rms_norm(key, self.key_norm[layer_idx][None, :, None, :])
         return query, key, value
 
+    def token_shift(self, key, value, key_state, key_slots):
+        """FoX-Pro's token shift of the whole cache's keys and values [B, H_kv, kv, D] with the carried a_t and
+        padding flags (`key_state` [B, H + S, kv]): x'_t = (1 - a_t) x_t + a_t x_{t-1} real_{t-1}."""
+        if key_slots is not None and key_slots.numel() and int(key_slots[0]) > 0:
+            raise PosEncError(
+                f"FoX's token shift (key_shift/value_shift) mixes each key and value with its predecessor, and this KV "
+                f"cache no longer holds the predecessor of its first key (slot {int(key_slots[0])}): a sliding-window "
+                "or evicting cache. Use a DynamicCache or StaticCache with room for every token, or patch without "
+                "key_shift/value_shift.")
+        rows = key_state[:, self.num_heads:]
+        real = rows[:, -1:]
+        previous_real = torch.cat((torch.zeros_like(real[..., :1]), real[..., :-1]), dim=-1)
+        mixed = []
+        for name, tensor in zip(("key", "value"), (key, value)):
+            if name not in self.shifts:
+                mixed.append(tensor)
+                continue
+            heads = self.num_kv_heads
+            start = self.shifts.index(name) * heads
+            logit = rows[:, start:start + heads, :, None]  # [B, H_kv, kv, 1]
+            previous = torch.cat((torch.zeros_like(tensor[:, :, :1]), tensor[:, :, :-1]), dim=2).float()
+            previous = previous * previous_real[..., None]
+            mixed.append((torch.sigmoid(-logit) * tensor.float() + torch.sigmoid(logit) * previous).to(tensor.dtype))
+        return mixed[0], mixed[1]
+
     def content_scores(self, query, key, block):
         scores = torch.matmul(query, key.transpose(2, 3)).float() * block.scaling
-        scores = scores + (block.query_state[..., :, None] - block.key_state[..., None, :])
+        heads = self.num_heads  # the forget gate's rows of the state (a token shift's follow them)
+        scores = scores + (block.query_state[:, :heads, :, None] - block.key_state[:, :heads, None, :])
         return scores if block.bias is None else scores + block.bias
 
     def finish_output(self, layer_idx, output, layer_input):

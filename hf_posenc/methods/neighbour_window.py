@@ -40,7 +40,8 @@ class NeighbourWindowConfig(PosEncConfig):
 
 
 class NeighbourWindowRope(RotaryMethod):
-    """RoPE with two position assignments per query: ordinary within `window`, `far_positions` beyond."""
+    """RoPE with two position assignments per query: ordinary within `window`, beyond it `far_query_positions` and
+    `far_key_positions`."""
 
     rotates_in_attention = True
     scores_per_query_block = True
@@ -66,24 +67,33 @@ class NeighbourWindowRope(RotaryMethod):
     def frequencies(self, seq_len):
         return self._inv_freq, 1.0
 
-    def far_positions(self, query_positions: torch.Tensor,
-                      key_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The positions queries and keys take for the keys at `window` or more from the query (subclasses)."""
+    def far_query_positions(self, query_positions: torch.Tensor) -> torch.Tensor:
+        """The positions queries take for the keys at `window` or more from them (subclasses)."""
+        raise NotImplementedError
+
+    def far_key_positions(self, key_positions: torch.Tensor) -> torch.Tensor:
+        """The positions keys take for the queries at `window` or more from them (subclasses)."""
         raise NotImplementedError
 
     def scaled_queries(self, query: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
         """The queries as both assignments see them (ReRoPE's optional log-n scaling); unchanged by default."""
         return query
 
-    def rotated_scores(self, query, key, query_positions, key_positions) -> torch.Tensor:
-        query, key = self.rotate_query_key(query, key, query_positions, key_positions, 0)
-        return torch.matmul(query, key.transpose(-1, -2)).float()
+    def rotated(self, heads: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.rotate_heads(heads, self.rotation(positions, 0))
 
-    def block_scores(self, query, key, query_positions, key_positions):
+    def scores(self, query, query_positions, rotated_key) -> torch.Tensor:
+        return torch.matmul(self.rotated(query, query_positions), rotated_key.transpose(-1, -2)).float()
+
+    def block_keys(self, key, key_positions):
+        # Once per layer call: rotating every key again for each query block cost far more than the scores.
+        return self.rotated(key, key_positions), self.rotated(key, self.far_key_positions(key_positions))
+
+    def block_scores(self, query, keys, query_positions, key_positions):
+        near_key, far_key = keys
         query = self.scaled_queries(query, query_positions)
-        scores = self.rotated_scores(query, key, query_positions, key_positions)
+        scores = self.scores(query, query_positions, near_key)
         near = (query_positions[:, None, :, None] - key_positions[:, None, None, :]) < self.window
         if bool(near.all()):  # within the window (all prefixes shorter than it, most of decoding's blocks)
             return scores
-        far_query, far_key = self.far_positions(query_positions, key_positions)
-        return torch.where(near, scores, self.rotated_scores(query, key, far_query, far_key))
+        return torch.where(near, scores, self.scores(query, self.far_query_positions(query_positions), far_key))

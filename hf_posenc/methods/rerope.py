@@ -33,8 +33,11 @@ class Rerope(NeighbourWindowRope):
             raise PosEncError("ReropeConfig.log_scaling=True divides by log(trained window), and this model's config "
                               "states none (or 1); pass original_max_position_embeddings=... (e.g. 2048).")
 
-    def far_positions(self, query_positions, key_positions):
-        return torch.full_like(query_positions, self.window), torch.zeros_like(key_positions)
+    def far_query_positions(self, query_positions):
+        return torch.full_like(query_positions, self.window)
+
+    def far_key_positions(self, key_positions):
+        return torch.zeros_like(key_positions)
 
     def scaled_queries(self, query, query_positions):
         if not self.config.log_scaling:

@@ -22,7 +22,9 @@ class SelfExtendConfig(NeighbourWindowConfig):
 
 @register_method("self-extend", SelfExtendConfig)
 class SelfExtend(NeighbourWindowRope):
-    def far_positions(self, query_positions, key_positions):
+    def far_query_positions(self, query_positions):
         group = self.config.group
-        shift = self.window - self.window // group
-        return query_positions // group + shift, key_positions // group
+        return query_positions // group + self.window - self.window // group
+
+    def far_key_positions(self, key_positions):
+        return key_positions // self.config.group

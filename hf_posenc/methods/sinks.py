@@ -72,20 +72,22 @@ class AttentionSinks(NeighbourWindowRope):
         near = (query_positions[:, None, :, None] - key_positions[:, None, None, :]) < self.window
         return sink | near
 
-    def far_positions(self, query_positions, key_positions):
-        return query_positions.clamp_max(self.last_slot), key_positions
+    def far_query_positions(self, query_positions):
+        return query_positions.clamp_max(self.last_slot)
 
-    def block_scores(self, query, key, query_positions, key_positions):
-        scores = self.rotated_scores(query, key, query_positions, key_positions)
+    def block_keys(self, key, key_positions):
+        return (self.rotated(key, key_positions),)  # the sinks keep their positions: only the query moves
+
+    def block_scores(self, query, keys, query_positions, key_positions):
+        (key,) = keys
+        scores = self.scores(query, query_positions, key)
         far = (query_positions[:, None, :, None] - key_positions[:, None, None, :]) >= self.window
         sinks = key_positions < self.num_sinks
         if not bool((far & sinks[:, None, None, :]).any()):
             return scores  # every visible key at its ordinary distance (texts within S + W, most decoding blocks)
         # Only the sink columns take the moved query (the others beyond the window are masked).
         columns = sinks.any(0).nonzero().squeeze(-1)
-        key_columns = key_positions[:, columns]
-        far_query, far_key = self.far_positions(query_positions, key_columns)
-        moved = self.rotated_scores(query, key[:, :, columns], far_query, far_key)
+        moved = self.scores(query, self.far_query_positions(query_positions), key[:, :, columns])
         use = far[..., columns] & sinks[:, None, None, columns]
         return scores.index_copy(-1, columns, torch.where(use, moved, scores[..., columns]))
 

@@ -7,7 +7,9 @@ into a model card.
 Each RUN_DIR is the ``--output-dir`` of an ``eval-ppl``, ``main-job``, ``passkey``, ``niah`` or ``lm-eval`` run (the
 command is read from the folder's ``hf_posenc_output.json``). The page has a section per run: what was run (model,
 methods, the main settings), its table and its plot. ``--output-dir`` receives ``report.md`` and the plots beside it
-(``<run>-<plot>.png``), so the folder can be uploaded as it is.
+(``<run>-<plot>.png``), so the folder can be uploaded as it is. Several runs of ``passkey``, ``niah`` or ``lm-eval``
+(say the original model, an extension and a fine-tuned swap, run apart) also get one section comparing every model of
+them in one table and one plot (``combined-<plot>.png``).
 """
 
 from __future__ import annotations
@@ -82,16 +84,56 @@ TITLES = {"eval-ppl": "Perplexity vs context length", "main-job": "Main job: per
           "passkey": "Passkey retrieval", "niah": "Needle in a haystack", "lm-eval": "Short-context tasks (lm-eval)"}
 
 
+def _numbers(values) -> list:
+    return sorted({float(v) if not float(v).is_integer() else int(v) for v in values})
+
+
+def combined_section(command: str, runs: list[tuple[str, dict]], output: Path) -> str:
+    """One table and one plot of every model in several runs of the same command (passkey, niah or lm-eval), over
+    the union of their lengths and depths ("-" where no run measured a cell). Runs of one model at other lengths (or
+    tasks) share its row; a row whose cells another run measured too gets the run's name."""
+    key = {"passkey": "accuracy", "niah": "scores", "lm-eval": "rows"}[command]
+    cell = (lambda r: (r["task"], r["metric"])) if command == "lm-eval" else (lambda r: (r["length"], r["depth"]))
+    measured: dict[str, set] = {}  # row label -> cells of the runs seen so far
+    rows = []
+    for name, data in runs:
+        mine: dict[str, set] = {}
+        for r in data[key]:
+            mine.setdefault(r["model"], set()).add(cell(r))
+        renamed = {label: f"{label} ({name})" if cells & measured.get(label, set()) else label
+                   for label, cells in mine.items()}
+        for label, cells in mine.items():
+            measured.setdefault(renamed[label], set()).update(cells)
+        rows += [{**r, "model": renamed[r["model"]]} for r in data[key]]
+    if command == "lm-eval":
+        report.metric_bars(output / "combined-lm_eval.png", rows)
+        return report.metric_markdown(rows) + "\n\n![lm-eval, every run](combined-lm_eval.png)"
+    lengths = _numbers(r["length"] for r in rows)
+    depths = _numbers(r["depth"] for r in rows)
+    if command == "passkey":
+        table = {(r["model"], r["length"], r["depth"]): (r["accuracy"], r["trials"]) for r in rows}
+        report.passkey_heatmap(output / "combined-passkey.png", table, lengths, depths)
+        return report.passkey_markdown(table, lengths, depths) + "\n\n![passkey, every run](combined-passkey.png)"
+    table = {(r["model"], r["length"], r["depth"]): r for r in rows}
+    report.retrieval_heatmaps(output / "combined-niah.png", table, lengths, depths, "needle depth")
+    return ("Exact-match accuracy (mean log-probability per answer token):\n\n"
+            + report.retrieval_markdown(table, lengths, depths) + "\n\n![needle in a haystack, every run]"
+            "(combined-niah.png)")
+
+
 def build_report(run_dirs: list[Path], output: Path, title: str = "Evaluation") -> str:
-    """Write the plots of ``run_dirs`` into ``output`` and return the page (written by the caller)."""
+    """Write the plots of ``run_dirs`` into ``output`` and return the page (written by the caller). Several runs of
+    passkey, niah or lm-eval also get a section comparing them all in one table and plot."""
     sections = [f"# {title}"]
     names: set[str] = set()
+    by_command: dict[str, list[tuple[str, dict]]] = {}
     for folder in run_dirs:
         command, data = read_run(folder)
         name = folder.resolve().name
         while name in names:  # two runs with the same folder name
             name += "-2"
         names.add(name)
+        by_command.setdefault(command, []).append((name, data))
         section = [f"## {TITLES[command]} ({name})"]
         settings_line = _settings_line(data.get("settings", {}))
         if settings_line:
@@ -103,6 +145,10 @@ def build_report(run_dirs: list[Path], output: Path, title: str = "Evaluation") 
             (output / copied).write_bytes(plot.read_bytes())
             section.append(f"![{TITLES[command]}]({copied})")
         sections.append("\n\n".join(section))
+    for command, runs in by_command.items():
+        if command in ("passkey", "niah", "lm-eval") and len(runs) > 1:
+            sections.append(f"## {TITLES[command]}: every run ({', '.join(name for name, _ in runs)})\n\n"
+                            + combined_section(command, runs, output))
     return "\n\n".join(sections) + "\n"
 
 

@@ -84,6 +84,8 @@ class EvalRun:
         for r in self.results:
             if r.model == old:
                 r.model = new
+                if r.label == old:  # the row of the model as loaded (the table's row name)
+                    r.label = new
         self.training_lengths = {(new if label == old else label): length
                                  for label, length in self.training_lengths.items()}
 

@@ -321,7 +321,11 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
     if request is not None:
         torch.manual_seed(args.seed)  # methods with randomly initialised parameters start the same everywhere
         request.apply(model)
-    from hf_posenc import get_posenc_config
+    from hf_posenc import get_posenc_config, get_positional_module
+
+    if restarts and getattr(get_positional_module(model), "position_axes", 1) > 1:
+        # A method over 2-D coordinates (rope-2d) refuses 1-D position ids: its documents are read as one grid row.
+        restarts = False
 
     posenc = get_posenc_config(model)
     training = prepare_training(args, accelerator, model, data, teacher)

@@ -12,8 +12,9 @@ others are sentences from elsewhere in the text; lm-eval scores it as multiple c
 ``--include-path DIR`` adds your own lm-eval task YAML files.
 
 Outputs in ``--output-dir``: ``lm_eval.csv`` (model, task, metric, value, stderr), ``lm_eval.json`` (lm-eval's results
-and the settings) and ``lm_eval.png`` (a bar per model and metric). One process: lm-eval does not split the
-requests of a model object that is passed in already built.
+and the settings) and ``lm_eval.png`` (a bar per model and metric). Under ``accelerate launch`` the processes share each task's
+requests (lm-eval's own data-parallel split, given the ranks here since lm-eval leaves a model object it did not
+build to the caller) and lm-eval gathers the scores on the main process, which writes the outputs.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from pathlib import Path
 
 from . import report
 from .models import SMOLLM2, load_model, loader, model_name
-from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir, write_json
-from .runtime import (DTYPES, MethodRequest, UNPATCHED, UsageError, add_model_arguments, check_at_least, each_method,
-                      set_threads, settings_of, versions)
+from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir_on_main, write_json
+from .runtime import (DTYPES, MethodRequest, UNPATCHED, UsageError, accelerator_if_launched, add_model_arguments,
+                      check_at_least, each_method, is_main, process_count, set_threads,
+                      settings_of, versions)
 from .text import DEFAULT_ENCODING, DataError, check_encoding, data_dir, read_text
 
 CLOZE_TASK = "cloze"
@@ -103,9 +105,10 @@ def check_cloze_fits(tokenizer, task_dir: Path, model, max_length: int | None) -
 
 def evaluate_model(model, tokenizer, tasks: list[str], include_path: Path | None = None, limit: int | None = None,
                    num_fewshot: int | None = None, batch_size: int = 1, seed: int = 0,
-                   max_length: int | None = None) -> dict:
-    """lm-eval's ``simple_evaluate`` on this model object (patched or not): its ``results`` per task. lm-eval cuts
-    each input to ``max_length`` tokens from the left (default: the model's window from its config)."""
+                   max_length: int | None = None, accelerator=None) -> dict:
+    """lm-eval's ``simple_evaluate`` on this model object (patched or not): its ``results`` per task (on the main
+    process; {} on the others). lm-eval cuts each input to ``max_length`` tokens from the left (default: the model's
+    window from its config). With an ``accelerator`` of several processes, each scores its share of the requests."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
@@ -113,6 +116,9 @@ def evaluate_model(model, tokenizer, tasks: list[str], include_path: Path | None
     device = str(next(model.parameters()).device)
     wrapped = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
                    max_length=max_length)
+    if process_count(accelerator) > 1:  # what HFLM sets itself when it builds the model under accelerate launch
+        wrapped.accelerator = accelerator
+        wrapped._rank, wrapped._world_size = accelerator.process_index, accelerator.num_processes
     manager = TaskManager(include_path=str(include_path) if include_path else None)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
@@ -180,8 +186,8 @@ def cloze_text(args: argparse.Namespace) -> str:
     return read_text(data_dir(args.data_dir) / "pg84-frankenstein.txt", args.encoding)
 
 
-def run_lm_eval(args: argparse.Namespace, work_dir: Path) -> tuple[list[dict], dict]:
-    """Every model x method through lm-eval; the rows and lm-eval's results per row label."""
+def run_lm_eval(args: argparse.Namespace, work_dir: Path, accelerator=None) -> tuple[list[dict], dict]:
+    """Every model x method through lm-eval; the rows and lm-eval's results per row label (on the main process)."""
     import torch
 
     tasks = check_args(args)
@@ -194,10 +200,12 @@ def run_lm_eval(args: argparse.Namespace, work_dir: Path) -> tuple[list[dict], d
         if args.include_path is not None:  # lm-eval takes one folder: both task sets side by side
             for path in args.include_path.glob("*.y*ml"):
                 (include / path.name).write_bytes(path.read_bytes())
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = accelerator.device if accelerator is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
     rows, results = [], {}
     for model_spec in args.model or [SMOLLM2]:
-        model, tokenizer = load_model(model_spec, dtype=DTYPES[args.dtype], tokenizer=args.tokenizer, verbose=True)
+        model, tokenizer = load_model(model_spec, dtype=DTYPES[args.dtype], tokenizer=args.tokenizer,
+                                      verbose=is_main(accelerator))
         model.to(device)
         for request in requests:
             request.check_patchable(model)
@@ -208,21 +216,32 @@ def run_lm_eval(args: argparse.Namespace, work_dir: Path) -> tuple[list[dict], d
         for request, model, replaced in each_method(model, requests, load):
             label = report.row_label(name, request.label, replaced or None)
             results[label] = evaluate_model(model, tokenizer, tasks, include, args.limit, args.num_fewshot,
-                                            args.batch_size, args.seed, args.max_length)
+                                            args.batch_size, args.seed, args.max_length, accelerator)
             rows += metric_rows(label, results[label])
     return rows, results
 
 
 def run(args: argparse.Namespace) -> None:
+    import tempfile
+
     set_threads(args.threads)
     check_args(args)
-    check_output_dir(args.output_dir, "lm-eval", args.overwrite)
-    with atomic_output_dir(args.output_dir, "lm-eval", args.overwrite) as out:
-        rows, results = run_lm_eval(args, out)
-        report.write_rows_csv(out / "lm_eval.csv", rows, ["model", "task", "metric", "value", "stderr"])
-        write_json(out / "lm_eval.json", {"settings": {**settings_of(args), "versions": versions()},
-                                          "results": results, "rows": rows})
-        report.metric_bars(out / "lm_eval.png", rows)
+    accelerator = accelerator_if_launched()
+    main_process = is_main(accelerator)
+    check_output_dir_on_main(accelerator, args.output_dir, "lm-eval", args.overwrite)
+    with atomic_output_dir(args.output_dir, "lm-eval", args.overwrite, enabled=main_process) as out, \
+            tempfile.TemporaryDirectory() as scratch:
+        rows, results = run_lm_eval(args, out if main_process else Path(scratch), accelerator)
+        if main_process:
+            report.write_rows_csv(out / "lm_eval.csv", rows, ["model", "task", "metric", "value", "stderr"])
+            write_json(out / "lm_eval.json", {"settings": {**settings_of(args), "num_processes":
+                                                           process_count(accelerator), "versions": versions()},
+                                              "results": results, "rows": rows})
+            report.metric_bars(out / "lm_eval.png", rows)
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+    if not main_process:
+        return
     print()
     print(report.metric_markdown(rows))
     print(f"wrote {args.output_dir}/lm_eval.csv, lm_eval.json, lm_eval.png")

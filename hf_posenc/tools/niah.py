@@ -35,7 +35,7 @@ from .estimates import check_memory, estimate_forward_bytes
 from .models import SMOLLM2, load_model, loader, model_name
 from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir_on_main, write_json
 from .runtime import (DTYPES, MethodRequest, UNPATCHED, UsageError, accelerator_if_launched, add_model_arguments,
-                      check_at_least, each_method, gather_in_order, is_main, parse_numbers, process_count, set_threads,
+                      check_at_least, each_method, greedy_answers, is_main, parse_numbers, process_count, set_threads,
                       settings_of, versions)
 from .text import DEFAULT_ENCODING, DataError, check_encoding, data_dir, read_text
 
@@ -152,25 +152,19 @@ def run_questions(model, tokenizer, label_model: str, label_method: str, plan: l
                   haystack_ids: list[int], max_new_tokens: int = 12, accelerator=None,
                   progress: bool = True) -> list[Question]:
     """Every planned question, split across processes when ``accelerator`` has several, gathered in order."""
-    import torch
-    from tqdm.auto import tqdm
 
-    rank = accelerator.process_index if accelerator is not None else 0
-    device = next(model.parameters()).device
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    local = []
-    mine = list(range(rank, len(plan), process_count(accelerator)))
-    with torch.inference_mode():
-        for i in tqdm(mine, desc=f"niah {label_method}", leave=False, disable=not progress or rank != 0):
-            length, depth, t, needles, asked, start = plan[i]
-            ids = torch.tensor([build_prompt(tokenizer, length, haystack_ids, needles, asked, start)], device=device)
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=pad)
-            answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-            logprob = answer_logprob(model, ids, _ids(tokenizer, f" {asked.value}"))
-            local.append((i, Question(label_model, label_method, length, depth, t, asked.key, asked.value,
-                                      asked.depth, answer, first_number(answer) == asked.value, logprob)))
-    return gather_in_order(local, accelerator)
+    def prompt_of(i: int) -> list[int]:
+        length, _, _, needles, asked, start = plan[i]
+        return build_prompt(tokenizer, length, haystack_ids, needles, asked, start)
+
+    def score(i: int, ids, answer: str) -> Question:
+        length, depth, t, _, asked, _ = plan[i]
+        logprob = answer_logprob(model, ids, _ids(tokenizer, f" {asked.value}"))
+        return Question(label_model, label_method, length, depth, t, asked.key, asked.value, asked.depth, answer,
+                        first_number(answer) == asked.value, logprob)
+
+    return greedy_answers(model, tokenizer, len(plan), prompt_of, score, max_new_tokens, accelerator,
+                          f"niah {label_method}", progress)
 
 
 def score_table(questions: list[Question]) -> dict[tuple[str, int, float], dict[str, float]]:

@@ -31,7 +31,7 @@ from .estimates import check_memory, estimate_forward_bytes
 from .models import SMOLLM2, load_model, loader, model_name
 from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir_on_main, write_json
 from .runtime import (DTYPES, MethodRequest, UNPATCHED, UsageError, accelerator_if_launched, add_model_arguments,
-                      check_at_least, each_method, gather_in_order, is_main, parse_numbers, process_count, set_threads,
+                      check_at_least, each_method, greedy_answers, is_main, parse_numbers, process_count, set_threads,
                       settings_of, versions)
 from .text import DEFAULT_ENCODING, DataError, check_encoding, read_text
 
@@ -134,31 +134,23 @@ def run_trials(model, tokenizer, label_model: str, label_method: str, lengths: l
                trials: int, seed: int, filler_ids: list[int] | None, max_new_tokens: int = 10, accelerator=None,
                progress: bool = True, keys: int = 1, key_digits: int = 5) -> list[Trial]:
     """Every (length, depth, trial), split across processes when ``accelerator`` has several, gathered in order."""
-    import torch
-    from tqdm.auto import tqdm
-
     plan = []
     for length in lengths:
         for depth in depths:
             for t in range(trials):
                 rng = random.Random(f"{seed}-{length}-{depth}-{t}")
                 plan.append((length, depth, t, *plan_keys(rng, keys, key_digits), rng))
-    rank = accelerator.process_index if accelerator is not None else 0
-    device = next(model.parameters()).device
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    local = []
-    mine = list(range(rank, len(plan), process_count(accelerator)))
-    with torch.inference_mode():
-        for i in tqdm(mine, desc=f"passkey {label_method}", leave=False, disable=not progress or rank != 0):
-            length, depth, t, key, door, distractors, rng = plan[i]
-            ids = torch.tensor([build_prompt(tokenizer, length, depth, key, filler_ids, rng, door, distractors)],
-                               device=device)
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=pad)
-            answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-            local.append((i, Trial(label_model, label_method, length, depth, t, key, answer, answer_is(answer, key),
-                                   door)))
-    return gather_in_order(local, accelerator)
+
+    def prompt_of(i: int) -> list[int]:
+        length, depth, _, key, door, distractors, rng = plan[i]
+        return build_prompt(tokenizer, length, depth, key, filler_ids, rng, door, distractors)
+
+    def score(i: int, ids, answer: str) -> Trial:
+        length, depth, t, key, door, _, _ = plan[i]
+        return Trial(label_model, label_method, length, depth, t, key, answer, answer_is(answer, key), door)
+
+    return greedy_answers(model, tokenizer, len(plan), prompt_of, score, max_new_tokens, accelerator,
+                          f"passkey {label_method}", progress)
 
 
 def accuracy_table(trials: list[Trial]) -> dict[tuple[str, int, float], tuple[float, int]]:

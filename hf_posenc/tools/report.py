@@ -114,7 +114,10 @@ def passkey_markdown(table: AccuracyTable, lengths: list[int], depths: list[floa
              "| --- | ---: | " + " | ".join("---:" for _ in depths) + " |"]
     for label in dict.fromkeys(key[0] for key in table):
         for n in lengths:
-            lines.append(f"| {label} | {n} | " + " | ".join(f"{table[(label, n, d)][0]:.0%}" for d in depths) + " |")
+            cells = [table.get((label, n, d)) for d in depths]
+            if any(cells):
+                lines.append(f"| {label} | {n} | " + " | ".join("-" if c is None else f"{c[0]:.0%}" for c in cells)
+                             + " |")
     return "\n".join(lines)
 
 
@@ -166,6 +169,8 @@ def retrieval_markdown(table: RetrievalTable, lengths: list[int], depths: list[f
     for label in dict.fromkeys(key[0] for key in table):
         for n in lengths:
             cells = [table.get((label, n, d)) for d in depths]
+            if not any(cells):  # a length this model was not run at (a report of several runs)
+                continue
             lines.append(f"| {label} | {n} | " + " | ".join(
                 "-" if c is None else f"{c['exact']:.0%} ({c['logprob']:.2f})" for c in cells) + " |")
     return "\n".join(lines)

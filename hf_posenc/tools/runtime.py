@@ -298,3 +298,28 @@ def gather_in_order(local: list[tuple[int, Any]], accelerator) -> list[Any]:
 
         local = gather_object(local)
     return [item for _, item in sorted(local, key=lambda pair: pair[0])]
+
+
+def greedy_answers(model, tokenizer, count: int, prompt_of: Callable[[int], list[int]],
+                   score: Callable[[int, Any, str], Any], max_new_tokens: int, accelerator=None, desc: str = "",
+                   progress: bool = True) -> list[Any]:
+    """The loop that passkey and niah share: this process's round-robin share of the prompts ``0..count-1``, each
+    ``prompt_of(i)`` (token ids) answered by greedy decoding of ``max_new_tokens`` tokens and turned into a result by
+    ``score(i, ids, answer)`` (``ids``: the prompt, [1, L] on the model's device; ``answer``: the decoded text); the
+    results of every process in index order (``gather_in_order``)."""
+    import torch
+    from tqdm.auto import tqdm
+
+    rank = accelerator.process_index if accelerator is not None else 0
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    local = []
+    with torch.inference_mode():
+        mine = range(rank, count, process_count(accelerator))
+        for i in tqdm(mine, desc=desc, leave=False, disable=not progress or rank != 0):
+            ids = torch.tensor([prompt_of(i)], device=device)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=pad)
+            answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            local.append((i, score(i, ids, answer)))
+    return gather_in_order(local, accelerator)

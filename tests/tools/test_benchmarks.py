@@ -105,3 +105,37 @@ def test_every_benchmark_names_its_output_folder_as_the_tools_do():
         source = script.read_text()
         assert '"--output-dir"' in source, script.name
         assert '"--output"' not in source and '"--out"' not in source, script.name
+
+
+def test_long_context_benchmark_writes_every_method_beside_native(tmp_path):
+    """benchmarks/long_context_smollm2.py on a tiny LLaMA (window 64): perplexity past the window with one row per
+    method, passkey trials per method, and prefill/decode timings whose native rows have ratio 1."""
+    from tool_helpers import BOOK, save_tiny_model
+
+    bench = load_script("benchmarks/long_context_smollm2.py")
+    model = str(save_tiny_model(tmp_path / "tiny"))
+    methods = ["none", "yarn:factor=2", "self-extend", "rerope", "sinks"]
+    run = bench.run_ppl(model, methods, [64, 128], tmp_path / "ppl", text_file=str(BOOK), progress=False)
+    table = run.table()
+    assert set(table) == {"tiny", *(f"tiny + {m}" for m in methods[1:])}
+    assert all(set(row) == {64, 128} and all(v > 1 for v in row.values()) for row in table.values())
+    # sinks (4 + 60) is the unpatched model within the trained window, and differs from it past the window
+    assert table["tiny + sinks"][64] == pytest.approx(table["tiny"][64], rel=1e-5)
+    assert table["tiny + sinks"][128] != pytest.approx(table["tiny"][128], rel=1e-6)
+    assert (tmp_path / "ppl" / "perplexity.png").stat().st_size > 0
+    more = bench.run_ppl(model, ["rerope"], [64], tmp_path / "ppl2", text_file=str(BOOK), progress=False)
+    merged = bench.merge_ppl([tmp_path / "ppl", tmp_path / "ppl2"], tmp_path / "merged").table()
+    assert merged["tiny + rerope"] == {64: more.table()["tiny + rerope"][64], 128: table["tiny + rerope"][128]}
+
+    accuracy = bench.run_passkey(model, ["none", "rerope"], [300], [0.5], 1, tmp_path / "pk", max_new_tokens=2,
+                                 progress=False)
+    assert set(accuracy) == {("tiny", 300, 0.5), ("tiny + rerope", 300, 0.5)}
+    assert json.loads((tmp_path / "pk" / "passkey.json").read_text())["settings"]["lengths"] == [300]
+
+    data = bench.run_timing(model, ["rerope", "sinks"], [16, 96], 2, tmp_path / "t", text_file=str(BOOK),
+                            progress=False)
+    rows = {(r["method"], r["length"]): r for r in data["rows"]}
+    assert set(rows) == {(m, n) for m in ("none", "rerope", "sinks") for n in (16, 96)}
+    assert rows[("none", 96)]["prefill_ratio"] == 1.0 and rows[("none", 16)]["decode_ratio"] == 1.0
+    assert all(r["prefill_s"] > 0 and r["decode_ms_per_token"] > 0 for r in rows.values())
+    assert (tmp_path / "t" / "timing.png").stat().st_size > 0 and (tmp_path / "t" / "timing.csv").exists()

@@ -202,3 +202,16 @@ def test_plot_shows_perplexity_on_a_log_axis_and_stars_only_trained_rows():
     assert [text.get_text() for text in ax.get_legend().get_texts()] == ["smollm2 (trained at 512)",
                                                                          "smollm2 + kerple"]
     assert list(ax.lines[0].get_ydata()) == [30.0, 25.0]  # the perplexity itself, not its log
+
+
+def test_rename_model_renames_the_table_row():
+    """main-job names the fine-tuned checkpoint's row (its folder is 'finetuned') after the swap: the table's row and
+    the training length follow the new name."""
+    from hf_posenc.tools.eval_ppl import EvalRun, LengthResult
+
+    run = EvalRun(settings={}, training_lengths={"finetuned": 256, "smollm2 + alibi": None})
+    run.results = [LengthResult("finetuned", "none", 64, 9.5, 0.0, 1, 1, 1, 64, 0.1, label="finetuned"),
+                   LengthResult("smollm2", "alibi", 64, 20.0, 0.0, 1, 1, 1, 64, 0.1, label="smollm2 + alibi")]
+    run.rename_model("finetuned", "kerple (fine-tuned)")
+    assert run.table() == {"kerple (fine-tuned)": {64: 9.5}, "smollm2 + alibi": {64: 20.0}}
+    assert run.training_lengths == {"kerple (fine-tuned)": 256, "smollm2 + alibi": None}

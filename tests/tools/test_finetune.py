@@ -309,3 +309,17 @@ def test_a_tracker_that_is_not_installed_is_one_line(tiny_dir, tmp_path, capsys,
     out = tmp_path / "out"
     assert_failed_cleanly(finetune_main(_args(tiny_dir, out, "--max-steps", "1", "--report-to", "wandb")), capsys,
                           "--report-to wandb: its package is not installed (pip install wandb), or leave it out", out)
+
+
+def test_a_method_over_2d_positions_and_tape_fine_tune(tiny_dir, tmp_path):
+    """rope-2d gets no 1-D document-restart position ids (which it refuses): it trains on the 1 x L grid; tape trains
+    its update maps from the RoPE state."""
+    for method, parameter in (("rope-2d", "column_rates"), ("tape", "attention_mix")):
+        out = tmp_path / method
+        argv = ["--model", str(tiny_dir), "--method", method, "--text-file", str(BOOK), "--text-fraction", "0:0.8",
+                "--max-length", "32", "--max-steps", "2", "--positional-lr", "1e-2", "--output-dir", str(out),
+                "--no-progress"]
+        assert finetune_main(argv) == 0, method
+        module = hf_posenc.get_positional_module(hf_posenc.from_pretrained(out))
+        fresh = hf_posenc.get_positional_module(hf_posenc.patch_model(hf_posenc.from_pretrained(tiny_dir), method))
+        assert not torch.equal(getattr(module, parameter), getattr(fresh, parameter)), method

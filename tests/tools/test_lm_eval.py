@@ -4,10 +4,11 @@ checked against a hand computation on a local task (no Hub)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
-from tool_helpers import BOOK, run_cli, save_tiny_model
+from tool_helpers import BOOK, launch, run_cli, save_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_posenc
@@ -92,3 +93,24 @@ def test_command_outputs_and_bad_input(tiny, tmp_path, capsys):
         err = capsys.readouterr().err
         assert message in err.rstrip().splitlines()[-1] and "Traceback" not in err, err
         assert not bad.exists()
+
+
+def test_two_processes_score_what_one_does(tiny, tmp_path):
+    """Under accelerate launch the processes split each task's requests (5 documents x 4 choices: unequal shares)
+    and lm-eval gathers them: the same scores as one process."""
+    directory, _ = tiny
+    argv = ["--model", str(directory), "--method", "alibi", "--tasks", "cloze", "--cloze-file", str(BOOK),
+            "--cloze-documents", "5", "--max-length", "1024"]
+    assert run_cli("lm-eval", [*argv, "--output-dir", str(tmp_path / "one")]) == 0
+    done = launch("lm-eval", [*argv, "--output-dir", str(tmp_path / "two")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    one = json.loads((tmp_path / "one" / "lm_eval.json").read_text())
+    two = json.loads((tmp_path / "two" / "lm_eval.json").read_text())
+    assert (one["settings"]["num_processes"], two["settings"]["num_processes"]) == (1, 2)
+    assert len(one["rows"]) == 2
+    for a, b in zip(one["rows"], two["rows"]):
+        assert (a["model"], a["metric"], a["value"]) == (b["model"], b["metric"], b["value"])
+        assert a["stderr"] == pytest.approx(b["stderr"])  # summed in another order
+    # the main process (the one lm-eval shows progress for) scored 3 documents' 12 requests of the 20, not all
+    totals = re.findall(r"Running loglikelihood requests: 100%.*?\| *\d+/(\d+)", done.stderr)
+    assert totals == ["12"], totals

@@ -49,6 +49,15 @@ def test_several_needles_and_distractors(tok, haystack):
         text = tok.decode(ids)
         assert len(ids) == 2000 and text.endswith(niah.question(needle.key))
         assert all(niah.fact(n.key, n.value) in text for n in asked + others)
+        # every fact at its own depth of the haystack, in tokens: its offset less the task line and the facts before
+        lines = {n: tok("\n" + niah.fact(n.key, n.value) + "\n")["input_ids"] for n in asked + others}
+        head = len(tok(niah.TASK + "\n")["input_ids"])
+        tail = len(tok("\n" + niah.question(needle.key))["input_ids"])
+        n_filler = len(ids) - head - tail - sum(map(len, lines.values()))
+        for n, line in lines.items():
+            at = next(i for i in range(len(ids)) if ids[i : i + len(line)] == line)
+            before = sum(len(lines[m]) for m in lines if m.depth < n.depth)
+            assert at - head - before == round(n.depth * n_filler)
     with pytest.raises(ValueError, match="too short"):
         niah.build_prompt(tok, 100, haystack, asked + others, asked[0])
     with pytest.raises(ValueError, match="haystack text has"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from tool_helpers import BOOK, run_cli, save_tiny_model
 
@@ -41,6 +43,36 @@ def test_report_has_every_run_its_table_and_its_plot(runs, tmp_path):
     assert "`hf-posenc passkey`: model:" in page and "trials: 1" in page
 
 
+def test_several_runs_of_a_command_are_compared_in_one_table_and_plot(runs, tmp_path):
+    """Two passkey runs and two niah runs: a section with every model of both, '-' where no run measured a cell. The
+    second niah run measures 'tiny' at another length: the same row. The second passkey run measures a cell of
+    'tiny' again: its rows are told apart by the run's name."""
+    extra = ["--model", str(runs / "tiny"), "--method", "none", "--trials", "1", "--max-new-tokens", "2",
+             "--no-progress"]
+    assert run_cli("passkey", [*extra, "--lengths", "300,400", "--depths", "0", "--output-dir",
+                               str(tmp_path / "pk2")]) == 0
+    assert run_cli("niah", [*extra, "--lengths", "600", "--depths", "0.5", "--haystack-file", str(BOOK),
+                            "--output-dir", str(tmp_path / "niah2")]) == 0
+    out = tmp_path / "report"
+    assert run_cli("report", [str(runs / "pk"), str(tmp_path / "pk2"), str(runs / "niah"), str(tmp_path / "niah2"),
+                              "--output-dir", str(out)]) == 0
+    page = (out / "report.md").read_text()
+    combined = page.split("## Passkey retrieval: every run (pk, pk2)")[1].split("## ")[0]
+    pk = {r["model"]: r for r in json.loads((runs / "pk" / "passkey.json").read_text())["accuracy"]
+          if r["length"] == 300 and r["depth"] == 0}
+    assert f"| tiny | 300 | {pk['tiny']['accuracy']:.0%} |" in combined and "| tiny + alibi | 300 |" in combined
+    assert "| tiny (pk2) | 300 | " in combined and "| tiny (pk2) | 400 | " in combined
+    assert "| tiny | 400 |" not in combined and "| model | length | depth 0 | depth 1 |" in combined
+    assert "| tiny + alibi | 400 |" not in combined and "](combined-passkey.png)" in combined
+    assert "| tiny (pk2) | 300 | " + ("100%" if json.loads((tmp_path / "pk2" / "passkey.json").read_text())[
+        "accuracy"][0]["accuracy"] else "0%") + " | - |" in combined  # depth 1 not measured by pk2
+    combined = page.split("## Needle in a haystack: every run (niah, niah2)")[1]
+    assert "| tiny | 600 | " in combined and "| tiny | 500 | " in combined and "(niah2)" not in combined
+    assert "| tiny + alibi | 600 |" not in combined and "| tiny + alibi | 500 |" in combined
+    for plot in ("combined-passkey.png", "combined-niah.png"):
+        assert (out / plot).stat().st_size > 1000
+
+
 def test_a_model_card_takes_the_report(runs, tmp_path):
     out = tmp_path / "report"
     assert run_cli("report", [str(runs / "pk"), "--output-dir", str(out)]) == 0
@@ -50,6 +82,11 @@ def test_a_model_card_takes_the_report(runs, tmp_path):
     card = str(hf_posenc.make_model_card(model, evaluation=out / "report.md"))
     assert "## Evaluation" in card and "### Evaluation" in card and "#### Passkey retrieval (pk)" in card
     assert "| tiny + alibi | 300 |" in card
+    # published with the card, the report's plots go into the uploaded folder (the card shows them by file name)
+    model.save_pretrained(tmp_path / "ckpt")
+    files = hf_posenc.push_to_hub(tmp_path / "ckpt", "acme/tiny-alibi", dry_run=tmp_path / "upload",
+                                  evaluation=out / "report.md")
+    assert "pk-passkey.png" in files and "](pk-passkey.png)" in (tmp_path / "upload" / "README.md").read_text()
 
 
 def test_bad_input_is_one_line(runs, tmp_path, capsys):

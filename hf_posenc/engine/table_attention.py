@@ -25,8 +25,7 @@ the ones that read it, and how long one takes no longer depends on the length. T
   anti-diagonal sums are one column sum of that buffer (in place of aten's unfold_backward: a tenth off the
   backward at 4096), and the matmuls read dS from it in place.
 Measured at the op level (8 heads x 64, float32, 2 threads; docs/benchmarks.md, issue 17): forward + backward
-1.15x causal SDPA at 8192 tokens, where the untiled backward took 1.8x (softmax recomputed) to 2.0x
-(from the logsumexp).
+1.15-1.21x causal SDPA at 8192 tokens over runs, where the untiled backward took 1.8-2.3x.
 Memory: a few [B*H, rows, KEY_TILE] tiles and the [B*H, q, D + 1] widened inputs, besides the gradients.
 
 tests/test_table_attention.py checks the gradients of queries, keys, values and the table against autograd of the

@@ -42,7 +42,12 @@ def materialised(query, key, value, table, offset, scaling):
     (2, 4, 2, 7, 5, 3),     # a chunk after a cache of 5, grouped-query attention
     (1, 2, 1, 12, 0, 256),  # one block
 ])
-def test_gradients_equal_materialised_autograd(batch, heads, kv_heads, q, offset, step):
+@pytest.mark.parametrize("logsumexp", [True, False], ids=["lse from the kernel (CPU)", "lse computed (other devices)"])
+@pytest.mark.parametrize("key_tile", [3, 256], ids=["key tiles of 3", "one key tile"])
+def test_gradients_equal_materialised_autograd(batch, heads, kv_heads, q, offset, step, logsumexp, key_tile,
+                                               monkeypatch):
+    monkeypatch.setattr(table_attention, "keeps_logsumexp", lambda device: logsumexp)
+    monkeypatch.setattr(table_attention, "KEY_TILE", key_tile)  # 3: several tiles per block, and remainders
     generator = torch.Generator().manual_seed(0)
     kv, dim, scaling = offset + q, 8, 0.3
 
@@ -92,6 +97,7 @@ def test_training_step_gradients_equal_the_eager_path(model_type, method, option
     monkeypatch.setattr(table_attention.TableBiasAttention, "apply",
                         staticmethod(lambda *args: calls.append(1) or original(*args)))
     monkeypatch.setattr(attention, "VIEW_BLOCK_ROWS", 16)  # several blocks over 30 tokens
+    monkeypatch.setattr(table_attention, "KEY_TILE", 8)  # and several key tiles per block in the backward
     fast = gradients("sdpa")
     assert calls, "the table backward did not serve the training step"
     calls.clear()

@@ -3,15 +3,30 @@
 Forward, per query block, is SDPA with the block's bias as a strided Toeplitz view of the table (no copy; see
 attention.toeplitz_view), exactly what the blocked path computes without gradients. Handing SDPA a mask that needs a
 gradient would send it down its math path on CPU (a materialised softmax per block, and a second one kept for the
-backward); here the mask reaches SDPA as a constant, and the backward recomputes each block:
+backward); here the mask reaches the kernel as a constant, and the backward recomputes each block:
 
-    S = scale * Q K^T + bias,   P = softmax(S),   dV = P^T dO,   dP = dO V^T,
+    S = scale * Q K^T + bias,   P = exp(S - lse),   dV = P^T dO,   dP = dO V^T,
     dS = P * (dP - rowsum(dO * O)),   dQ = scale * dS K,   dK = scale * dS^T Q,
 
-(the standard attention backward, as in FlashAttention, Dao et al. 2022), in float32 at least. Since the bias of entry (r, c)
-is table[offset + r + c] (keys in reversed order), the table's gradient is the sum of dS along each anti-diagonal of
-the block (the adjoint of the Toeplitz view, aten's unfold_backward). Memory stays a few [B, H, rows, keys]
-tensors per block, as in the forward.
+(the standard attention backward, as in FlashAttention, Dao et al. 2022), in float32 at least, with lse each row's
+logsumexp from the forward: on CPU the forward is aten's flash kernel itself (what SDPA runs there), which returns
+it; elsewhere it is computed beside SDPA's output. Since the bias of entry (r, c) is table[offset + r + c] (keys in
+reversed order), the table's gradient is the sum of dS along each anti-diagonal of the block.
+
+Why the backward tiles the keys too (KEY_TILE columns at a time): a block's temporaries are [B*H, rows, keys]; at
+8192 tokens, 8 heads and 256 rows that is 64 MiB each, past the CPU's last-level cache, and the elementwise passes
+(exp, dS) ran at memory speed. A [B*H, rows, KEY_TILE] tile stays in cache between the matmul that makes it and
+the ones that read it, and how long one takes no longer depends on the length. The five matmuls are the floor
+(causal SDPA's backward runs the same five); per tile the elementwise work around them is kept to four passes:
+- -lse and -rowsum(dO * O) ride in the matmuls as one more column (Q' = [scale Q, -lse], K' = [K, 1],
+  dO' = [dO, -delta], V' = [V, 1]): P = exp(bias + Q' K'^T) is one baddbmm (the bias its accumulator) and an exp,
+  dS = (dO' V'^T) * P one matmul and a multiply;
+- the multiply writes dS into a skewed buffer (row r shifted r columns right, see skewed_view), so that the
+  anti-diagonal sums are one column sum of that buffer (in place of aten's unfold_backward: a tenth off the
+  backward at 4096), and the matmuls read dS from it in place.
+Measured at the op level (8 heads x 64, float32, 2 threads; docs/benchmarks.md, issue 17): forward + backward
+1.15-1.21x causal SDPA at 8192 tokens over runs, where the untiled backward took 1.8-2.3x.
+Memory: a few [B*H, rows, KEY_TILE] tiles and the [B*H, q, D + 1] widened inputs, besides the gradients.
 
 tests/test_table_attention.py checks the gradients of queries, keys, values and the table against autograd of the
 materialised computation in float64.
@@ -19,19 +34,62 @@ materialised computation in float64.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
+KEY_TILE = 256  # keys per backward tile (see the module docstring): 512 was a little slower at 8192, 1024 more
+
+
+def skewed_view(buffer: torch.Tensor, keys: int) -> torch.Tensor:
+    """buffer [N, rows, keys + rows] (zeros outside the view) -> view [N, rows, keys] whose entry (r, c) is
+    buffer[:, r, r + c]: row r shifted r columns right, so buffer.sum(1)[:, n] is the sum of the view's
+    anti-diagonal r + c = n, the adjoint of the Toeplitz view (`unfold`) that made the bias."""
+    count, rows, width = buffer.shape
+    return buffer.as_strided((count, rows, keys), (rows * width, width + 1, 1), buffer.storage_offset())
+
 
 def diagonal_sums(block: torch.Tensor) -> torch.Tensor:
-    """[H, r, k] -> [H, r + k - 1]: out[h, n] = sum over r + c = n of block[h, r, c]; the adjoint of the Toeplitz
-    view (`unfold`) that made the bias, which is what aten's unfold_backward computes."""
-    heads, rows, keys = block.shape
-    return torch.ops.aten.unfold_backward(block, [heads, rows + keys - 1], -1, keys, 1)
+    """[N, r, k] -> [N, r + k - 1]: out[n, i] = sum over r + c = i of block[n, r, c] (through skewed_view)."""
+    count, rows, keys = block.shape
+    buffer = block.new_zeros(count, rows, keys + rows)
+    skewed_view(buffer, keys).copy_(block)
+    return buffer.sum(1)[:, :rows + keys - 1]
 
 
 def _block_bias(padded: torch.Tensor, start: int, rows: int, keys: int) -> torch.Tensor:
     return padded[:, start:start + rows + keys - 1].unfold(-1, keys, 1)
+
+
+def keeps_logsumexp(device: torch.device) -> bool:
+    """Whether the forward runs aten's CPU flash kernel (what SDPA runs there), which returns the logsumexp."""
+    return device.type == "cpu"
+
+
+def _widen(tensor: torch.Tensor, column) -> torch.Tensor:
+    """[B, H, n, D] -> [B*H, n, D + 1], the last column `column` (a scalar or [B, H, n])."""
+    out = tensor.new_empty(tensor.shape[:-1] + (tensor.shape[-1] + 1,))
+    out[..., :-1] = tensor
+    out[..., -1] = column
+    return out.flatten(0, 1)
+
+
+def _logsumexp(query, key, padded, start, rows, keys, scaling):
+    """[B, H, rows]: each row's logsumexp of scale * Q K^T + bias, KEY_TILE keys at a time (devices other than CPU,
+    where SDPA does not return it)."""
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1) if groups > 1 else key
+    compute = torch.promote_types(query.dtype, torch.float32)
+    query = query.to(compute) * scaling
+    result = None
+    for first in range(0, keys, KEY_TILE):
+        width = min(KEY_TILE, keys - first)
+        scores = torch.matmul(query, key[:, :, first:first + width].to(compute).transpose(2, 3))
+        scores += _block_bias(padded, start + first, rows, width).to(compute)
+        part = scores.logsumexp(-1)
+        result = part if result is None else torch.logaddexp(result, part)
+    return result
 
 
 class TableBiasAttention(torch.autograd.Function):
@@ -42,55 +100,80 @@ class TableBiasAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, padded, blocks, scaling):
         groups = query.shape[1] // key.shape[1]
-        outputs = []
+        kernel_lse = keeps_logsumexp(query.device)
+        outputs, lses = [], []
         for first, rows, keys, start in blocks:
             columns = slice(key.shape[2] - keys, key.shape[2])
             mask = _block_bias(padded, start, rows, keys)[None]
-            outputs.append(F.scaled_dot_product_attention(
-                query[:, :, first:first + rows], key[:, :, columns], value[:, :, columns], attn_mask=mask,
-                scale=scaling, enable_gqa=groups > 1))
+            block = (query[:, :, first:first + rows], key[:, :, columns], value[:, :, columns])
+            if kernel_lse:
+                output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    *block, attn_mask=mask, scale=scaling)
+            else:
+                output = F.scaled_dot_product_attention(*block, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
+                lse = _logsumexp(*block[:2], padded, start, rows, keys, scaling)
+            outputs.append(output)
+            lses.append(lse)
         output = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
-        ctx.save_for_backward(query, key, value, padded, output)
+        lse = torch.cat(lses, dim=-1) if len(lses) > 1 else lses[0]
+        ctx.save_for_backward(query, key, value, padded, output, lse)
         ctx.blocks, ctx.scaling, ctx.groups = blocks, scaling, groups
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        query, key, value, padded, output = ctx.saved_tensors
+        query, key, value, padded, output, lse = ctx.saved_tensors
         scaling, groups = ctx.scaling, ctx.groups
-        batch, heads, _, _ = query.shape
+        batch, heads, q, dim = query.shape
+        dtypes = query.dtype, key.dtype, value.dtype, padded.dtype
         kv = key.shape[2]
         compute = torch.promote_types(query.dtype, torch.float32)  # float32, or float64 for float64 inputs
-        scaled_query = query.to(compute) * scaling
         grad_output = grad_output.to(compute)
+        key, value = key.to(compute), value.to(compute)
+        if groups > 1:
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        scaled_query = query.to(compute) * scaling
+        delta = (grad_output * output.to(compute)).sum(-1)  # rowsum(dO * O): the same for every block of a row
+        # The widened operands (see the module docstring): Q' K'^T = scale Q K^T - lse, dO' V'^T = dO V^T - delta.
+        query_wide, key_wide = _widen(scaled_query, -lse.to(compute)), _widen(key, 1.0)
+        grad_wide, value_wide = _widen(grad_output, -delta), _widen(value, 1.0)
+        scaled_query, grad_output, key = scaled_query.flatten(0, 1), grad_output.flatten(0, 1), key.flatten(0, 1)
         grad_query = torch.empty_like(scaled_query)
-        grad_key = torch.zeros((batch, heads, kv, key.shape[3]), dtype=compute, device=key.device)
-        grad_value = torch.zeros((batch, heads, kv, value.shape[3]), dtype=compute, device=value.device)
+        grad_key = torch.zeros_like(key)
+        grad_value = torch.zeros_like(value.flatten(0, 1))
         grad_padded = torch.zeros_like(padded, dtype=compute)
-        # rowsum(dO * O): the same for every block a row belongs to.
-        delta = (grad_output * output.to(compute)).sum(-1, keepdim=True)
+        # (rows, width) -> a zeroed buffer for dS (skewed_view), reused: entries outside the view stay zero. A few
+        # shapes at most: the tiles are KEY_TILE wide but for one remainder per block, the same in every full block.
+        skewed = {}
+        # exp's argument is clamped at the log of the smallest normal number (times e): aten's exp takes a slow path,
+        # about 10x, below about -87 in float32, where biases that fall with distance (ALiBi, FIRE) put many
+        # entries. A probability is then at least e * tiny (3e-38 in float32, the masked ones too) where it was
+        # smaller or 0: a difference below float32's resolution of anything it is added to.
+        floor = math.log(torch.finfo(compute).tiny) + 1
         for first, rows, keys, start in ctx.blocks:
             span = slice(first, first + rows)
-            columns = slice(kv - keys, kv)
-            block_query, block_grad = scaled_query[:, :, span], grad_output[:, :, span]
-            block_key, block_value = key[:, :, columns].to(compute), value[:, :, columns].to(compute)
-            if groups > 1:
-                block_key = block_key.repeat_interleave(groups, dim=1)
-                block_value = block_value.repeat_interleave(groups, dim=1)
-            scores = torch.matmul(block_query, block_key.transpose(2, 3))
-            scores += _block_bias(padded, start, rows, keys).to(compute)
-            probs = torch.softmax(scores, dim=-1)
-            del scores
-            grad_value[:, :, columns] += torch.matmul(probs.transpose(2, 3), block_grad)
-            grad_scores = torch.matmul(block_grad, block_value.transpose(2, 3))
-            grad_scores.sub_(delta[:, :, span]).mul_(probs)
-            del probs
-            grad_query[:, :, span] = torch.matmul(grad_scores, block_key).mul_(scaling)
-            grad_key[:, :, columns] += torch.matmul(grad_scores.transpose(2, 3), block_query)
-            grad_padded[:, start:start + rows + keys - 1] += diagonal_sums(
-                grad_scores[0] if batch == 1 else grad_scores.sum(0))
-        if groups > 1:
-            grad_key = grad_key.view(batch, heads // groups, groups, kv, -1).sum(2)
-            grad_value = grad_value.view(batch, heads // groups, groups, kv, -1).sum(2)
-        return (grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype),
-                grad_padded.to(padded.dtype), None, None)
+            block_grad_query = grad_query[:, span].zero_()
+            for tile in range(0, keys, KEY_TILE):
+                width = min(KEY_TILE, keys - tile)
+                columns = slice(kv - keys + tile, kv - keys + tile + width)
+                bias = _block_bias(padded, start + tile, rows, width).to(compute)
+                probs = torch.baddbmm(bias.repeat(batch, 1, 1) if batch > 1 else bias,
+                                      query_wide[:, span], key_wide[:, columns].transpose(1, 2))
+                probs = probs.clamp_min_(floor).exp_()
+                grad_value[:, columns].baddbmm_(probs.transpose(1, 2), grad_output[:, span])
+                if (rows, width) not in skewed:
+                    skewed[rows, width] = probs.new_zeros(batch * heads, rows, width + rows)
+                buffer = skewed[rows, width]
+                grad_scores = torch.mul(torch.bmm(grad_wide[:, span], value_wide[:, columns].transpose(1, 2)), probs,
+                                        out=skewed_view(buffer, width))
+                del probs
+                block_grad_query.baddbmm_(grad_scores, key[:, columns])
+                grad_key[:, columns].baddbmm_(grad_scores.transpose(1, 2), scaled_query[:, span])
+                sums = buffer.view(batch, heads, rows, width + rows).sum((0, 2) if batch > 1 else 2).view(heads, -1)
+                grad_padded[:, start + tile:start + tile + rows + width - 1] += sums[:, :rows + width - 1]
+            block_grad_query.mul_(scaling)
+        grad_query = grad_query.view(batch, heads, q, dim)
+        grad_key, grad_value = (grad.view(batch, heads // groups, groups, kv, -1).sum(2) if groups > 1
+                                else grad.view(batch, heads, kv, -1) for grad in (grad_key, grad_value))
+        return (*(grad.to(dtype) for grad, dtype in zip((grad_query, grad_key, grad_value, grad_padded), dtypes)),
+                None, None)

@@ -93,6 +93,11 @@ def _trim_heap() -> None:
         pass
 
 
+def device_name(device: torch.device | str | None = None) -> str:
+    """What ran a benchmark, for its outputs: the GPU's name, or "cpu"."""
+    return torch.cuda.get_device_name() if torch.device(device or "cpu").type == "cuda" else "cpu"
+
+
 def synchronize(device: torch.device | str | None = None) -> None:
     """Wait for queued device work, so that a host clock around a region times the region (no-op on the CPU)."""
     if torch.device(device or "cpu").type == "cuda":

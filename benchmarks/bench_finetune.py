@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import _fix_mmap_threshold, peak_mib, synchronize  # noqa: E402
+from bench_attention import _fix_mmap_threshold, device_name, peak_mib, synchronize  # noqa: E402
 
 from hf_posenc import available_methods  # noqa: E402
 
@@ -152,7 +152,7 @@ def save(rows: list[Row], output_dir: str | Path, plot: bool = True) -> dict[str
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "bench_finetune.json"}
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    device = device_name("cuda" if torch.cuda.is_available() else "cpu")
     paths["json"].write_text(json.dumps([{**asdict(r), "device": device} for r in rows], indent=2))
     if not plot:
         return paths

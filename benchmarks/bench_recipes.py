@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import device_name  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 BOOK = DATA / "pg1342-pride-and-prejudice.txt"
@@ -105,7 +109,7 @@ def main() -> None:
             print(f"kept in {args.keep}; evaluate with --recipe saved --keep {args.keep}")
             return
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the fine-tune (accelerate) picks the GPU alike
-    row["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    row["device"] = device_name(device)
     row["perplexity"] = held_out_perplexity(model.to(device), tokenizer, lengths, windows)
     if args.wikitext_lengths:
         wiki = [int(x) for x in args.wikitext_lengths.split(",")]

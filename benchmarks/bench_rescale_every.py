@@ -26,6 +26,7 @@ import torch
 from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import device_name, synchronize  # noqa: E402
 from bench_rope_cache import build_model  # noqa: E402 (the same model as the other decode benchmark)
 
 from hf_posenc import patch_model, unpatch_model  # noqa: E402
@@ -42,16 +43,15 @@ def decode(model, prompt: int, new_tokens: int) -> tuple[float, int]:
     generator = torch.Generator().manual_seed(0)
     device = next(model.parameters()).device
     ids = torch.randint(0, model.config.vocab_size, (1, prompt + new_tokens), generator=generator).to(device)
-    wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     cache = DynamicCache(config=model.config)
     cached = {forward_cache_keyword(model): cache}
     model(ids[:, :prompt], **cached, use_cache=True)
     replayed_before = replay_count(cache)
-    wait()
+    synchronize(device)
     start = time.perf_counter()
     for t in range(prompt, prompt + new_tokens):
         model(ids[:, t:t + 1], **cached, use_cache=True)
-    wait()
+    synchronize(device)
     return (time.perf_counter() - start) / new_tokens, replay_count(cache) - replayed_before
 
 
@@ -72,7 +72,7 @@ def run(method: str = "dynamic", every=EVERY, window: int = 1024, prompt: int = 
         row["ratio_to_native"] = row["ms_per_token"] / rows["native rope"]["ms_per_token"]
     report = {"settings": {"method": method, "window": window, "prompt": prompt, "new_tokens": new_tokens,
                            "layers": layers, "threads": torch.get_num_threads(), "torch": torch.__version__,
-                           "device": torch.cuda.get_device_name() if model.device.type == "cuda" else "cpu"},
+                           "device": device_name(model.device)},
               "rows": rows}
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)

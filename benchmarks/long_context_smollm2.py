@@ -33,11 +33,14 @@ from pathlib import Path
 
 import torch
 
-from hf_posenc.engine.cache_names import forward_cache_keyword
-from hf_posenc.tools import eval_ppl, passkey, report
-from hf_posenc.tools.models import load_model, model_name
-from hf_posenc.tools.outputs import write_json
-from hf_posenc.tools.runtime import MethodRequest, versions
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import device_name, synchronize  # noqa: E402
+
+from hf_posenc.engine.cache_names import forward_cache_keyword  # noqa: E402
+from hf_posenc.tools import eval_ppl, passkey, report  # noqa: E402
+from hf_posenc.tools.models import load_model, model_name  # noqa: E402
+from hf_posenc.tools.outputs import write_json  # noqa: E402
+from hf_posenc.tools.runtime import MethodRequest, versions  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 DEFAULT_TEXT = str(DATA / "pg1342-pride-and-prejudice.txt")
@@ -49,11 +52,6 @@ def _methods(args) -> list[str]:
 
 
 # --- perplexity -----------------------------------------------------------------------------------------------
-def device_name(device: str) -> str:
-    """What ran it, for the outputs' settings: the GPU's name, or "cpu"."""
-    return torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu"
-
-
 def run_ppl(model: str, methods, lengths, output_dir, text_file: str = DEFAULT_TEXT, text_fraction: str = "0.8:1",
             max_windows: int = 1, progress: bool = True, device: str = "cpu") -> eval_ppl.EvalRun:
     """eval-ppl's run, one (length, method) at a time in the order given (lengths outer, so a run cut short has every
@@ -148,18 +146,17 @@ def run_passkey(model: str, methods, lengths, depths, trials: int, output_dir, m
 def time_one(net, ids: torch.LongTensor, new_tokens: int, cache) -> tuple[float, float]:
     """(prefill seconds, seconds per decode step): greedy decoding of ``new_tokens`` tokens after the prompt (device
     work waited for before each clock reading)."""
-    wait = torch.cuda.synchronize if ids.device.type == "cuda" else (lambda: None)
     cached = {forward_cache_keyword(net): cache}
-    wait()
+    synchronize(ids.device)
     started = time.perf_counter()
     logits = net(input_ids=ids, **cached, use_cache=True, logits_to_keep=1).logits
-    wait()
+    synchronize(ids.device)
     prefill = time.perf_counter() - started
     token = logits[:, -1:].argmax(-1)
     started = time.perf_counter()
     for _ in range(new_tokens):
         token = net(input_ids=token, **cached, use_cache=True).logits[:, -1:].argmax(-1)
-    wait()
+    synchronize(ids.device)
     return prefill, (time.perf_counter() - started) / max(new_tokens, 1)
 
 

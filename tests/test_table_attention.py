@@ -10,18 +10,22 @@ import torch
 import hf_posenc
 from hf_posenc import attention
 from hf_posenc.engine import table_attention
-from hf_posenc.engine.table_attention import TableBiasAttention, diagonal_sums
+from hf_posenc.engine.table_attention import TableBiasAttention, skewed_view
 from helpers import max_diff
 from tiny_models import random_ids, tiny_model
 
 
-def test_diagonal_sums_equal_a_loop():
+def test_skewed_buffer_column_sums_are_the_diagonal_sums():
+    """What the backward sums into the table's gradient: a block written through skewed_view into a zeroed buffer
+    has, as the buffer's column sums, the block's anti-diagonal sums (r + c = n)."""
     block = torch.randn(3, 5, 7, dtype=torch.float64)
     expected = torch.zeros(3, 11, dtype=torch.float64)
     for r in range(5):
         for c in range(7):
             expected[:, r + c] += block[:, r, c]
-    assert torch.allclose(diagonal_sums(block), expected)
+    buffer = torch.zeros(3, 5, 7 + 5, dtype=torch.float64)
+    skewed_view(buffer, 7).copy_(block)
+    assert torch.allclose(buffer.sum(1)[:, :11], expected)
 
 
 def materialised(query, key, value, table, offset, scaling):

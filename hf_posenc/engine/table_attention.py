@@ -50,14 +50,6 @@ def skewed_view(buffer: torch.Tensor, keys: int) -> torch.Tensor:
     return buffer.as_strided((count, rows, keys), (rows * width, width + 1, 1), buffer.storage_offset())
 
 
-def diagonal_sums(block: torch.Tensor) -> torch.Tensor:
-    """[N, r, k] -> [N, r + k - 1]: out[n, i] = sum over r + c = i of block[n, r, c] (through skewed_view)."""
-    count, rows, keys = block.shape
-    buffer = block.new_zeros(count, rows, keys + rows)
-    skewed_view(buffer, keys).copy_(block)
-    return buffer.sum(1)[:, :rows + keys - 1]
-
-
 def _block_bias(padded: torch.Tensor, start: int, rows: int, keys: int) -> torch.Tensor:
     return padded[:, start:start + rows + keys - 1].unfold(-1, keys, 1)
 

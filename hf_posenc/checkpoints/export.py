@@ -239,8 +239,9 @@ def standalone_files(metadata: dict[str, Any]) -> dict[str, str]:
     family = get_family(SimpleNamespace(model_type=model.get("model_type")))
     base_class = causal_lm_class(model.get("architecture"), model["model_type"])
     specs = method_specs(metadata)
-    users = [spec for spec in specs if user_modules(spec)]  # methods registered from outside hf_posenc
-    outside = tuple(dict.fromkeys(module for spec in users for module in user_modules(spec)))
+    modules_of = {spec: user_modules(spec) for spec in specs}  # checks each once; [] for hf_posenc's own methods
+    users = [spec for spec in specs if modules_of[spec]]  # methods registered from outside hf_posenc
+    outside = tuple(dict.fromkeys(module for spec in users for module in modules_of[spec]))
     registered = [type(family), *(spec.module_class for spec in specs if spec not in users)]
     user_classes = [cls for spec in users for cls in (spec.config_class, spec.module_class)]
     modules = module_closure([*CORE_MODULES, *(cls.__module__ for cls in [*registered, *user_classes])], outside)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 import time
@@ -40,6 +41,34 @@ def held_out_perplexity(model, tokenizer, lengths: list[int], windows: list[int]
                                                     progress=False)[0], 2) for length, count in zip(lengths, windows)}
 
 
+def plot_curves(rows: list[dict], path: Path) -> None:
+    """Perplexity on the held-out blocks of the training text against fine-tuning tokens, one line per recipe run
+    with --eval-blocks."""
+    rows = [r for r in rows if r.get("curve")]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    if not rows:
+        return
+    figure, axis = plt.subplots(figsize=(8, 4.5))
+    for r in rows:
+        label = f"{r['recipe']} {r['method']}" + (f" PoSE {r['pose_target_length']}" if r.get("pose_target_length")
+                                                  else "") + f" lr {r['lr']:g}"
+        axis.plot([c["tokens"] for c in r["curve"]], [c["perplexity"] for c in r["curve"]], marker="o", label=label)
+    axis.set_xlabel("fine-tuning tokens")
+    axis.set_ylabel("perplexity, held-out blocks of the training text")
+    axis.set_yscale("log")
+    axis.set_title("recipes after a swap: SmolLM2-135M")
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe", choices=("original", "swap", "lm", "distill", "saved"), required=True)
@@ -51,6 +80,11 @@ def main() -> None:
     p.add_argument("--distill-alpha", type=float, default=0.5)
     p.add_argument("--distill-temperature", type=float, default=1.0)
     p.add_argument("--pose-target-length", type=int, default=None)
+    p.add_argument("--text", action="append", default=None, metavar="FILE",
+                   help="training text instead of the book's first 80 %% (repeatable; whole files)")
+    p.add_argument("--eval-blocks", type=int, default=0,
+                   help="held-out blocks of the training text, for a perplexity-vs-tokens curve (0: none)")
+    p.add_argument("--eval-every", type=int, default=0, help="evaluate those blocks every N steps")
     p.add_argument("--lengths", default="512,2048")
     p.add_argument("--windows", default="2,1", help="held-out windows per length (one number, or one per length)")
     p.add_argument("--wikitext-lengths", default="",
@@ -61,6 +95,9 @@ def main() -> None:
     p.add_argument("--keep", type=Path, default=None,
                    help="keep the fine-tuned model in this folder and stop before evaluating (evaluate it later with "
                         "--recipe saved --keep FOLDER): splits one long run in two")
+    p.add_argument("--save-model", type=Path, default=None,
+                   help="keep the fine-tuned model in this folder and evaluate it too (more lengths later with "
+                        "--recipe saved --keep FOLDER)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -75,7 +112,7 @@ def main() -> None:
     windows = windows * len(lengths) if len(windows) == 1 else windows
     row = {"windows": dict(zip(map(str, lengths), windows)), "recipe": args.recipe, "method": None if args.recipe == "original" else args.method,
            "steps": args.steps, "max_length": args.max_length, "lr": args.lr, "train_only": args.train_only,
-           "pose_target_length": args.pose_target_length}
+           "pose_target_length": args.pose_target_length, "text": [Path(t).name for t in args.text or [BOOK]]}
     if args.recipe == "saved":  # a model kept by an earlier --keep run: evaluate it, with that run's row
         from transformers import AutoTokenizer
 
@@ -89,23 +126,28 @@ def main() -> None:
         row["steps"] = 0
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            out = args.keep or Path(tmp) / "ft"
+            out = args.keep or args.save_model or Path(tmp) / "ft"
             extra = {"distill_from": "original", "distill_alpha": args.distill_alpha,
                      "distill_temperature": args.distill_temperature} if args.recipe == "distill" else {}
             summary = finetune.run_finetune(finetune.settings(
-                method=args.method, train_only=args.train_only, text_file=[str(BOOK)], text_fraction="0:0.8",
+                method=args.method, train_only=args.train_only, text_file=[str(t) for t in args.text or [BOOK]],
+                text_fraction="0:1" if args.text else "0:0.8", eval_blocks=args.eval_blocks, eval_every=args.eval_every,
                 max_length=args.max_length, max_steps=args.steps, lr=args.lr, output_dir=out, no_progress=False,
                 threads=args.threads, pose_target_length=args.pose_target_length, no_memory_check=True, **extra))
             row["train_seconds"] = summary["seconds"]
-            row["loss"] = [round(e["loss"], 3) for e in json.loads((out / "loss_log.json").read_text())]
+            log = json.loads((out / "loss_log.json").read_text())
+            row["loss"] = [round(e["loss"], 3) for e in log]
+            row["curve"] = [{"step": e["step"], "tokens": e["tokens"], "perplexity": round(math.exp(e["eval_loss"]), 2)}
+                            for e in log if "eval_loss" in e]
             model = hf_posenc.from_pretrained(out)
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(out)
         if args.recipe == "distill":
             row.update(distill_alpha=args.distill_alpha, distill_temperature=args.distill_temperature)
+        if args.keep or args.save_model:
+            (out / "bench_row.json").write_text(json.dumps(row, indent=2) + "\n")
         if args.keep:
-            (args.keep / "bench_row.json").write_text(json.dumps(row, indent=2) + "\n")
             print(f"kept in {args.keep}; evaluate with --recipe saved --keep {args.keep}")
             return
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the fine-tune (accelerate) picks the GPU alike
@@ -120,6 +162,7 @@ def main() -> None:
     rows.append(row)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(rows, indent=2) + "\n")
+    plot_curves(rows, args.output_dir / "bench_recipes.png")
     print(f"{'recipe':10} {'method':24} {'steps':>5} " + " ".join(f"{'ppl@' + str(n):>9}" for n in lengths)
           + "  train s")
     for r in rows:

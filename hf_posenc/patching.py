@@ -17,7 +17,7 @@ from torch import nn
 from .checkpoints.hub import publish_saved
 from .checkpoints.saving import attach_save_hook, changed_positional_state
 from .config import PosEncConfig
-from .engine.hybrid import HybridConfig, parse_layers, part_config, refuse_per_layer
+from .engine.hybrid import REST, HybridConfig, parse_layers, part_config, refuse_per_layer, rest_layers
 from .engine.install import applied_patch, install_patch, remove_patch
 from .engine.sink_cache import SinkCache, num_layers
 from .errors import PosEncError
@@ -48,7 +48,8 @@ def patch_model(model: nn.Module, method: str | PosEncConfig, layers: Any = None
 
     `layers` makes a hybrid (engine/hybrid.py): the method runs on those layers only ([1, 3], 'every:4',
     'first:N', 'last:N'), the others keep the model's own mechanism. On a model that is already a hybrid, a patch
-    on other layers is added to it (its parts and their trained weights are kept).
+    on other layers is added to it (its parts and their trained weights are kept); 'rest' names every layer that no
+    part runs yet.
     """
     if layers is not None:
         return _patch_layers(model, method, layers, options)
@@ -60,10 +61,15 @@ def patch_model(model: nn.Module, method: str | PosEncConfig, layers: Any = None
 def _patch_layers(model: nn.Module, method: str | PosEncConfig, layers: Any, options: dict[str, Any]) -> nn.Module:
     part = part_config(method, options)
     refuse_per_layer(part)
-    indices = parse_layers(layers, get_family(getattr(model, "config", None)).model_info(model).num_layers)
+    applied = applied_patch(model)
+    total = get_family(getattr(model, "config", None)).model_info(model).num_layers
+    if layers == REST:
+        hybrid = applied is not None and isinstance(applied.config, HybridConfig)
+        indices = rest_layers(applied.config.parts if hybrid else None, total)
+    else:
+        indices = parse_layers(layers, total)
     new_part = {"method": part.method, "options": {k: v for k, v in part.to_dict().items() if k != "method"},
                 "layers": indices}
-    applied = applied_patch(model)
     if applied is not None and isinstance(applied.config, HybridConfig):
         taken = {index: p["method"] for p in applied.config.parts for index in p["layers"]}
         overlap = sorted(set(indices) & set(taken))

@@ -288,6 +288,50 @@ def test_the_command_line_takes_layers_as_a_method_option():
         MethodRequest.parse("learned:layers=[1]").check()
 
 
+def test_rest_names_the_layers_no_part_runs_yet():
+    ids = random_ids(2, 11)
+    model = hf_posenc.patch_model(tiny_model("llama"), "alibi", layers=[0], trainable=True)
+    hf_posenc.patch_model(model, "fire", layers="rest")
+    assert hf_posenc.get_posenc_config(model).layer_methods(2) == ["alibi", "fire"]
+    explicit = hf_posenc.patch_model(tiny_model("llama"), "alibi", layers=[0], trainable=True)
+    hf_posenc.patch_model(explicit, "fire", layers=[1])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, explicit(ids).logits)
+    before = model_fingerprint(model)
+    with pytest.raises(hf_posenc.PosEncError, match="'rest' names no layer: every layer"):
+        hf_posenc.patch_model(model, "nope", layers="rest")
+    assert_same_fingerprint(before, model_fingerprint(model))
+    plain = tiny_model("llama")
+    before = model_fingerprint(plain)
+    with pytest.raises(hf_posenc.PosEncError, match="this model is not a hybrid: patch the first part"):
+        hf_posenc.patch_model(plain, "nope", layers="rest")
+    assert_same_fingerprint(before, model_fingerprint(plain))
+
+
+def test_the_command_line_joins_the_parts_of_a_hybrid_with_plus():
+    from hf_posenc.tools.runtime import MethodRequest, UsageError
+
+    request = MethodRequest.parse("kerple:layers=every:2+yarn:factor=2,layers=rest")
+    request.check()
+    assert [part.name for part in request.parts] == ["kerple", "yarn"]
+    assert request.settings()["parts"][1]["factor"] == 2 and request.settings()["parts"][1]["layers"] == "rest"
+    model = tiny_model("llama")
+    request.apply(model)
+    assert hf_posenc.get_posenc_config(model).layer_methods(2) == ["yarn", "kerple"]
+    request.remove(model)
+    assert hf_posenc.get_posenc_config(model) is None
+    with pytest.raises(UsageError, match="each part of a hybrid joined by '\\+' is a method with layers="):
+        MethodRequest.parse("kerple:layers=[1]+yarn:factor=2")
+    with pytest.raises(hf_posenc.PosEncError, match="input of the first layer"):
+        MethodRequest.parse("kerple:layers=[1]+learned:layers=rest").check()
+    model = tiny_model("llama")  # a part that fails on this model takes the earlier parts away with it
+    before = model_fingerprint(model)
+    with pytest.raises(hf_posenc.PosEncError, match="layers=7"):
+        MethodRequest.parse("kerple:layers=[1]+nope:layers=7").apply(model)
+    assert_same_fingerprint(before, model_fingerprint(model))
+    assert hf_posenc.get_posenc_config(model) is None
+
+
 # --- hybrids under torch.compile and on the flex path ---------------------------------------------------------------
 @pytest.mark.parametrize("name,model_type", [("alibi@1", "llama"), ("fire@0+rope@1", "llama"), ("alibi@1", "gpt2")])
 def test_a_compiled_hybrid_is_one_graph_with_the_eager_numbers(name, model_type):

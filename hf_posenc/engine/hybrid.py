@@ -33,7 +33,23 @@ from ..registry import config_for, get_method, register_method
 
 HYBRID = "hybrid"
 NATIVE = "native"  # what layer_methods says for a layer that keeps the model's own mechanism
-LAYER_PATTERNS = "a list of layer indices ([1, 3]), one index, 'every:K' (layers K-1, 2K-1, ...), 'first:N' or 'last:N'"
+LAYER_PATTERNS = ("a list of layer indices ([1, 3]), one index, 'every:K' (layers K-1, 2K-1, ...), 'first:N', "
+                  "'last:N', or 'rest' (every layer no part of the hybrid runs yet)")
+REST = "rest"
+
+
+def rest_layers(parts: list[dict] | None, num_layers: int) -> list[int]:
+    """The layers of `layers="rest"`: those no part of the hybrid (`parts`, None: not a hybrid) runs yet."""
+    if not parts:
+        raise PosEncError(f"layers={REST!r} names the layers that no part of a hybrid runs yet, and this model is not "
+                          "a hybrid: patch the first part with layers=[...] or a pattern ('every:2'), then the "
+                          f"other method with layers={REST!r}.")
+    taken = {index for part in parts for index in part["layers"]}
+    rest = [index for index in range(num_layers) if index not in taken]
+    if not rest:
+        raise PosEncError(f"layers={REST!r} names no layer: every layer of this hybrid already runs a part. Call "
+                          "hf_posenc.unpatch_model(model) first to start again.")
+    return rest
 
 
 def parse_layers(spec: Any, num_layers: int) -> list[int]:

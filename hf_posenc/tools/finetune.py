@@ -189,7 +189,10 @@ def check_args(args: argparse.Namespace) -> MethodRequest | None:
     if not args.method or args.method.lower() == UNPATCHED:
         return None
     asked = MethodRequest.parse(args.method)
-    request = MethodRequest(asked.name, {**asked.options, **extra_options})
+    if asked.parts and extra_options:
+        raise UsageError(f"--method-option with a hybrid of several methods ({args.method}): write each option in "
+                         "its part of --method (e.g. 'kerple:layers=every:2+yarn:factor=2,layers=rest')")
+    request = asked if asked.parts else MethodRequest(asked.name, {**asked.options, **extra_options})
     request.check()
     return request
 

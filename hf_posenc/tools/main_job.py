@@ -94,6 +94,9 @@ def apply_defaults(args: argparse.Namespace) -> argparse.Namespace:
     args.max_windows = args.max_windows or 1
     if args.method_option:  # one --swap string, as finetune and eval-ppl take it
         swap = MethodRequest.parse(args.swap)
+        if swap.parts:
+            raise UsageError(f"--method-option with a hybrid of several methods ({args.swap}): write each option in "
+                             "its part of --swap")
         args.swap = MethodRequest(swap.name, {**swap.options, **parse_options(args.method_option)}).label
         args.method_option = None
     return args

@@ -169,11 +169,14 @@ def parse_options(items: list[str] | None) -> dict[str, Any]:
 
 @dataclass
 class MethodRequest:
-    """A positional method asked for on the command line, with its options; ``none`` = the model as loaded."""
+    """A positional method asked for on the command line, with its options; ``none`` = the model as loaded. Parts
+    joined by ``+`` make a hybrid of several methods, each with its ``layers=`` (engine/hybrid.py):
+    ``kerple:layers=every:2+yarn:factor=2,layers=rest``."""
 
     name: str
     options: dict[str, Any] = field(default_factory=dict)
     label: str = ""
+    parts: list["MethodRequest"] = field(default_factory=list)  # a hybrid's parts, in the order they are patched
 
     def __post_init__(self) -> None:
         self.label = self.label or self.name + (
@@ -181,7 +184,16 @@ class MethodRequest:
 
     @classmethod
     def parse(cls, text: str) -> "MethodRequest":
-        """'yarn:factor=4,beta_fast=32' (values as JSON; a list value may contain commas)."""
+        """'yarn:factor=4,beta_fast=32' (values as JSON; a list value may contain commas); parts of a hybrid joined
+        by '+', each with layers=."""
+        pieces = re.split(r"\+(?=\s*[A-Za-z][A-Za-z0-9_-]*\s*(?::|$))", text.strip())
+        if len(pieces) > 1:
+            parts = [cls.parse(piece) for piece in pieces]
+            for part in parts:
+                if part.layers is None or not part.patches:
+                    raise UsageError(f"{part.label!r} in {text.strip()!r}: each part of a hybrid joined by '+' is a "
+                                     "method with layers= (e.g. 'kerple:layers=every:2+yarn:factor=2,layers=rest')")
+            return cls("hybrid", label=text.strip(), parts=parts)
         name, _, rest = text.strip().partition(":")
         items = re.split(r",(?=\s*[A-Za-z_][A-Za-z0-9_]*\s*=)", rest) if rest.strip() else []
         return cls(name.strip().lower(), parse_options(items), label=text.strip())
@@ -201,6 +213,8 @@ class MethodRequest:
 
     def settings(self) -> dict[str, Any]:
         """Every option of the method (defaults included) and its layers, as JSON-able data."""
+        if self.parts:
+            return {"method": self.name, "parts": [part.settings() for part in self.parts]}
         return {**self.config().to_dict(), **({"layers": self.layers} if self.layers is not None else {})}
 
     def check(self) -> None:
@@ -209,10 +223,12 @@ class MethodRequest:
             if self.options:
                 raise UsageError(f"method '{UNPATCHED}' takes no options, got {self.options}")
             return
-        self.config()
+        for part in self.parts or [self]:
+            part.config()
 
     def config(self):
-        """The method's validated config (refusing unknown methods and options); only for a method that patches."""
+        """The method's validated config (refusing unknown methods and options); only for one method that patches
+        (parts joined by '+' are checked part by part: their hybrid's layers depend on the model)."""
         from hf_posenc import get_method
 
         config = get_method(self.name).config_class.from_options(**self.method_options)
@@ -224,18 +240,30 @@ class MethodRequest:
 
     def check_patchable(self, model) -> None:
         """Patch and unpatch once, so an unpatchable model fails before any long work (or output) starts."""
-        from hf_posenc import get_posenc_config, patch_model, unpatch_model
+        from hf_posenc import get_posenc_config, unpatch_model
 
         if not self.patches or get_posenc_config(model) is not None:
             return  # a loaded patched checkpoint: patch_model would replace its patch, which is the user's call
-        patch_model(model, self.name, layers=self.layers, **self.method_options)
-        unpatch_model(model)
+        try:
+            self.apply(model)
+        finally:
+            unpatch_model(model)
 
     def apply(self, model) -> None:
-        if self.patches:
-            from hf_posenc import patch_model
+        if not self.patches:
+            return
+        from hf_posenc import patch_model, unpatch_model
 
+        if not self.parts:
             patch_model(model, self.name, layers=self.layers, **self.method_options)
+            return
+        for index, part in enumerate(self.parts):
+            try:
+                patch_model(model, part.name, layers=part.layers, **part.method_options)
+            except Exception:
+                if index:  # the earlier parts are this request's own: remove them with the rest
+                    unpatch_model(model)
+                raise
 
     def remove(self, model) -> None:
         if self.patches:

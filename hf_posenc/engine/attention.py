@@ -21,6 +21,13 @@ Three ways to compute attention with a bias, never materialising a [B, H, L, L] 
 - "flash": flash-attn's `alibi_slopes`, for ALiBi with fixed slopes on CUDA in fp16/bf16 with flash-attn
   installed, no padding mask, and a cache holding exactly the keys seen (not a StaticCache).
 
+Methods that score each query block themselves (Self-Extend, ReRoPE, attention sinks: `_scored_blocks`) and content
+methods (`_content_blocks`) compute the block's logits in eager code where they must (attention weights to return,
+dropout, or a method with no kernel form); otherwise one SDPA call per block serves: on the method's near and far parts
+side by side (`block_parts`, `_near_far_attention`), or, for logits whose bias is a term per query minus one per key
+(FoX), with that bias as the block's mask and a backward that sends its gradient into the terms
+(separable_attention.py).
+
 `set_attention_path("auto" | "blocked" | "flex" | "flash")` (or the `attention_path(...)` context manager)
 chooses. "auto" takes flash where it applies, flex on CUDA where it applies, blocked otherwise: on CPU compiled
 flex costs seconds of compilation per shape, failed to compile for left-padded decoding, and once compiled ran
@@ -59,6 +66,7 @@ from .kernel_check import (PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, K
 from ..methods.base import AttentionBiasMethod, ContentBlock, ContentMethod, PositionalMethod, RotaryMethod
 from .content import layer_state
 from .state import STATE_ATTR, PositionState
+from .separable_attention import SeparableBiasAttention, separable_path_applies
 from .table_attention import TableBiasAttention
 
 ATTENTION_NAME = "hf_posenc"
@@ -438,6 +446,18 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
     dropout = dropout if module.training else 0.0
     outputs, weights, mixed = [], [], []
     step = block_rows(batch, heads, kv, method.block_cost, query.device)
+    terms = method.separable_terms(query_state, key_state) if not eager and dropout == 0.0 \
+        and separable_path_applies(query) else None
+    if terms is not None:  # the logits' bias is a term per query minus one per key: SDPA's kernel per block
+        last_paths["separable"] += 1
+
+        def block_mask(rows, columns):
+            return _content_mask(state, layer_idx, attention_mask, rows, columns, query_slots, key_slots,
+                                 query_positions, key_positions)
+
+        blocks = list(causal_blocks(query_slots, key_slots, block_rows(batch, heads, kv, device=query.device), False))
+        output = SeparableBiasAttention.apply(query, key, value, *terms, blocks, block_mask, scaling)
+        return method.finish_output(layer_idx, output, layer_input).transpose(1, 2).contiguous(), None
     for rows, columns in causal_blocks(query_slots, key_slots, step, eager):
         arguments = (state, layer_idx, scaling, query, key, value, attention_mask, rows, columns, query_slots,
                      key_slots, query_positions, key_positions, query_state, key_state, dropout, module.training)
@@ -460,6 +480,22 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
     return output.transpose(1, 2).contiguous(), attn_weights
 
 
+def _content_mask(state, layer_idx, attention_mask, rows, columns, query_slots, key_slots, query_positions,
+                  key_positions):
+    """(allowed bool [B or 1, 1, r, k], bias float32 [B or 1, H or 1, r, k] or None) of a content block: causality,
+    padding and the method's key mask; the native bias the method keeps and the additive part of a float mask."""
+    low = torch.finfo(torch.float32).min
+    allowed = key_slots[None, columns] <= query_slots[rows, None]
+    given = attention_mask[..., rows, columns] if attention_mask is not None else None
+    mask = _combine(state, allowed, None, given, query_positions[:, rows], key_positions[:, columns], torch.float32)
+    bias = state.method.native_bias(layer_idx, query_positions[:, rows], key_positions[:, columns])
+    if mask.dtype != torch.bool:  # an additive float mask: its very negative entries mask, the rest adds
+        allowed = mask > low / 2
+        given_bias = mask.masked_fill(~allowed, 0.0)
+        bias, mask = (given_bias if bias is None else bias + given_bias), allowed
+    return mask, bias
+
+
 def _content_block(state, layer_idx, scaling, query, key, value, attention_mask, rows, columns, query_slots, key_slots,
                    query_positions, key_positions, query_state, key_state, dropout, training):
     """Query rows `rows` against key columns `columns` in `_content_blocks`: (output [B, H, r, D], attention weights
@@ -467,14 +503,8 @@ def _content_block(state, layer_idx, scaling, query, key, value, attention_mask,
     float32, else None)."""
     method = state.method
     low = torch.finfo(torch.float32).min
-    allowed = key_slots[None, columns] <= query_slots[rows, None]
-    given = attention_mask[..., rows, columns] if attention_mask is not None else None
-    mask = _combine(state, allowed, None, given, query_positions[:, rows], key_positions[:, columns], torch.float32)
-    bias = method.native_bias(layer_idx, query_positions[:, rows], key_positions[:, columns])
-    if mask.dtype != torch.bool:  # an additive float mask: its very negative entries mask, the rest adds
-        allowed = mask > low / 2
-        given_bias = mask.masked_fill(~allowed, 0.0)
-        bias, mask = (given_bias if bias is None else bias + given_bias), allowed
+    mask, bias = _content_mask(state, layer_idx, attention_mask, rows, columns, query_slots, key_slots,
+                               query_positions, key_positions)
     block = ContentBlock(layer_idx, scaling, mask, bias, query_positions[:, rows], key_positions[:, columns],
                          query_state[:, :, rows] if query_state is not None else None,
                          key_state[:, :, columns] if key_state is not None else None, query_slots[rows],

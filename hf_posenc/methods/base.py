@@ -288,6 +288,14 @@ class ContentMethod(PositionalMethod):
         including `block.scaling` and `block.bias`; masked entries are overwritten by the attention path."""
         raise NotImplementedError
 
+    def separable_terms(self, query_state: torch.Tensor | None, key_state: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For methods whose logits (content_scores) are block.scaling * q_i . k_j + u_i - w_j + block.bias, with
+        u and w from the carried state: (u [B, H, q], w [B, H, kv]), float32, for the queries' state [B, S, q, ...]
+        and the keys' [B, S, kv, ...]; the attention path then runs SDPA's kernel per block
+        (engine/separable_attention.py) instead of content_scores. None (the default): content_scores serves."""
+        return None
+
     def content_weights(self, query: torch.Tensor, key: torch.Tensor, block: ContentBlock) -> torch.Tensor:
         """For `replaces_softmax` methods: query [B, H, r, D], key [B, H, k, D] -> float32 attention weights
         [B, H, r, k] (zero where `block.allowed` is False), which the attention path applies to the values."""

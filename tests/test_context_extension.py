@@ -274,11 +274,14 @@ def test_sinks_unpatch_removes_the_bounded_cache_from_generate():
 
 
 @pytest.mark.parametrize("method,options", CASES)
-def test_sdpa_on_near_and_far_parts_equals_the_scored_path(method, options, monkeypatch):
-    """Without attention weights to return, each query block is one SDPA call on the method's near and far parts
-    (block_parts; both assignments side by side along the head dimension): its logits and the model's gradients equal
-    those of block_scores with an eager softmax, in float64, over several blocks, for a left-padded batch and a chunk
-    after a cache."""
+@pytest.mark.parametrize("two_calls", [True, False])
+def test_sdpa_on_near_and_far_parts_equals_the_scored_path(method, options, two_calls, monkeypatch):
+    """Without attention weights to return, each query block is SDPA on the method's near and far parts (block_parts):
+    on CPU two kernel calls merged by logsumexp (TwoPartAttention), elsewhere one call with both assignments side by
+    side along the head dimension. Either way its logits and the model's gradients equal those of block_scores with an
+    eager softmax, in float64, over several blocks, for a left-padded batch and a chunk after a cache."""
+    if not two_calls:
+        monkeypatch.setattr(attention_module, "separable_path_applies", lambda query: False)
     model = hf_posenc.patch_model(tiny_model("llama"), method, **options).double()
     padded, mask = left_pad([random_ids(1, 30, seed=3)[0], random_ids(1, 19, seed=4)[0]])
     ids = random_ids(2, 30)

@@ -66,7 +66,7 @@ from .kernel_check import (PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, K
 from ..methods.base import AttentionBiasMethod, ContentBlock, ContentMethod, PositionalMethod, RotaryMethod
 from .content import layer_state
 from .state import STATE_ATTR, PositionState
-from .separable_attention import SeparableBiasAttention, separable_path_applies
+from .separable_attention import SeparableBiasAttention, TwoPartAttention, separable_path_applies
 from .table_attention import TableBiasAttention
 
 ATTENTION_NAME = "hf_posenc"
@@ -405,7 +405,9 @@ def _near_far_attention(allowed, near, near_pair, far_pair, value, scaling):
     """One block of a `block_parts` method with SDPA: softmax over the allowed keys of q_n . k_n where `near`, else
     q_f . k_f. With a far part, the two assignments are one SDPA call over the keys twice, [near ones; far ones], with
     the queries [q_n, q_f] and the keys [k_n, 0] and [0, k_f] along the head dimension, so that each copy scores with
-    its own query; only the key columns where some row uses that copy are kept."""
+    its own query; only the key columns where some row uses that copy are kept. On CPU (float32/64) the two parts are
+    two kernel calls merged by their logsumexp instead (separable_attention.TwoPartAttention): no copy of the keys,
+    and the head dimension stays D."""
     near_query, near_key = near_pair
     near_allowed = allowed & near
     far_allowed = allowed & ~near if far_pair is not None else None
@@ -416,6 +418,11 @@ def _near_far_attention(allowed, near, near_pair, far_pair, value, scaling):
     near_used = near_allowed.flatten(0, -2).any(0)
     near_columns = slice(int(near_used.int().argmax()) if bool(near_used.any()) else near_used.shape[0], None)
     far_columns = slice(0, int(far_used.nonzero().max()) + 1)
+    if separable_path_applies(near_query):  # the CPU kernel on each part, merged by logsumexp
+        return TwoPartAttention.apply(
+            near_query, near_key[:, :, near_columns], far_query, far_key[:, :, far_columns],
+            value[:, :, near_columns], value[:, :, far_columns],
+            lambda: (near_allowed[..., near_columns], far_allowed[..., far_columns]), scaling)
     near_key, far_key = near_key[:, :, near_columns], far_key[:, :, far_columns]
     keys = torch.cat((torch.cat((near_key, torch.zeros_like(near_key)), -1),
                       torch.cat((torch.zeros_like(far_key), far_key), -1)), dim=2)

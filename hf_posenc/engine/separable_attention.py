@@ -100,3 +100,45 @@ class SeparableBiasAttention(torch.autograd.Function):
         grad_key_term = (grad_key[..., -1] / -scaling).to(key_term.dtype)  # -colsum(dS): w enters with a minus
         return (grad_query, grad_key[..., :-1].contiguous(), grad_value, torch.zeros_like(query_term), grad_key_term,
                 None, None, None)
+
+
+def _float_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed,
+                                                                                       torch.finfo(dtype).min)
+
+
+class TwoPartAttention(torch.autograd.Function):
+    """One softmax over two sets of keys, each scored with its own queries (Self-Extend / ReRoPE's near and far
+    assignments, attention.py `_near_far_attention`): the CPU flash kernel on each part gives its output and
+    logsumexp, merged as out = sum_p exp(lse_p - lse) out_p with lse = logaddexp(lse_near, lse_far). The backward is
+    the kernel's backward on each part with the merged output and logsumexp, which is exactly the merged softmax's
+    gradient restricted to that part's keys. Unlike one call on both parts side by side, the head dimension stays D.
+    masks() -> (near allowed, far allowed), bool [B or 1, 1, r, k_part], rebuilt in the backward (never kept)."""
+
+    @staticmethod
+    def forward(ctx, near_query, near_key, far_query, far_key, near_value, far_value, masks: Callable,
+                scaling: float):
+        near_allowed, far_allowed = masks()
+        dtype = near_query.dtype
+        near_out, near_lse = FLASH(near_query, near_key, near_value, attn_mask=_float_mask(near_allowed, dtype),
+                                   scale=scaling)
+        far_out, far_lse = FLASH(far_query, far_key, far_value, attn_mask=_float_mask(far_allowed, dtype),
+                                 scale=scaling)
+        lse = torch.logaddexp(near_lse, far_lse)
+        output = near_out * (near_lse - lse).exp()[..., None] + far_out * (far_lse - lse).exp()[..., None]
+        ctx.save_for_backward(near_query, near_key, far_query, far_key, near_value, far_value, output, lse)
+        ctx.masks, ctx.scaling = masks, scaling
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        near_query, near_key, far_query, far_key, near_value, far_value, output, lse = ctx.saved_tensors
+        grad_output = grad_output.to(output.dtype).contiguous()
+        grads = []
+        for (query, key, value), allowed in zip(((near_query, near_key, near_value), (far_query, far_key, far_value)),
+                                                ctx.masks()):
+            grads.append(FLASH_BACKWARD(grad_output, query, key, value, output, lse, 0.0, False,
+                                        attn_mask=_float_mask(allowed, query.dtype), scale=ctx.scaling))
+        (near_grad_query, near_grad_key, near_grad_value), (far_grad_query, far_grad_key, far_grad_value) = grads
+        return (near_grad_query, near_grad_key, far_grad_query, far_grad_key, near_grad_value, far_grad_value, None,
+                None)

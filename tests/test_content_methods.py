@@ -454,3 +454,41 @@ def test_fox_token_shift_refuses_a_cache_that_dropped_a_predecessor():
     cache = DynamicCache(config=model.config)
     with torch.no_grad(), pytest.raises(hf_posenc.PosEncError, match="predecessor"):
         decode_token_by_token(model, ids, cache)
+
+
+@pytest.mark.parametrize("options", [{}, {"base": "native", "qk_norm": True, "output_gate": True, "key_shift": True}])
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_fox_kernel_path_equals_the_generic_path_in_float64(options, model_type, monkeypatch):
+    """FoX's logits' bias c_i - c_j is a term per query minus one per key (separable_terms): SDPA's kernel per block
+    with a custom backward (engine/separable_attention.py). Its logits and the gradients of every parameter equal the
+    generic path's (content_scores, eager softmax) over several blocks, a left-padded batch and a chunk after a cache,
+    in a float64 model, to the generic path's float32 logits' precision."""
+    from hf_posenc.engine import attention as engine
+
+    model = hf_posenc.patch_model(tiny_model(model_type), "fox", **options).double()
+    module = hf_posenc.get_positional_module(model)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.add_(0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(6)))
+    padded, mask = left_pad([random_ids(1, 20, seed=3)[0], random_ids(1, 13, seed=4)[0]])
+    ids = random_ids(2, 20)
+    monkeypatch.setattr(engine, "BLOCK_BYTES", 4 * 2 * 4 * 20 * 6)  # blocks of 6 rows
+
+    def run():
+        model.zero_grad()
+        padded_logits = model(padded, attention_mask=mask).logits[mask.bool()]
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :7], past_key_values=cache, use_cache=True)
+        chunk = model(ids[:, 7:], past_key_values=cache, use_cache=True).logits
+        (padded_logits.sin().sum() + chunk.cos().sum()).backward()
+        return [padded_logits, chunk] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    engine.last_paths.clear()
+    fast = run()
+    assert engine.last_paths["separable"] > 0
+    monkeypatch.setattr(type(module), "separable_terms", lambda self, query_state, key_state: None)
+    engine.last_paths.clear()
+    generic = run()
+    assert engine.last_paths["separable"] == 0 and len(fast) == len(generic) > 2
+    for a, b in zip(fast, generic):
+        assert max_diff(a, b) <= 1e-5 * max(1.0, b.abs().max())

@@ -271,3 +271,37 @@ def test_sinks_unpatch_removes_the_bounded_cache_from_generate():
         out = model.generate(random_ids(1, 4), max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
                              pad_token_id=0)
     assert type(out.past_key_values) is DynamicCache
+
+
+@pytest.mark.parametrize("method,options", CASES)
+@pytest.mark.parametrize("two_calls", [True, False])
+def test_sdpa_on_near_and_far_parts_equals_the_scored_path(method, options, two_calls, monkeypatch):
+    """Without attention weights to return, each query block is SDPA on the method's near and far parts (block_parts):
+    on CPU two kernel calls merged by logsumexp (TwoPartAttention), elsewhere one call with both assignments side by
+    side along the head dimension. Either way its logits and the model's gradients equal those of block_scores with an
+    eager softmax, in float64, over several blocks, for a left-padded batch and a chunk after a cache."""
+    if not two_calls:
+        monkeypatch.setattr(attention_module, "separable_path_applies", lambda query: False)
+    model = hf_posenc.patch_model(tiny_model("llama"), method, **options).double()
+    padded, mask = left_pad([random_ids(1, 30, seed=3)[0], random_ids(1, 19, seed=4)[0]])
+    ids = random_ids(2, 30)
+    monkeypatch.setattr(attention_module, "BLOCK_BYTES", 4 * 2 * 30 * 7)  # blocks of 7 rows, 3 (eager) or so
+
+    def run():
+        model.zero_grad()
+        padded_logits = model(padded, attention_mask=mask).logits[mask.bool()]
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :11], past_key_values=cache, use_cache=True)
+        chunk = model(ids[:, 11:], past_key_values=cache, use_cache=True).logits
+        (padded_logits.sin().sum() + chunk.cos().sum()).backward()
+        return [padded_logits, chunk] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    attention_module.last_paths.clear()
+    parts = run()
+    assert attention_module.last_paths["scored parts"] > 0
+    monkeypatch.setattr(type(hf_posenc.get_positional_module(model)), "block_parts", lambda self, *args: None)
+    attention_module.last_paths.clear()
+    scored = run()
+    assert attention_module.last_paths["scored parts"] == 0 and len(parts) == len(scored) > 2
+    for a, b in zip(parts, scored):
+        assert max_diff(a, b) <= 1e-5 * max(1.0, b.abs().max())  # block_scores are float32

@@ -499,3 +499,37 @@ def test_tape_refuses_native_base_on_rope_models():
         hf_posenc.patch_model(tiny_model("llama"), "tape", base="native")
     model = hf_posenc.patch_model(tiny_model("gpt2"), "tape", base="native")  # learned positions kept underneath
     assert model(random_ids(1, 6)).logits.isfinite().all()
+
+
+@pytest.mark.parametrize("positions", [[[0, 1, 5, 17, 100, 63, 2]],  # a table of every product (dense positions)
+                                       [[3, -1, 0, 2], [-5, 4, 1, 0]],  # and of the negative ones (padding)
+                                       [[300, 7]]])  # a product per position (few positions far apart)
+def test_power_products_equal_matrix_exp_in_float64(positions):
+    """exp(p A) for integer positions as products of exp(2^k A) over the bits of |p|: the values and the generator's
+    gradient of matrix_exp per position, in float64, dense or block-diagonal, shared or per head."""
+    from hf_posenc.methods.block_rotation import power_products
+
+    torch.manual_seed(9)
+    positions = torch.tensor(positions)
+    for shape in [(1, 8, 8), (2, 3, 4, 4)]:
+        upper = torch.randn(shape, dtype=torch.float64).triu(1) * 0.2
+        generators = (upper - upper.transpose(-1, -2)).requires_grad_()  # skew: rotations, as the methods' are
+        exact = torch.linalg.matrix_exp(positions[(...,) + (None,) * len(shape)].double() * generators)
+        products = power_products(generators, positions)
+        assert products.shape == exact.shape and max_diff(products, exact) <= 1e-12
+        grad = torch.randn_like(exact)
+        (expected,) = torch.autograd.grad(exact, generators, grad)
+        (got,) = torch.autograd.grad(products, generators, grad)
+        assert max_diff(got, expected) <= 1e-10 * expected.abs().max()
+
+
+def test_power_table_and_bit_products_give_the_same_numbers():
+    """The table (a full forward) and the product per position (decoding) multiply the same factors in the same
+    order: a decoding step's rotation is the full forward's, bit for bit, in float32."""
+    from hf_posenc.methods.block_rotation import bit_products, power_table
+
+    upper = torch.randn(2, 8, 8).triu(1) * 0.3
+    generators = upper - upper.transpose(-1, -2)
+    factors = torch.linalg.matrix_exp(2.0 ** torch.arange(10)[:, None, None, None] * generators)
+    distance = torch.arange(1000)[None]
+    assert torch.equal(bit_products(factors, distance)[0], power_table(factors, 1000))

@@ -21,6 +21,13 @@ Three ways to compute attention with a bias, never materialising a [B, H, L, L] 
 - "flash": flash-attn's `alibi_slopes`, for ALiBi with fixed slopes on CUDA in fp16/bf16 with flash-attn
   installed, no padding mask, and a cache holding exactly the keys seen (not a StaticCache).
 
+Methods that score each query block themselves (Self-Extend, ReRoPE, attention sinks: `_scored_blocks`) and content
+methods (`_content_blocks`) compute the block's logits in eager code where they must (attention weights to return,
+dropout, or a method with no kernel form); otherwise one SDPA call per block serves: on the method's near and far parts
+side by side (`block_parts`, `_near_far_attention`), or, for logits whose bias is a term per query minus one per key
+(FoX), with that bias as the block's mask and a backward that sends its gradient into the terms
+(separable_attention.py).
+
 `set_attention_path("auto" | "blocked" | "flex" | "flash")` (or the `attention_path(...)` context manager)
 chooses. "auto" takes flash where it applies, flex on CUDA where it applies, blocked otherwise: on CPU compiled
 flex costs seconds of compilation per shape, failed to compile for left-padded decoding, and once compiled ran
@@ -59,6 +66,7 @@ from .kernel_check import (PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, K
 from ..methods.base import AttentionBiasMethod, ContentBlock, ContentMethod, PositionalMethod, RotaryMethod
 from .content import layer_state
 from .state import STATE_ATTR, PositionState
+from .separable_attention import SeparableBiasAttention, TwoPartAttention, separable_path_applies
 from .table_attention import TableBiasAttention
 
 ATTENTION_NAME = "hf_posenc"
@@ -357,6 +365,25 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
     low = torch.finfo(torch.float32).min
     keys = state.method.block_keys(key, key_positions)
     outputs, weights = [], []
+    if not eager and dropout == 0.0:
+        # SDPA per block on the method's near and far parts (block_parts); its mask is [B or 1, 1, r, <= 2k]
+        step = block_rows(batch, 1, 2 * kv, device=query.device)
+        for rows, columns in causal_blocks(query_slots, key_slots, step, False):
+            allowed = key_slots[None, columns] <= query_slots[rows, None]
+            given = attention_mask[..., rows, columns] if attention_mask is not None else None
+            mask = _combine(state, allowed, None, given, query_positions[:, rows], key_positions[:, columns],
+                            torch.float32)
+            parts = state.method.block_parts(query[:, :, rows], tuple(part[:, :, columns] for part in keys),
+                                             query_positions[:, rows], key_positions[:, columns]) \
+                if mask.dtype == torch.bool else None
+            if parts is None:
+                break
+            outputs.append(_near_far_attention(mask, *parts, value[:, :, columns], scaling))
+        else:
+            last_paths["scored parts"] += 1
+            output = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
+            return output.transpose(1, 2).contiguous(), None
+        outputs = []
     step = block_rows(batch, heads, kv, state.method.block_cost, query.device)
     for rows, columns in causal_blocks(query_slots, key_slots, step, eager):
         scores = state.method.block_scores(query[:, :, rows], tuple(part[:, :, columns] for part in keys),
@@ -372,6 +399,37 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
             weights.append(probs)
     output = torch.cat(outputs, dim=2)
     return output.transpose(1, 2).contiguous(), torch.cat(weights, dim=2) if eager else None
+
+
+def _near_far_attention(allowed, near, near_pair, far_pair, value, scaling):
+    """One block of a `block_parts` method with SDPA: softmax over the allowed keys of q_n . k_n where `near`, else
+    q_f . k_f. With a far part, the two assignments are one SDPA call over the keys twice, [near ones; far ones], with
+    the queries [q_n, q_f] and the keys [k_n, 0] and [0, k_f] along the head dimension, so that each copy scores with
+    its own query; only the key columns where some row uses that copy are kept. On CPU (float32/64) the two parts are
+    two kernel calls merged by their logsumexp instead (separable_attention.TwoPartAttention): no copy of the keys,
+    and the head dimension stays D."""
+    near_query, near_key = near_pair
+    near_allowed = allowed & near
+    far_allowed = allowed & ~near if far_pair is not None else None
+    far_used = far_allowed.flatten(0, -2).any(0) if far_allowed is not None else None  # [k]
+    if far_used is None or not bool(far_used.any()):
+        return F.scaled_dot_product_attention(near_query, near_key, value, attn_mask=near_allowed, scale=scaling)
+    far_query, far_key = far_pair
+    near_used = near_allowed.flatten(0, -2).any(0)
+    near_columns = slice(int(near_used.int().argmax()) if bool(near_used.any()) else near_used.shape[0], None)
+    far_columns = slice(0, int(far_used.nonzero().max()) + 1)
+    if separable_path_applies(near_query):  # the CPU kernel on each part, merged by logsumexp
+        return TwoPartAttention.apply(
+            near_query, near_key[:, :, near_columns], far_query, far_key[:, :, far_columns],
+            value[:, :, near_columns], value[:, :, far_columns],
+            lambda: (near_allowed[..., near_columns], far_allowed[..., far_columns]), scaling)
+    near_key, far_key = near_key[:, :, near_columns], far_key[:, :, far_columns]
+    keys = torch.cat((torch.cat((near_key, torch.zeros_like(near_key)), -1),
+                      torch.cat((torch.zeros_like(far_key), far_key), -1)), dim=2)
+    values = torch.cat((value[:, :, near_columns], value[:, :, far_columns]), dim=2)
+    mask = torch.cat((near_allowed[..., near_columns], far_allowed[..., far_columns]), dim=-1)
+    return F.scaled_dot_product_attention(torch.cat((near_query, far_query), -1), keys, values, attn_mask=mask,
+                                          scale=scaling)
 
 
 def _content_blocks(module, state, query, key, value, attention_mask, scaling, dropout, query_slots, key_slots,
@@ -395,6 +453,18 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
     dropout = dropout if module.training else 0.0
     outputs, weights, mixed = [], [], []
     step = block_rows(batch, heads, kv, method.block_cost, query.device)
+    terms = method.separable_terms(query_state, key_state) if not eager and dropout == 0.0 \
+        and separable_path_applies(query) else None
+    if terms is not None:  # the logits' bias is a term per query minus one per key: SDPA's kernel per block
+        last_paths["separable"] += 1
+
+        def block_mask(rows, columns):
+            return _content_mask(state, layer_idx, attention_mask, rows, columns, query_slots, key_slots,
+                                 query_positions, key_positions)
+
+        blocks = list(causal_blocks(query_slots, key_slots, block_rows(batch, heads, kv, device=query.device), False))
+        output = SeparableBiasAttention.apply(query, key, value, *terms, blocks, block_mask, scaling)
+        return method.finish_output(layer_idx, output, layer_input).transpose(1, 2).contiguous(), None
     for rows, columns in causal_blocks(query_slots, key_slots, step, eager):
         arguments = (state, layer_idx, scaling, query, key, value, attention_mask, rows, columns, query_slots,
                      key_slots, query_positions, key_positions, query_state, key_state, dropout, module.training)
@@ -417,6 +487,22 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
     return output.transpose(1, 2).contiguous(), attn_weights
 
 
+def _content_mask(state, layer_idx, attention_mask, rows, columns, query_slots, key_slots, query_positions,
+                  key_positions):
+    """(allowed bool [B or 1, 1, r, k], bias float32 [B or 1, H or 1, r, k] or None) of a content block: causality,
+    padding and the method's key mask; the native bias the method keeps and the additive part of a float mask."""
+    low = torch.finfo(torch.float32).min
+    allowed = key_slots[None, columns] <= query_slots[rows, None]
+    given = attention_mask[..., rows, columns] if attention_mask is not None else None
+    mask = _combine(state, allowed, None, given, query_positions[:, rows], key_positions[:, columns], torch.float32)
+    bias = state.method.native_bias(layer_idx, query_positions[:, rows], key_positions[:, columns])
+    if mask.dtype != torch.bool:  # an additive float mask: its very negative entries mask, the rest adds
+        allowed = mask > low / 2
+        given_bias = mask.masked_fill(~allowed, 0.0)
+        bias, mask = (given_bias if bias is None else bias + given_bias), allowed
+    return mask, bias
+
+
 def _content_block(state, layer_idx, scaling, query, key, value, attention_mask, rows, columns, query_slots, key_slots,
                    query_positions, key_positions, query_state, key_state, dropout, training):
     """Query rows `rows` against key columns `columns` in `_content_blocks`: (output [B, H, r, D], attention weights
@@ -424,14 +510,8 @@ def _content_block(state, layer_idx, scaling, query, key, value, attention_mask,
     float32, else None)."""
     method = state.method
     low = torch.finfo(torch.float32).min
-    allowed = key_slots[None, columns] <= query_slots[rows, None]
-    given = attention_mask[..., rows, columns] if attention_mask is not None else None
-    mask = _combine(state, allowed, None, given, query_positions[:, rows], key_positions[:, columns], torch.float32)
-    bias = method.native_bias(layer_idx, query_positions[:, rows], key_positions[:, columns])
-    if mask.dtype != torch.bool:  # an additive float mask: its very negative entries mask, the rest adds
-        allowed = mask > low / 2
-        given_bias = mask.masked_fill(~allowed, 0.0)
-        bias, mask = (given_bias if bias is None else bias + given_bias), allowed
+    mask, bias = _content_mask(state, layer_idx, attention_mask, rows, columns, query_slots, key_slots,
+                               query_positions, key_positions)
     block = ContentBlock(layer_idx, scaling, mask, bias, query_positions[:, rows], key_positions[:, columns],
                          query_state[:, :, rows] if query_state is not None else None,
                          key_state[:, :, columns] if key_state is not None else None, query_slots[rows],

@@ -201,6 +201,14 @@ class RotaryMethod(PositionalMethod):
         and any mask."""
         raise NotImplementedError
 
+    def block_parts(self, query: torch.Tensor, keys: tuple[torch.Tensor, ...], query_positions: torch.Tensor,
+                    key_positions: torch.Tensor):
+        """For `scores_per_query_block` methods whose block_scores are where(near, q_n . k_n, q_f . k_f): the same
+        arguments -> (near mask bool [B or 1, 1, r, k], (q_n [B, H, r, D], k_n [B, H, k, D]), (q_f, k_f)), the far
+        pair None where no entry is far; the attention path then runs SDPA on them (one call per block) instead of
+        block_scores and an eager softmax. None (the default): block_scores serves."""
+        return None
+
 
 @dataclass
 class ContentBlock:
@@ -279,6 +287,14 @@ class ContentMethod(PositionalMethod):
         """query [B, H, r, D], key [B, H, k, D] (heads matched) -> float32 logits [B, H, r, k] for the softmax,
         including `block.scaling` and `block.bias`; masked entries are overwritten by the attention path."""
         raise NotImplementedError
+
+    def separable_terms(self, query_state: torch.Tensor | None, key_state: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For methods whose logits (content_scores) are block.scaling * q_i . k_j + u_i - w_j + block.bias, with
+        u and w from the carried state: (u [B, H, q], w [B, H, kv]), float32, for the queries' state [B, S, q, ...]
+        and the keys' [B, S, kv, ...]; the attention path then runs SDPA's kernel per block
+        (engine/separable_attention.py) instead of content_scores. None (the default): content_scores serves."""
+        return None
 
     def content_weights(self, query: torch.Tensor, key: torch.Tensor, block: ContentBlock) -> torch.Tensor:
         """For `replaces_softmax` methods: query [B, H, r, D], key [B, H, k, D] -> float32 attention weights

@@ -197,6 +197,12 @@ class ForgettingAttention(ContentAttention):
         scores = scores + (block.query_state[:, :heads, :, None] - block.key_state[:, :heads, None, :])
         return scores if block.bias is None else scores + block.bias
 
+    def separable_terms(self, query_state, key_state):
+        """D_ij = c_i - c_j (content_scores without the q . k part)."""
+        if query_state is None or key_state is None:
+            return None
+        return query_state[:, :self.num_heads], key_state[:, :self.num_heads]
+
     def finish_output(self, layer_idx, output, layer_input):
         if self.config.output_norm:
             output = rms_norm(output, self.output_norm_weight[layer_idx][None, :, None, :])

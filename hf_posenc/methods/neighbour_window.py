@@ -89,6 +89,17 @@ class NeighbourWindowRope(RotaryMethod):
         # Once per layer call: rotating every key again for each query block cost far more than the scores.
         return self.rotated(key, key_positions), self.rotated(key, self.far_key_positions(key_positions))
 
+    def near_keys(self, query_positions, key_positions) -> torch.Tensor:
+        """bool [B or 1, 1, r, k]: the keys within the window of each query (their ordinary positions)."""
+        return (query_positions[:, None, :, None] - key_positions[:, None, None, :]) < self.window
+
+    def block_parts(self, query, keys, query_positions, key_positions):
+        near_key, far_key = keys
+        query = self.scaled_queries(query, query_positions)
+        near = self.near_keys(query_positions, key_positions)
+        far = None if bool(near.all()) else (self.rotated(query, self.far_query_positions(query_positions)), far_key)
+        return near, (self.rotated(query, query_positions), near_key), far
+
     def block_scores(self, query, keys, query_positions, key_positions):
         near_key, far_key = keys
         query = self.scaled_queries(query, query_positions)

@@ -68,8 +68,9 @@ def test_standalone_code_is_the_library_code_with_a_versioned_header(contract_ch
     # since it follows PEFT's copy of the method (modules_to_save) and reports missing positional weights, 3,699 with
     # the learned tables' backward, hybrid patches and the sink cache, which engine/state.py and install.py import, and
     # 4,053 with the content-dependent kind (engine/content.py) that families/base.py installs, 4,266 with the
-    # learned tables' key-tiled backward (engine/table_attention.py) and the cache-name module
-    assert sum(len(p.read_text().splitlines()) for p in directory.glob("*.py")) < 4400
+    # learned tables' key-tiled backward (engine/table_attention.py) and the cache-name module, 4,517 with the fused
+    # per-block paths of Self-Extend / ReRoPE / sinks and FoX (engine/separable_attention.py)
+    assert sum(len(p.read_text().splitlines()) for p in directory.glob("*.py")) < 4700
 
 
 def test_export_command_writes_what_save_pretrained_standalone_writes(contract_checkpoints, tmp_path):

@@ -209,3 +209,17 @@ def load_without_hf_posenc(directories: list[Path], workdir: Path, hidden: tuple
     results = json.loads(result.stdout.strip().splitlines()[-1])
     assert results.pop("hf_posenc importable") is False
     return results
+
+
+def padded_and_cached_outputs_and_gradients(model, padded, mask, ids, split: int) -> list:
+    """A left-padded forward and a cached forward of `ids` in two chunks (at `split`), backpropagated together:
+    [padded logits, second chunk's logits, every parameter's gradient], to compare two attention paths."""
+    from transformers import DynamicCache
+
+    model.zero_grad()
+    padded_logits = model(padded, attention_mask=mask).logits[mask.bool()]
+    cache = DynamicCache(config=model.config)
+    model(ids[:, :split], past_key_values=cache, use_cache=True)
+    chunk = model(ids[:, split:], past_key_values=cache, use_cache=True).logits
+    (padded_logits.sin().sum() + chunk.cos().sum()).backward()
+    return [padded_logits, chunk] + [p.grad.clone() for p in model.parameters() if p.grad is not None]

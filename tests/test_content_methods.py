@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache, StaticCache
 
 import hf_posenc
-from helpers import TOL, decode_token_by_token, left_pad, max_diff, positions_from_mask
+from helpers import (TOL, decode_token_by_token, left_pad, max_diff, padded_and_cached_outputs_and_gradients,
+                     positions_from_mask)
 from tiny_models import FAMILIES, random_ids, tiny_model
 
 
@@ -475,13 +476,7 @@ def test_fox_kernel_path_equals_the_generic_path_in_float64(options, model_type,
     monkeypatch.setattr(engine, "BLOCK_BYTES", 4 * 2 * 4 * 20 * 6)  # blocks of 6 rows
 
     def run():
-        model.zero_grad()
-        padded_logits = model(padded, attention_mask=mask).logits[mask.bool()]
-        cache = DynamicCache(config=model.config)
-        model(ids[:, :7], past_key_values=cache, use_cache=True)
-        chunk = model(ids[:, 7:], past_key_values=cache, use_cache=True).logits
-        (padded_logits.sin().sum() + chunk.cos().sum()).backward()
-        return [padded_logits, chunk] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        return padded_and_cached_outputs_and_gradients(model, padded, mask, ids, 7)
 
     engine.last_paths.clear()
     fast = run()

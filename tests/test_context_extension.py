@@ -15,7 +15,8 @@ import hf_posenc
 from hf_posenc.engine import attention as attention_module
 from hf_posenc.engine.state import STATE_ATTR
 from hf_posenc import PosEncError
-from helpers import decode_token_by_token, left_pad, max_diff, patch_for_contract
+from helpers import (decode_token_by_token, left_pad, max_diff, padded_and_cached_outputs_and_gradients,
+                     patch_for_contract)
 from tiny_models import random_ids, tiny_model
 
 THETA = 10000.0
@@ -288,13 +289,7 @@ def test_sdpa_on_near_and_far_parts_equals_the_scored_path(method, options, two_
     monkeypatch.setattr(attention_module, "BLOCK_BYTES", 4 * 2 * 30 * 7)  # blocks of 7 rows, 3 (eager) or so
 
     def run():
-        model.zero_grad()
-        padded_logits = model(padded, attention_mask=mask).logits[mask.bool()]
-        cache = DynamicCache(config=model.config)
-        model(ids[:, :11], past_key_values=cache, use_cache=True)
-        chunk = model(ids[:, 11:], past_key_values=cache, use_cache=True).logits
-        (padded_logits.sin().sum() + chunk.cos().sum()).backward()
-        return [padded_logits, chunk] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        return padded_and_cached_outputs_and_gradients(model, padded, mask, ids, 11)
 
     attention_module.last_paths.clear()
     parts = run()

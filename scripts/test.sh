@@ -11,7 +11,8 @@ if [ $# -gt 0 ]; then
   exec .venv/bin/python -m pytest -q -n auto "$@"
 fi
 status=0
-.venv/bin/python -m pytest -q -n auto || status=$?
+# --durations: the slowest tests, so that a CI run that creeps toward its 30-minute limit shows where the time went.
+.venv/bin/python -m pytest -q -n auto --durations=40 || status=$?
 if [ -f ../shared/transformers-tests/run.sh ]; then
   bash scripts/transformers_tests.sh || status=$((status ? status : 1))
 else

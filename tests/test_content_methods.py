@@ -487,3 +487,107 @@ def test_fox_kernel_path_equals_the_generic_path_in_float64(options, model_type,
     assert engine.last_paths["separable"] == 0 and len(fast) == len(generic) > 2
     for a, b in zip(fast, generic):
         assert max_diff(a, b) <= 1e-5 * max(1.0, b.abs().max())
+
+
+KERNEL_CASES = [("transformer-xl", {}, "llama"), ("transformer-xl", {"relative_dim": 6}, "gpt2"),
+                ("transformer-xl", {"base": "native"}, "llama"), ("tape", {"init": "random"}, "llama"),
+                ("tape", {"init": "random", "base": "native"}, "gpt2")]
+
+
+def _perturbed(method: str, options: dict, model_type: str):
+    model = hf_posenc.patch_model(tiny_model(model_type), method, **options).double()
+    module = hf_posenc.get_positional_module(model)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.add_(0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(6)))
+    return model, module
+
+
+@pytest.mark.parametrize("method,options,model_type", KERNEL_CASES)
+def test_kernel_heads_path_equals_the_generic_path(method, options, model_type, monkeypatch):
+    """Transformer-XL's logits as a dot product of augmented queries and keys, TAPE's of feature-turned ones
+    (kernel_heads): one SDPA call per layer, TAPE's keys' features beside the values. Its logits and the gradients of
+    every parameter equal the generic path's (content_scores, eager softmax, per-block checkpointing) over a
+    left-padded batch (SDPA per block with a mask), a chunk after a cache and a full batch (one causal call), in a
+    float64 model, to the float32 precision both compute in."""
+    from hf_posenc.engine import attention as engine
+
+    model, module = _perturbed(method, options, model_type)
+    padded, mask = left_pad([random_ids(1, 20, seed=3)[0], random_ids(1, 13, seed=4)[0]])
+    ids = random_ids(2, 20)
+    monkeypatch.setattr(engine, "BLOCK_BYTES", 4 * 2 * 4 * 20 * 6)  # blocks of a few rows
+
+    def run():
+        logits = padded_and_cached_outputs_and_gradients(model, padded, mask, ids, 7)
+        full = model(ids).logits  # one causal call per layer, no mask
+        return logits + [full]
+
+    engine.last_paths.clear()
+    fast = run()
+    assert engine.last_paths["content kernel"] > 0 and engine.last_paths["content kernel"] == engine.last_paths["content"]
+    monkeypatch.setattr(type(module), "kernel_heads", lambda self, *arguments: None)
+    engine.last_paths.clear()
+    generic = run()
+    assert engine.last_paths["content kernel"] == 0 and len(fast) == len(generic) > 3
+    for a, b in zip(fast, generic):
+        assert max_diff(a, b) <= 1e-5 * max(1.0, b.abs().max())
+
+
+@pytest.mark.parametrize("attention_mask", [False, True])
+def test_transformer_xl_keeps_the_generic_path_where_positions_go_back(attention_mask, monkeypatch):
+    """Position ids that restart among the attended keys meet relative_distance's clamp at 0, which the kernel form
+    does not reproduce: such a call takes the generic path (and gives what it gives)."""
+    from hf_posenc.engine import attention as engine
+
+    model, module = _perturbed("transformer-xl", {}, "llama")
+    ids = random_ids(1, 12)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]])
+    mask = torch.ones(1, 12, dtype=torch.long) if attention_mask else None
+    engine.last_paths.clear()
+    with torch.no_grad():
+        logits = model(ids, position_ids=positions, attention_mask=mask).logits
+        assert engine.last_paths["content kernel"] == 0 and engine.last_paths["content"] > 0
+        monkeypatch.setattr(type(module), "kernel_heads", lambda self, *arguments: None)
+        generic = model(ids, position_ids=positions, attention_mask=mask).logits
+    assert max_diff(logits, generic) == 0.0
+
+
+def test_transformer_xl_kernel_form_at_16k_positions():
+    """The kernel form's position logits against the per-block path's (sinusoid of the integer distance) for queries
+    at positions near 16k and keys anywhere before: they differ by the per-block path's own float32 rounding of the
+    angle t w (t up to 16k), not more. Figures: the largest difference and the logits' scale."""
+    from hf_posenc.methods.base import relative_distance
+
+    model, module = _perturbed("transformer-xl", {}, "llama")
+    module = module.float()
+    heads, head_dim = module.content_bias.shape[1:]
+    generator = torch.Generator().manual_seed(1)
+    query = torch.randn(1, heads, 8, head_dim, generator=generator)
+    key = torch.randn(1, heads, 64, head_dim, generator=generator)
+    query_positions = torch.arange(16376, 16384)[None]
+    key_positions = torch.cat((torch.arange(32), torch.arange(16352, 16384)))[None]
+    with torch.no_grad():
+        augmented_query, augmented_key = module.kernel_heads(0, query, key, None, None, query_positions, key_positions)
+        kernel = augmented_query @ augmented_key.transpose(2, 3)
+        content = (query + module.content_bias[0][None, :, None, :]) @ key.transpose(2, 3)
+        distances = relative_distance(query_positions, key_positions).long()
+        blocked = content + module.position_logits(query, 0, distances)
+        exact = content.double() + exact_position_logits(module, query, distances)
+    ordered = distances > 0  # pairs with the key after the query are clamped; the test keeps the ordered ones
+    ordered |= key_positions[:, None, None, :] == query_positions[:, None, :, None]
+    scale = exact.abs().max()
+    # Measured (logits up to 27): kernel form - exact <= 4.4e-6; per-block path - exact <= 1.6e-3 at distances near
+    # 16k, 3.5e-6 at small ones (float32 angles in the kernel form would give 1.9e-3 even at small distances).
+    assert (kernel.double() - exact)[ordered.expand_as(kernel)].abs().max() <= 1e-6 * scale
+    assert (kernel - blocked)[ordered.expand_as(kernel)].abs().max() <= 1e-4 * scale
+
+
+def exact_position_logits(module, query, distances):
+    """(q + v) . W_R R_t in float64 with the angles t w of the float32 frequencies computed in float64."""
+    from hf_posenc.methods.transformer_xl import sinusoid_frequencies
+
+    angles = distances.double()[..., None] * sinusoid_frequencies(module.relative_dim).double()
+    table = torch.cat((angles.sin(), angles.cos()), dim=-1)  # [1, 1, r, k, R]
+    coefficients = torch.einsum("bhqd,hdr->bhqr", (query + module.position_bias[0][None, :, None, :]).double(),
+                                module.relative_projection[0].double())
+    return (coefficients[:, :, :, None, :] * table).sum(-1)

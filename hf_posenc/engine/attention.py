@@ -465,6 +465,16 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
         blocks = list(causal_blocks(query_slots, key_slots, block_rows(batch, heads, kv, device=query.device), False))
         output = SeparableBiasAttention.apply(query, key, value, *terms, blocks, block_mask, scaling)
         return method.finish_output(layer_idx, output, layer_input).transpose(1, 2).contiguous(), None
+    heads_form = method.kernel_heads(layer_idx, query, key, query_state, key_state, query_positions, key_positions) \
+        if not eager and dropout == 0.0 else None
+    kernel = _kernel_content(state, layer_idx, heads_form, value, attention_mask, scaling, query_slots, key_slots,
+                             query_positions, key_positions, key_state) if heads_form is not None else None
+    if kernel is not None:  # the logits are a dot product of transformed queries and keys: SDPA serves
+        last_paths["content kernel"] += 1
+        output, mixed_state = kernel
+        if method.mixes_state:
+            state.call.content.mixed[layer_idx] = mixed_state
+        return method.finish_output(layer_idx, output, layer_input).transpose(1, 2).contiguous(), None
     for rows, columns in causal_blocks(query_slots, key_slots, step, eager):
         arguments = (state, layer_idx, scaling, query, key, value, attention_mask, rows, columns, query_slots,
                      key_slots, query_positions, key_positions, query_state, key_state, dropout, module.training)
@@ -485,6 +495,56 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
                                   layer_input)
     attn_weights = (torch.cat(weights, dim=2) if len(weights) > 1 else weights[0]) if eager else None
     return output.transpose(1, 2).contiguous(), attn_weights
+
+
+def _pad_heads(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, H, n, E] -> [B, H, n, width], zeros after the first E columns."""
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+def _kernel_content(state, layer_idx, heads_form, value, attention_mask, scaling, query_slots, key_slots,
+                    query_positions, key_positions, key_state):
+    """A content method's attention as SDPA on its `kernel_heads` (q', k'): (output [B, H, q, D] in value's dtype,
+    for `mixes_state` methods the same weights applied to the keys' state [B, H, q, ...] in float32, else None), or
+    None where the method's form does not hold for some attended pair (kernel_needs_ordered_keys). The keys' state
+    rides beside the values (one call gives both averages). SDPA's CPU kernel needs one head size for queries, keys
+    and values (otherwise its math path runs, several times slower): the narrower side is padded with zeros. One
+    causal call without a mask; otherwise one call per causal query block, with the block's mask and bias as a float
+    mask (dtype's minimum where hidden, as the generic path masks)."""
+    method = state.method
+    query, key = heads_form
+    dim, batch, kv = value.shape[-1], query.shape[0], key.shape[2]
+    values = value.to(query.dtype)
+    if method.mixes_state and key_state is not None:
+        features = key_state.repeat_interleave(query.shape[1] // key_state.shape[1], dim=1).to(query.dtype)
+        values = torch.cat((values, features.flatten(3)), dim=-1)
+    width = max(query.shape[-1], values.shape[-1])
+    used = values.shape[-1]
+    query, key, values = (_pad_heads(x, width) for x in (query, key, values))
+    plain_causal = (attention_mask is None and query.shape[2] == kv and int(query_slots[0]) == int(key_slots[0])
+                    and not method.masks_keys
+                    and method.native_bias(layer_idx, query_positions[:, :1], key_positions[:, :1]) is None)
+    if plain_causal:
+        # Query i is key i: every attended key's position is at most the query's iff positions never go back.
+        if method.kernel_needs_ordered_keys and not bool((key_positions.cummax(-1).values <= query_positions).all()):
+            return None
+        output = F.scaled_dot_product_attention(query, key, values, is_causal=True, scale=scaling)
+    else:
+        low = torch.finfo(query.dtype).min
+        outputs = []
+        for rows, columns in causal_blocks(query_slots, key_slots, block_rows(batch, 1, kv, device=query.device),
+                                           False):
+            allowed, bias = _content_mask(state, layer_idx, attention_mask, rows, columns, query_slots, key_slots,
+                                          query_positions, key_positions)
+            if method.kernel_needs_ordered_keys and bool(
+                    (allowed & (key_positions[:, None, None, columns] > query_positions[:, None, rows, None])).any()):
+                return None
+            mask = torch.where(allowed, bias.to(query.dtype) if bias is not None else 0.0, low).to(query.dtype)
+            outputs.append(F.scaled_dot_product_attention(query[:, :, rows], key[:, :, columns],
+                                                          values[:, :, columns], attn_mask=mask, scale=scaling))
+        output = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
+    mixed = output[..., dim:used].unflatten(-1, key_state.shape[3:]) if used > dim else None
+    return output[..., :dim].to(value.dtype), mixed
 
 
 def _content_mask(state, layer_idx, attention_mask, rows, columns, query_slots, key_slots, query_positions,

@@ -296,6 +296,21 @@ class ContentMethod(PositionalMethod):
         (engine/separable_attention.py) instead of content_scores. None (the default): content_scores serves."""
         return None
 
+    def kernel_heads(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, query_state: torch.Tensor | None,
+                     key_state: torch.Tensor | None, query_positions: torch.Tensor, key_positions: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For methods whose logits (content_scores) are block.scaling * q'_i . k'_j + block.bias: (q' [B, H, q, E],
+        k' [B, H, kv, E]), float32, from query [B, H, q, D] and key [B, H, kv, D] (heads matched), the carried state of
+        the queries [B, S, q, ...] and keys [B, S, kv, ...] and their positions [B or 1, q] and [B or 1, kv]; the
+        attention path then runs SDPA on them (engine/attention.py `_kernel_content`), for `mixes_state` methods with
+        the keys' state beside the values. None (the default): content_scores serves."""
+        return None
+
+    # The form of `kernel_heads` holds only for attended pairs whose key position is not after the query's (a method
+    # that clamps negative distances to 0, as `relative_distance` does): the attention path checks, and keeps
+    # content_scores for a call with such a pair.
+    kernel_needs_ordered_keys: ClassVar[bool] = False
+
     def content_weights(self, query: torch.Tensor, key: torch.Tensor, block: ContentBlock) -> torch.Tensor:
         """For `replaces_softmax` methods: query [B, H, r, D], key [B, H, k, D] -> float32 attention weights
         [B, H, r, k] (zero where `block.allowed` is False), which the attention path applies to the values."""

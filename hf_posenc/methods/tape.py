@@ -129,6 +129,9 @@ class Tape(ContentAttention):
         real, imaginary = features.chunk(2, dim=-1)
         return rotate(x.float(), torch.cat((real, real), dim=-1), torch.cat((imaginary, imaginary), dim=-1))
 
+    def kernel_heads(self, layer_idx, query, key, query_state, key_state, query_positions, key_positions):
+        return self.turn(query, query_state), self.turn(key, key_state)
+
     def content_scores(self, query, key, block):
         scores = torch.matmul(self.turn(query, block.query_state),
                               self.turn(key, block.key_state).transpose(2, 3)) * block.scaling

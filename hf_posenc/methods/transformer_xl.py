@@ -14,6 +14,19 @@ give W_R R_t once per distinct t ([H, T, head_dim], T <= rows + keys for consecu
 (q_i + v) . W_R R_t as [B, H, rows, T] and a gather at each (i, j)'s distance: the paper's "relative shift" without
 its padding trick, and never an [L, L, d] tensor.
 
+Kernel form (engine/attention.py `_kernel_content`, wherever the call needs no attention weights and no dropout): by
+sin((p_i - p_j) w) = sin(p_i w) cos(p_j w) - cos(p_i w) sin(p_j w) and cos((p_i - p_j) w) = cos cos + sin sin, with
+a = W_R^T (q_i + v) split into a^s (the sine half) and a^c,
+    a . R_{p_i - p_j} = sum_n cos(p_j w_n) [a^s_n sin(p_i w_n) + a^c_n cos(p_i w_n)]
+                      + sin(p_j w_n) [a^c_n sin(p_i w_n) - a^s_n cos(p_i w_n)],
+so the logits are scaling * [q_i + u, those 2 x d/2 query terms] . [k_j, cos(p_j w), sin(p_j w)]: one SDPA call on
+head size head_dim + d, values padded to match (SDPA's CPU kernel needs one head size), autograd as is. Exact where
+every attended key's position is at most its query's (the distance clamp at 0 is then never in effect); a call with
+another pair (position ids that go back among the attended keys) takes the per-block path above. The angles p w are
+taken in float64 and rounded once to float32 sin/cos, so the form's logits differ from the per-block path's by that
+path's own rounding of t w in float32 (at most about |a| * t * 2^-24 rad; tests/test_content_methods.py measures it at
+16k positions).
+
 base="none": W_R ~ N(0, 1/d), u and v ~ N(0, 0.02^2) (the paper's usual init), the model's own positions removed.
 base="native": W_R, u and v start at zero, so the method adds exactly nothing at init (the original logits) and the
 model's mechanism stays underneath; gradients reach W_R and u at once, v once W_R has moved off zero.
@@ -44,11 +57,23 @@ class TransformerXlConfig(ContentConfig):
         self.require_int("relative_dim", 2, 2 ** 14, none_means="the head size", even=True)
 
 
+def sinusoid_frequencies(dim: int, device=None) -> torch.Tensor:
+    """float32 [dim / 2]: the frequencies w_n of R."""
+    return 1.0 / (10000 ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+
+
 def sinusoid(distances: torch.Tensor, dim: int) -> torch.Tensor:
     """float32 [..., dim]: Transformer-XL's R_t for distances t (sines, then cosines)."""
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=distances.device, dtype=torch.float32) / dim))
-    angles = distances.float()[..., None] * inv_freq
+    angles = distances.float()[..., None] * sinusoid_frequencies(dim, distances.device)
     return torch.cat((angles.sin(), angles.cos()), dim=-1)
+
+
+def position_sin_cos(positions: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (sin, cos) of p w_n, each [B or 1, 1, n, dim / 2], for positions [B or 1, n]. The angles are taken in
+    float64 (the float32 frequencies made exact there): the kernel form combines the angles of two positions, and a
+    float32 angle of a far position would be off by half its ulp (1e-3 rad at 16k) even where the distance is small."""
+    angles = positions.double()[:, None, :, None] * sinusoid_frequencies(dim, positions.device).double()
+    return angles.sin().float(), angles.cos().float()
 
 
 @register_method("transformer-xl", TransformerXlConfig)
@@ -86,6 +111,25 @@ class TransformerXlAttention(ContentAttention):
         shifted = query.float() + self.position_bias[layer_idx].float()[None, :, None, :]
         per_distance = shifted @ projected.transpose(1, 2)[None]  # [B, H, r, T]
         return per_distance.gather(-1, index.expand(*per_distance.shape[:-1], keys))
+
+    kernel_needs_ordered_keys = True  # relative_distance clamps a key after the query to distance 0
+
+    def kernel_heads(self, layer_idx, query, key, query_state, key_state, query_positions, key_positions):
+        """The logits as one dot product (module docstring, "Kernel form"): [q_i + u, a^s sin + a^c cos,
+        a^c sin - a^s cos] (angles p_i w) against [k_j, cos(p_j w), sin(p_j w)], a = W_R^T (q_i + v)."""
+        query = query.float()
+        content = query + self.content_bias[layer_idx].float()[None, :, None, :]
+        coefficients = torch.einsum("bhqd,hdr->bhqr", query + self.position_bias[layer_idx].float()[None, :, None, :],
+                                    self.relative_projection[layer_idx].float())
+        sines, cosines = coefficients.chunk(2, dim=-1)  # a^s, a^c: the coefficients of sin(t w) and cos(t w)
+        query_sin, query_cos = position_sin_cos(query_positions, self.relative_dim)
+        key_sin, key_cos = position_sin_cos(key_positions, self.relative_dim)
+        augmented_query = torch.cat((content, sines * query_sin + cosines * query_cos,
+                                     cosines * query_sin - sines * query_cos), dim=-1)
+        batch, heads, keys = key.shape[:3]
+        augmented_key = torch.cat((key.float(), key_cos.expand(batch, heads, keys, -1),
+                                   key_sin.expand(batch, heads, keys, -1)), dim=-1)
+        return augmented_query, augmented_key
 
     def content_scores(self, query, key, block):
         layer = block.layer_idx

@@ -26,7 +26,8 @@ methods (`_content_blocks`) compute the block's logits in eager code where they 
 dropout, or a method with no kernel form); otherwise one SDPA call per block serves: on the method's near and far parts
 side by side (`block_parts`, `_near_far_attention`), or, for logits whose bias is a term per query minus one per key
 (FoX), with that bias as the block's mask and a backward that sends its gradient into the terms
-(separable_attention.py).
+(separable_attention.py), or, for logits that are a dot product of transformed queries and keys (Transformer-XL,
+TAPE: `kernel_heads`), on those (`_kernel_content`: one causal call per layer without a mask).
 
 `set_attention_path("auto" | "blocked" | "flex" | "flash")` (or the `attention_path(...)` context manager)
 chooses. "auto" takes flash where it applies, flex on CUDA where it applies, blocked otherwise: on CPU compiled

@@ -33,6 +33,12 @@ cached decoding sees the features a full forward computed. Our changes to the pa
 input of the next layer's attention (the residual stream after the MLP), not the MLP output; features per key-value
 head, shared by the query heads of a GQA group.
 
+Kernel form (engine/attention.py `_kernel_content`, wherever the call needs no attention weights and no dropout):
+the logits are a plain dot product of the turned q'_i and k'_j (`kernel_heads`), and a_i is the same softmax weights
+applied to the keys' features, so one SDPA call per layer on q', k' and the values with the keys' features beside
+them (queries and keys padded with zeros to that width: SDPA's CPU kernel needs one head size) gives the attention
+output and a_i at once, autograd as is.
+
 `base="none"` (default): TAPE replaces the model's positional mechanism. `base="native"` keeps it underneath (GPT-2's
 learned positions, BLOOM's ALiBi); refused on RoPE models, whose RoPE TAPE already is at init.
 """

@@ -524,7 +524,7 @@ def test_kernel_heads_path_equals_the_generic_path(method, options, model_type, 
 
     engine.last_paths.clear()
     fast = run()
-    assert engine.last_paths["content kernel"] > 0 and engine.last_paths["content kernel"] == engine.last_paths["content"]
+    assert 0 < engine.last_paths["content kernel"] == engine.last_paths["content"]
     monkeypatch.setattr(type(module), "kernel_heads", lambda self, *arguments: None)
     engine.last_paths.clear()
     generic = run()

@@ -535,8 +535,9 @@ def test_kernel_heads_path_equals_the_generic_path(method, options, model_type, 
 
 @pytest.mark.parametrize("attention_mask", [False, True])
 def test_transformer_xl_keeps_the_generic_path_where_positions_go_back(attention_mask, monkeypatch):
-    """Position ids that restart among the attended keys meet relative_distance's clamp at 0, which the kernel form
-    does not reproduce: such a call takes the generic path (and gives what it gives)."""
+    """Position ids that restart among the attended keys (with a cache, which transformers does not read as packed
+    documents) meet relative_distance's clamp at 0, which the kernel form does not reproduce: such a call takes the
+    generic path (and gives what it gives)."""
     from hf_posenc.engine import attention as engine
 
     model, module = _perturbed("transformer-xl", {}, "llama")
@@ -550,6 +551,25 @@ def test_transformer_xl_keeps_the_generic_path_where_positions_go_back(attention
         monkeypatch.setattr(type(module), "kernel_heads", lambda self, *arguments: None)
         generic = model(ids, position_ids=positions, attention_mask=mask).logits
     assert max_diff(logits, generic) == 0.0
+
+
+def test_transformer_xl_kernel_form_serves_packed_documents(monkeypatch):
+    """The fine-tune's document restarts (position ids restarting, no cache: transformers masks attention across
+    documents): every attended key is then before its query, so the kernel form serves, and gives each document's
+    logits alone."""
+    from hf_posenc.engine import attention as engine
+
+    model, module = _perturbed("transformer-xl", {}, "llama")
+    ids = random_ids(1, 12)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]])
+    engine.last_paths.clear()
+    with torch.no_grad():
+        packed = model(ids, position_ids=positions, use_cache=False).logits
+        assert 0 < engine.last_paths["content kernel"] == engine.last_paths["content"]
+        alone = torch.cat((model(ids[:, :6]).logits, model(ids[:, 6:]).logits), dim=1)
+        monkeypatch.setattr(type(module), "kernel_heads", lambda self, *arguments: None)
+        generic = model(ids, position_ids=positions, use_cache=False).logits
+    assert max_diff(packed, alone) <= 1e-5 and max_diff(packed, generic) <= 1e-5
 
 
 def test_transformer_xl_kernel_form_at_16k_positions():

@@ -72,8 +72,11 @@ def position_sin_cos(positions: torch.Tensor, dim: int) -> tuple[torch.Tensor, t
     """float32 (sin, cos) of p w_n, each [B or 1, 1, n, dim / 2], for positions [B or 1, n]. The angles are taken in
     float64 (the float32 frequencies made exact there): the kernel form combines the angles of two positions, and a
     float32 angle of a far position would be off by half its ulp (1e-3 rad at 16k) even where the distance is small."""
+    device = positions.device
+    if device.type == "mps":  # Apple GPUs have no float64: take the angles on the CPU
+        positions = positions.cpu()
     angles = positions.double()[:, None, :, None] * sinusoid_frequencies(dim, positions.device).double()
-    return angles.sin().float(), angles.cos().float()
+    return angles.sin().float().to(device), angles.cos().float().to(device)
 
 
 @register_method("transformer-xl", TransformerXlConfig)

@@ -302,6 +302,30 @@ def test_sdpa_on_near_and_far_parts_equals_the_scored_path(method, options, two_
         assert max_diff(a, b) <= 1e-5 * max(1.0, b.abs().max())  # block_scores are float32
 
 
+@pytest.mark.parametrize("method,options", [("sinks", {"num_sinks": 2, "window": 40}), ("rerope", {"window": 40})])
+def test_blocks_within_the_window_take_the_kernels_causal_flag(method, options, monkeypatch):
+    """A block whose allowed keys are exactly the causal ones (all near, no padding) is two kernel calls: the keys
+    before its rows with no mask, its diagonal square with the kernel's causal flag. Its logits and gradients equal
+    block_scores', in float64; the padded rows, whose keys are not the causal ones, keep the mask."""
+    model = hf_posenc.patch_model(tiny_model("llama"), method, **options).double()
+    padded, mask = left_pad([random_ids(1, 30, seed=3)[0], random_ids(1, 19, seed=4)[0]])
+    ids = random_ids(2, 30)
+    monkeypatch.setattr(attention_module, "BLOCK_BYTES", 4 * 2 * 30 * 7)
+    diagonals, original = [], attention_module._causal_diagonal
+
+    def causal_diagonal(allowed):
+        diagonals.append(original(allowed))
+        return diagonals[-1]
+
+    monkeypatch.setattr(attention_module, "_causal_diagonal", causal_diagonal)
+    parts = padded_and_cached_outputs_and_gradients(model, padded, mask, ids, 11)
+    assert any(d is not None and d > 0 for d in diagonals) and None in diagonals
+    monkeypatch.setattr(type(hf_posenc.get_positional_module(model)), "block_near", lambda self, *args: None)
+    scored = padded_and_cached_outputs_and_gradients(model, padded, mask, ids, 11)
+    for a, b in zip(parts, scored):
+        assert max_diff(a, b) <= 1e-5 * max(1.0, b.abs().max())  # block_scores are float32
+
+
 def held_for_backward(model, length: int) -> int:
     """Bytes that a training forward of `length` tokens leaves allocated (for its backward): what its ops allocated
     net of what they freed, by the profiler's count, so that tensors kept anywhere (closures too) count."""

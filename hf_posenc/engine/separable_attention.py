@@ -110,9 +110,17 @@ class SeparableBiasAttention(torch.autograd.Function):
                 grad_key_term, None, None, None)
 
 
-def _float_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed,
-                                                                                       torch.finfo(dtype).min)
+CAUSAL = "causal"  # a part's mask in TwoPartAttention: the kernel's own causal flag (square parts only)
+
+
+def _mask_arguments(allowed, dtype: torch.dtype) -> dict:
+    """The kernel's mask arguments for a part's mask: bool allowed keys, None (all allowed) or CAUSAL."""
+    if allowed is None:
+        return {}
+    if isinstance(allowed, str):
+        return {"is_causal": True}
+    return {"attn_mask": torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, torch.finfo(dtype).min)}
 
 
 class TwoPartAttention(torch.autograd.Function):
@@ -122,8 +130,8 @@ class TwoPartAttention(torch.autograd.Function):
     the kernel's backward on each part with the merged output and logsumexp, which is exactly the merged softmax's
     gradient restricted to that part's keys. Unlike one call on both parts side by side, the head dimension stays D.
     The far part may be None (far_query, far_key, far_value): then this is the kernel on the near part alone.
-    masks: (near allowed, far allowed or None), bool [B or 1, 1, r, k_part], for the forward only; rebuild() gives
-    them again in the backward. Only the queries, keys, values, output and logsumexp are kept: O(r) per block, where
+    masks: (near allowed, far allowed or None), bool [B or 1, 1, r, k_part], None (all keys allowed) or CAUSAL, for
+    the forward only; rebuild() gives them again in the backward. Only the queries, keys, values, output and logsumexp are kept: O(r) per block, where
     keeping the masks would hold a byte per query-key pair over a whole training step."""
 
     @staticmethod
@@ -131,10 +139,9 @@ class TwoPartAttention(torch.autograd.Function):
                 rebuild: Callable, scaling: float):
         near_allowed, far_allowed = masks
         dtype = near_query.dtype
-        output, lse = FLASH(near_query, near_key, near_value, attn_mask=_float_mask(near_allowed, dtype),
-                            scale=scaling)
+        output, lse = FLASH(near_query, near_key, near_value, **_mask_arguments(near_allowed, dtype), scale=scaling)
         if far_query is not None:
-            far_out, far_lse = FLASH(far_query, far_key, far_value, attn_mask=_float_mask(far_allowed, dtype),
+            far_out, far_lse = FLASH(far_query, far_key, far_value, **_mask_arguments(far_allowed, dtype),
                                      scale=scaling)
             merged = torch.logaddexp(lse, far_lse)
             output = output * (lse - merged).exp()[..., None] + far_out * (far_lse - merged).exp()[..., None]
@@ -152,9 +159,12 @@ class TwoPartAttention(torch.autograd.Function):
             masks = ctx.rebuild()
         for (query, key, value), allowed in zip(((near_query, near_key, near_value), (far_query, far_key, far_value)),
                                                 masks):
-            grads.extend(FLASH_BACKWARD(grad_output, query, key, value, output, lse, 0.0, False,
-                                        attn_mask=_float_mask(allowed, query.dtype), scale=ctx.scaling)
-                         if query is not None else (None, None, None))
+            if query is None:
+                grads.extend((None, None, None))
+                continue
+            arguments = _mask_arguments(allowed, query.dtype)
+            grads.extend(FLASH_BACKWARD(grad_output, query, key, value, output, lse, 0.0,
+                                        arguments.pop("is_causal", False), **arguments, scale=ctx.scaling))
         near_grad_query, near_grad_key, near_grad_value, far_grad_query, far_grad_key, far_grad_value = grads
         return (near_grad_query, near_grad_key, far_grad_query, far_grad_key, near_grad_value, far_grad_value, None,
                 None, None)

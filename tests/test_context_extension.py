@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from transformers import DynamicCache, StaticCache
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, StaticCache
 
 import hf_posenc
 from hf_posenc.engine import attention as attention_module
@@ -294,9 +294,62 @@ def test_sdpa_on_near_and_far_parts_equals_the_scored_path(method, options, two_
     attention_module.last_paths.clear()
     parts = run()
     assert attention_module.last_paths["scored parts"] > 0
-    monkeypatch.setattr(type(hf_posenc.get_positional_module(model)), "block_parts", lambda self, *args: None)
+    monkeypatch.setattr(type(hf_posenc.get_positional_module(model)), "block_near", lambda self, *args: None)
     attention_module.last_paths.clear()
     scored = run()
     assert attention_module.last_paths["scored parts"] == 0 and len(parts) == len(scored) > 2
     for a, b in zip(parts, scored):
         assert max_diff(a, b) <= 1e-5 * max(1.0, b.abs().max())  # block_scores are float32
+
+
+@pytest.mark.parametrize("method,options", [("sinks", {"num_sinks": 2, "window": 40}), ("rerope", {"window": 40})])
+def test_blocks_within_the_window_take_the_kernels_causal_flag(method, options, monkeypatch):
+    """A block whose allowed keys are exactly the causal ones (all near, no padding) is two kernel calls: the keys
+    before its rows with no mask, its diagonal square with the kernel's causal flag. Its logits and gradients equal
+    block_scores', in float64; the padded rows, whose keys are not the causal ones, keep the mask."""
+    model = hf_posenc.patch_model(tiny_model("llama"), method, **options).double()
+    padded, mask = left_pad([random_ids(1, 30, seed=3)[0], random_ids(1, 19, seed=4)[0]])
+    ids = random_ids(2, 30)
+    monkeypatch.setattr(attention_module, "BLOCK_BYTES", 4 * 2 * 30 * 7)
+    diagonals, original = [], attention_module._causal_diagonal
+
+    def causal_diagonal(allowed):
+        diagonals.append(original(allowed))
+        return diagonals[-1]
+
+    monkeypatch.setattr(attention_module, "_causal_diagonal", causal_diagonal)
+    parts = padded_and_cached_outputs_and_gradients(model, padded, mask, ids, 11)
+    assert any(d is not None and d > 0 for d in diagonals) and None in diagonals
+    monkeypatch.setattr(type(hf_posenc.get_positional_module(model)), "block_near", lambda self, *args: None)
+    scored = padded_and_cached_outputs_and_gradients(model, padded, mask, ids, 11)
+    for a, b in zip(parts, scored):
+        assert max_diff(a, b) <= 1e-5 * max(1.0, b.abs().max())  # block_scores are float32
+
+
+def held_for_backward(model, length: int) -> int:
+    """Bytes that a training forward of `length` tokens leaves allocated (for its backward): what its ops allocated
+    net of what they freed, by the profiler's count, so that tensors kept anywhere (closures too) count."""
+    ids = random_ids(1, length)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
+        hidden = model.model(ids).last_hidden_state
+    held = sum(event.self_cpu_memory_usage for event in profiler.events())
+    hidden.sum().backward()
+    return held
+
+
+@pytest.mark.parametrize("method,options", [CASES[0], CASES[2], CASES[4]])
+@pytest.mark.parametrize("two_calls", [True, False])
+def test_training_memory_of_the_near_far_parts_grows_linearly(method, options, two_calls, monkeypatch):
+    """The parts' masks are rebuilt in the backward (TwoPartAttention, or a checkpoint off the CPU kernel), never kept:
+    what a training forward holds for the backward doubles with the length (with each block's masks kept, a byte or
+    more per query-key pair, it grew 2.5x from 1024 to 2048 tokens on this model)."""
+    if not two_calls:
+        monkeypatch.setattr(attention_module, "separable_path_applies", lambda query: False)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0)
+    model = hf_posenc.patch_model(AutoModelForCausalLM.from_config(config), method, **options).train()
+    attention_module.last_paths.clear()
+    short, long = held_for_backward(model, 1024), held_for_backward(model, 2048)
+    assert attention_module.last_paths["scored parts"] == 2
+    assert long < 2.2 * short, (short, long)

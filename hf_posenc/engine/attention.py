@@ -24,10 +24,11 @@ Three ways to compute attention with a bias, never materialising a [B, H, L, L] 
 Methods that score each query block themselves (Self-Extend, ReRoPE, attention sinks: `_scored_blocks`) and content
 methods (`_content_blocks`) compute the block's logits in eager code where they must (attention weights to return,
 dropout, or a method with no kernel form); otherwise one SDPA call per block serves: on the method's near and far parts
-side by side (`block_parts`, `_near_far_attention`), or, for logits whose bias is a term per query minus one per key
-(FoX), with that bias as the block's mask and a backward that sends its gradient into the terms
-(separable_attention.py), or, for logits that are a dot product of transformed queries and keys (Transformer-XL,
-TAPE: `kernel_heads`), on those (`_kernel_content`: one causal call per layer without a mask).
+side by side (`block_near`, `block_parts`, `_near_far_attention`; the masks rebuilt in the backward, never kept), or,
+for logits whose bias is a term per query minus one per key (FoX), with that bias as the block's mask and a backward
+that sends its gradient into the terms (separable_attention.py), or, for logits that are a dot product of transformed
+queries and keys (Transformer-XL, TAPE: `kernel_heads`), on those (`_kernel_content`: one causal call per layer
+without a mask).
 
 `set_attention_path("auto" | "blocked" | "flex" | "flash")` (or the `attention_path(...)` context manager)
 chooses. "auto" takes flash where it applies, flex on CUDA where it applies, blocked otherwise: on CPU compiled
@@ -67,7 +68,7 @@ from .kernel_check import (PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, K
 from ..methods.base import AttentionBiasMethod, ContentBlock, ContentMethod, PositionalMethod, RotaryMethod
 from .content import layer_state
 from .state import STATE_ATTR, PositionState
-from .separable_attention import SeparableBiasAttention, TwoPartAttention, separable_path_applies
+from .separable_attention import CAUSAL, SeparableBiasAttention, TwoPartAttention, separable_path_applies
 from .table_attention import TableBiasAttention
 
 ATTENTION_NAME = "hf_posenc"
@@ -76,6 +77,10 @@ BLOCK_BYTES = 16 * 2**20  # per block temporary on the CPU: about what its cache
 # bigger blocks, still a constant budget (memory stays linear in L per query block).
 ACCELERATOR_BLOCK_BYTES = 256 * 2**20
 VIEW_BLOCK_ROWS = 256  # query rows per block when the bias is a view: fewer wastes the masked keys less, more calls
+# At most this many query rows per block of near/far parts on the CPU: the kernel computes the masked keys past a
+# block's diagonal too (1024-row blocks at 2048 tokens cost it 1.3x 227-row ones); 256 rows was 5% faster than 512 for
+# a sinks training step at 4096 tokens, 128 no faster.
+PARTS_BLOCK_ROWS = 256
 ATTENTION_PATHS = ("auto", "blocked", "flex", "flash")
 
 _registered = False
@@ -367,19 +372,19 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
     keys = state.method.block_keys(key, key_positions)
     outputs, weights = [], []
     if not eager and dropout == 0.0:
-        # SDPA per block on the method's near and far parts (block_parts); its mask is [B or 1, 1, r, <= 2k]
+        # SDPA per block on the method's near and far parts (block_parts); their masks [B or 1, 1, r, <= k] are built
+        # from the positions per block and again in the backward, never kept: O(r) memory per block, not O(r k)
         step = block_rows(batch, 1, 2 * kv, device=query.device)
+        step = min(step, PARTS_BLOCK_ROWS) if query.device.type == "cpu" else step
         for rows, columns in causal_blocks(query_slots, key_slots, step, False):
-            allowed = key_slots[None, columns] <= query_slots[rows, None]
-            given = attention_mask[..., rows, columns] if attention_mask is not None else None
-            mask = _combine(state, allowed, None, given, query_positions[:, rows], key_positions[:, columns],
-                            torch.float32)
-            parts = state.method.block_parts(query[:, :, rows], tuple(part[:, :, columns] for part in keys),
-                                             query_positions[:, rows], key_positions[:, columns]) \
-                if mask.dtype == torch.bool else None
-            if parts is None:
+            masks = functools.partial(_near_far_masks, state, attention_mask, rows, columns, query_slots, key_slots,
+                                      query_positions, key_positions)
+            built = masks()
+            if built is None:
                 break
-            outputs.append(_near_far_attention(mask, *parts, value[:, :, columns], scaling))
+            outputs.append(_near_far_attention(
+                state.method, query[:, :, rows], tuple(part[:, :, columns] for part in keys), query_positions[:, rows],
+                key_positions[:, columns], value[:, :, columns], built, masks, scaling))
         else:
             last_paths["scored parts"] += 1
             output = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
@@ -402,33 +407,91 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
     return output.transpose(1, 2).contiguous(), torch.cat(weights, dim=2) if eager else None
 
 
-def _near_far_attention(allowed, near, near_pair, far_pair, value, scaling):
-    """One block of a `block_parts` method with SDPA: softmax over the allowed keys of q_n . k_n where `near`, else
-    q_f . k_f. With a far part, the two assignments are one SDPA call over the keys twice, [near ones; far ones], with
-    the queries [q_n, q_f] and the keys [k_n, 0] and [0, k_f] along the head dimension, so that each copy scores with
-    its own query; only the key columns where some row uses that copy are kept. On CPU (float32/64) the two parts are
-    two kernel calls merged by their logsumexp instead (separable_attention.TwoPartAttention): no copy of the keys,
-    and the head dimension stays D."""
-    near_query, near_key = near_pair
-    near_allowed = allowed & near
-    far_allowed = allowed & ~near if far_pair is not None else None
-    far_used = far_allowed.flatten(0, -2).any(0) if far_allowed is not None else None  # [k]
-    if far_used is None or not bool(far_used.any()):
-        return F.scaled_dot_product_attention(near_query, near_key, value, attn_mask=near_allowed, scale=scaling)
-    far_query, far_key = far_pair
-    near_used = near_allowed.flatten(0, -2).any(0)
-    near_columns = slice(int(near_used.int().argmax()) if bool(near_used.any()) else near_used.shape[0], None)
-    far_columns = slice(0, int(far_used.nonzero().max()) + 1)
+def _near_far_masks(state, attention_mask, rows, columns, query_slots, key_slots, query_positions, key_positions):
+    """(near allowed, far allowed) bool [B or 1, 1, r, k] of a query block of a `block_near` method: causality, padding
+    and the method's key mask, split by its near mask; None where the given mask is additive or the method has no
+    near mask (block_scores serves)."""
+    allowed = key_slots[None, columns] <= query_slots[rows, None]
+    given = attention_mask[..., rows, columns] if attention_mask is not None else None
+    mask = _combine(state, allowed, None, given, query_positions[:, rows], key_positions[:, columns], torch.float32)
+    near = state.method.block_near(query_positions[:, rows], key_positions[:, columns]) \
+        if mask.dtype == torch.bool else None
+    if near is None:
+        return None
+    return mask & near, mask & ~near
+
+
+def _near_far_attention(method, query, keys, query_positions, key_positions, value, masks, rebuild, scaling):
+    """One block of a `block_near` method with SDPA: softmax over the allowed keys of q_n . k_n where near, else
+    q_f . k_f. masks: the block's (near allowed, far allowed) (_near_far_masks), rebuild() gives them again: the
+    backward rebuilds them rather than keep them. Only the key columns where some row uses a part are given to it.
+    On CPU (float32/64) the two parts are two kernel calls merged by their logsumexp (TwoPartAttention): no copy of
+    the keys, and the head dimension stays D. Elsewhere the two assignments are one SDPA call over the keys twice,
+    [near ones; far ones], with the queries [q_n, q_f] and the keys [k_n, 0] and [0, k_f] along the head dimension,
+    so that each copy scores with its own query; with gradients, that call is checkpointed with its masks."""
+    near_allowed, far_allowed = masks
+    far_used = far_allowed.flatten(0, -2).any(0)  # [k]
+    far = bool(far_used.any())
+    (near_query, near_key), far_pair = method.block_parts(query, keys, query_positions, key_positions, far)
+    near_columns, far_columns = slice(0, None), slice(0, 0)
+    if far:
+        near_used = near_allowed.flatten(0, -2).any(0)
+        near_columns = slice(int(near_used.int().argmax()) if bool(near_used.any()) else near_used.shape[0], None)
+        far_columns = slice(0, int(far_used.nonzero().max()) + 1)
+
+    def cut(masks):
+        return masks[0][..., near_columns], masks[1][..., far_columns] if far else None
+
+    far_query, far_key = far_pair if far else (None, None)
+    tensors = (near_query, near_key[:, :, near_columns], far_query, far_key[:, :, far_columns] if far else None,
+               value[:, :, near_columns], value[:, :, far_columns] if far else None)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     if separable_path_applies(near_query):  # the CPU kernel on each part, merged by logsumexp
-        return TwoPartAttention.apply(
-            near_query, near_key[:, :, near_columns], far_query, far_key[:, :, far_columns],
-            value[:, :, near_columns], value[:, :, far_columns],
-            lambda: (near_allowed[..., near_columns], far_allowed[..., far_columns]), scaling)
-    near_key, far_key = near_key[:, :, near_columns], far_key[:, :, far_columns]
+        diagonal = None if far else _causal_diagonal(near_allowed)
+        if diagonal is not None:  # keys before the block's rows, unmasked; its diagonal square, the kernel's causal
+            whole, square = slice(0, diagonal), slice(diagonal, None)
+            if diagonal == 0:
+                return TwoPartAttention.apply(near_query, near_key, None, None, value, None, (CAUSAL, None),
+                                              lambda: (CAUSAL, None), scaling)
+            return TwoPartAttention.apply(near_query, near_key[:, :, whole], near_query, near_key[:, :, square],
+                                          value[:, :, whole], value[:, :, square], (None, CAUSAL),
+                                          lambda: (None, CAUSAL), scaling)
+        if far or needs_grad:
+            return TwoPartAttention.apply(*tensors, cut(masks), lambda: cut(rebuild()), scaling)
+    if not needs_grad:
+        return _side_by_side(cut(masks), *tensors, scaling)
+    pending = [masks]  # the forward's masks, released once used: the recomputation in the backward rebuilds them
+
+    def kernel(*tensors):
+        return _side_by_side(cut(pending.pop() if pending else rebuild()), *tensors, scaling)
+
+    return torch.utils.checkpoint.checkpoint(kernel, *tensors, use_reentrant=False)
+
+
+def _causal_diagonal(allowed: torch.Tensor) -> int | None:
+    """For a block's allowed keys [B or 1, 1, r, k] that are exactly the causal ones of its r rows, the last r keys
+    (every key before them allowed to every row, then the lower triangle): k - r. None otherwise. The kernel with a
+    mask computes the masked keys past the diagonal too, and reads the mask; with no mask, and with its own causal
+    flag on the square, it does neither (a sinks training step within the window at 4096 tokens: 0.87x native with the
+    mask)."""
+    rows, keys = allowed.shape[-2:]
+    if keys < rows or rows < 2:  # a single row (decoding) wastes nothing
+        return None
+    square = torch.ones(rows, rows, dtype=torch.bool, device=allowed.device).tril_()
+    if not bool(allowed[..., keys - rows:].eq(square).all()) or not bool(allowed[..., :keys - rows].all()):
+        return None
+    return keys - rows
+
+
+def _side_by_side(masks, near_query, near_key, far_query, far_key, near_value, far_value, scaling):
+    """SDPA on the near part, or on both parts side by side along the head dimension (see _near_far_attention)."""
+    near_allowed, far_allowed = masks
+    if far_query is None:
+        return F.scaled_dot_product_attention(near_query, near_key, near_value, attn_mask=near_allowed, scale=scaling)
     keys = torch.cat((torch.cat((near_key, torch.zeros_like(near_key)), -1),
                       torch.cat((torch.zeros_like(far_key), far_key), -1)), dim=2)
-    values = torch.cat((value[:, :, near_columns], value[:, :, far_columns]), dim=2)
-    mask = torch.cat((near_allowed[..., near_columns], far_allowed[..., far_columns]), dim=-1)
+    values = torch.cat((near_value, far_value), dim=2)
+    mask = torch.cat((near_allowed, far_allowed), dim=-1)
     return F.scaled_dot_product_attention(torch.cat((near_query, far_query), -1), keys, values, attn_mask=mask,
                                           scale=scaling)
 

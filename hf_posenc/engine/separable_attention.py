@@ -11,10 +11,11 @@ the mask; what u and w need of dS = dL/dlogits is its row and column sums:
 - rowsum_j dS_ij = sum_j P_ij (dP_ij - delta_i) = 0, since each row of P sums to 1: u gets no gradient (a term per
   query shifts that query's logits alike, which the softmax ignores);
 - colsum_i dS_ij rides in the kernel's key gradient as one more column: with Q' = [Q, 1], K' = [K, 0], V' = [V, 0]
-  the logits are unchanged and dK' = scale * dS^T Q' holds scale * colsum(dS) in its last column.
+  the logits are unchanged and dK' = scale * dS^T Q' holds scale * colsum(dS) in column D.
 
 Only on CPU, where the kernel returns the logsumexp (elsewhere the generic path serves). Memory: one block's mask
-[B, H, r, k] at a time (recomputed in the backward, never kept), the [B, H, q, D + 1] widened inputs in the backward.
+[B, H, r, k] at a time (recomputed in the backward, never kept), the widened inputs [B, H, q, D + 1 rounded up to a
+multiple of 8] in the backward.
 tests/test_content_methods.py checks outputs and gradients against the generic path in float64.
 """
 
@@ -34,11 +35,18 @@ def separable_path_applies(query: torch.Tensor) -> bool:
     return query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64)
 
 
+def _wide_head_dim(head_dim: int) -> int:
+    """D + 1 rounded up to a multiple of 8: the kernel's backward at D + 1 = 65 took 1.3x its time at 64 on an AVX2
+    CPU, at 72 1.1x (its vector loops leave a scalar tail otherwise); the added columns are zeros."""
+    return -(-(head_dim + 1) // 8) * 8
+
+
 def _widen(tensor: torch.Tensor, value: float) -> torch.Tensor:
-    """[B, H, n, D] -> [B, H, n, D + 1], the last column `value`."""
-    out = tensor.new_empty(tensor.shape[:-1] + (tensor.shape[-1] + 1,))
-    out[..., :-1] = tensor
-    out[..., -1] = value
+    """[B, H, n, D] -> [B, H, n, _wide_head_dim(D)]: column D `value`, any further columns 0."""
+    head_dim = tensor.shape[-1]
+    out = tensor.new_zeros(tensor.shape[:-1] + (_wide_head_dim(head_dim),))
+    out[..., :head_dim] = tensor
+    out[..., head_dim] = value
     return out
 
 
@@ -79,7 +87,7 @@ class SeparableBiasAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         query, key, value, query_term, key_term, output, lse = ctx.saved_tensors
-        scaling = ctx.scaling
+        scaling, head_dim = ctx.scaling, query.shape[-1]
         grad_output = grad_output.to(query.dtype).contiguous()
         query_wide, key_wide, value_wide = _widen(query, 1.0), _widen(key, 0.0), _widen(value, 0.0)
         output_wide, grad_wide = _widen(output, 0.0), _widen(grad_output, 0.0)
@@ -94,17 +102,25 @@ class SeparableBiasAttention(torch.autograd.Function):
                     grad_wide[:, :, rows], query_wide[:, :, rows], key_wide[:, :, columns],
                     value_wide[:, :, columns], output_wide[:, :, rows], lse[:, :, rows], 0.0, False,
                     attn_mask=mask, scale=scaling)
-                grad_query[:, :, rows] = block_query[..., :-1]
+                grad_query[:, :, rows] = block_query[..., :head_dim]
                 grad_key[:, :, columns] += block_key
-                grad_value[:, :, columns] += block_value[..., :-1]
-        grad_key_term = (grad_key[..., -1] / -scaling).to(key_term.dtype)  # -colsum(dS): w enters with a minus
-        return (grad_query, grad_key[..., :-1].contiguous(), grad_value, torch.zeros_like(query_term), grad_key_term,
-                None, None, None)
+                grad_value[:, :, columns] += block_value[..., :head_dim]
+        grad_key_term = (grad_key[..., head_dim] / -scaling).to(key_term.dtype)  # -colsum(dS): w enters with a minus
+        return (grad_query, grad_key[..., :head_dim].contiguous(), grad_value, torch.zeros_like(query_term),
+                grad_key_term, None, None, None)
 
 
-def _float_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed,
-                                                                                       torch.finfo(dtype).min)
+CAUSAL = "causal"  # a part's mask in TwoPartAttention: the kernel's own causal flag (square parts only)
+
+
+def _mask_arguments(allowed, dtype: torch.dtype) -> dict:
+    """The kernel's mask arguments for a part's mask: bool allowed keys, None (all allowed) or CAUSAL."""
+    if allowed is None:
+        return {}
+    if isinstance(allowed, str):
+        return {"is_causal": True}
+    return {"attn_mask": torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, torch.finfo(dtype).min)}
 
 
 class TwoPartAttention(torch.autograd.Function):
@@ -113,21 +129,25 @@ class TwoPartAttention(torch.autograd.Function):
     logsumexp, merged as out = sum_p exp(lse_p - lse) out_p with lse = logaddexp(lse_near, lse_far). The backward is
     the kernel's backward on each part with the merged output and logsumexp, which is exactly the merged softmax's
     gradient restricted to that part's keys. Unlike one call on both parts side by side, the head dimension stays D.
-    masks() -> (near allowed, far allowed), bool [B or 1, 1, r, k_part], rebuilt in the backward (never kept)."""
+    The far part may be None (far_query, far_key, far_value): then this is the kernel on the near part alone.
+    masks: (near allowed, far allowed or None), bool [B or 1, 1, r, k_part], None (all keys allowed) or CAUSAL, for
+    the forward only; rebuild() gives them again in the backward. Only the queries, keys, values, output and logsumexp are kept: O(r) per block, where
+    keeping the masks would hold a byte per query-key pair over a whole training step."""
 
     @staticmethod
-    def forward(ctx, near_query, near_key, far_query, far_key, near_value, far_value, masks: Callable,
-                scaling: float):
-        near_allowed, far_allowed = masks()
+    def forward(ctx, near_query, near_key, far_query, far_key, near_value, far_value, masks: tuple,
+                rebuild: Callable, scaling: float):
+        near_allowed, far_allowed = masks
         dtype = near_query.dtype
-        near_out, near_lse = FLASH(near_query, near_key, near_value, attn_mask=_float_mask(near_allowed, dtype),
-                                   scale=scaling)
-        far_out, far_lse = FLASH(far_query, far_key, far_value, attn_mask=_float_mask(far_allowed, dtype),
-                                 scale=scaling)
-        lse = torch.logaddexp(near_lse, far_lse)
-        output = near_out * (near_lse - lse).exp()[..., None] + far_out * (far_lse - lse).exp()[..., None]
+        output, lse = FLASH(near_query, near_key, near_value, **_mask_arguments(near_allowed, dtype), scale=scaling)
+        if far_query is not None:
+            far_out, far_lse = FLASH(far_query, far_key, far_value, **_mask_arguments(far_allowed, dtype),
+                                     scale=scaling)
+            merged = torch.logaddexp(lse, far_lse)
+            output = output * (lse - merged).exp()[..., None] + far_out * (far_lse - merged).exp()[..., None]
+            lse = merged
         ctx.save_for_backward(near_query, near_key, far_query, far_key, near_value, far_value, output, lse)
-        ctx.masks, ctx.scaling = masks, scaling
+        ctx.rebuild, ctx.scaling = rebuild, scaling
         return output
 
     @staticmethod
@@ -135,10 +155,16 @@ class TwoPartAttention(torch.autograd.Function):
         near_query, near_key, far_query, far_key, near_value, far_value, output, lse = ctx.saved_tensors
         grad_output = grad_output.to(output.dtype).contiguous()
         grads = []
+        with torch.no_grad():
+            masks = ctx.rebuild()
         for (query, key, value), allowed in zip(((near_query, near_key, near_value), (far_query, far_key, far_value)),
-                                                ctx.masks()):
-            grads.append(FLASH_BACKWARD(grad_output, query, key, value, output, lse, 0.0, False,
-                                        attn_mask=_float_mask(allowed, query.dtype), scale=ctx.scaling))
-        (near_grad_query, near_grad_key, near_grad_value), (far_grad_query, far_grad_key, far_grad_value) = grads
+                                                masks):
+            if query is None:
+                grads.extend((None, None, None))
+                continue
+            arguments = _mask_arguments(allowed, query.dtype)
+            grads.extend(FLASH_BACKWARD(grad_output, query, key, value, output, lse, 0.0,
+                                        arguments.pop("is_causal", False), **arguments, scale=ctx.scaling))
+        near_grad_query, near_grad_key, near_grad_value, far_grad_query, far_grad_key, far_grad_value = grads
         return (near_grad_query, near_grad_key, far_grad_query, far_grad_key, near_grad_value, far_grad_value, None,
-                None)
+                None, None)

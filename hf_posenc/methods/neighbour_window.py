@@ -93,12 +93,14 @@ class NeighbourWindowRope(RotaryMethod):
         """bool [B or 1, 1, r, k]: the keys within the window of each query (their ordinary positions)."""
         return (query_positions[:, None, :, None] - key_positions[:, None, None, :]) < self.window
 
-    def block_parts(self, query, keys, query_positions, key_positions):
+    def block_near(self, query_positions, key_positions):
+        return self.near_keys(query_positions, key_positions)
+
+    def block_parts(self, query, keys, query_positions, key_positions, far):
         near_key, far_key = keys
         query = self.scaled_queries(query, query_positions)
-        near = self.near_keys(query_positions, key_positions)
-        far = None if bool(near.all()) else (self.rotated(query, self.far_query_positions(query_positions)), far_key)
-        return near, (self.rotated(query, query_positions), near_key), far
+        far_pair = (self.rotated(query, self.far_query_positions(query_positions)), far_key) if far else None
+        return (self.rotated(query, query_positions), near_key), far_pair
 
     def block_scores(self, query, keys, query_positions, key_positions):
         near_key, far_key = keys

@@ -91,14 +91,15 @@ class AttentionSinks(NeighbourWindowRope):
         use = far[..., columns] & sinks[:, None, None, columns]
         return scores.index_copy(-1, columns, torch.where(use, moved, scores[..., columns]))
 
-    def block_parts(self, query, keys, query_positions, key_positions):
+    def block_near(self, query_positions, key_positions):
         """The window keys and the sinks near the query at their ordinary distance; the sinks beyond the window with the
-        query moved (the other keys beyond the window are masked by allowed_keys)."""
+        query moved (the other keys beyond the window are masked by allowed_keys, so they count as near here)."""
+        return self.near_keys(query_positions, key_positions) | (key_positions >= self.num_sinks)[:, None, None, :]
+
+    def block_parts(self, query, keys, query_positions, key_positions, far):
         (key,) = keys
-        near = self.near_keys(query_positions, key_positions)
-        far_sinks = ~near & (key_positions < self.num_sinks)[:, None, None, :]
-        far = (self.rotated(query, self.far_query_positions(query_positions)), key) if bool(far_sinks.any()) else None
-        return near | ~far_sinks, (self.rotated(query, query_positions), key), far
+        far_pair = (self.rotated(query, self.far_query_positions(query_positions)), key) if far else None
+        return (self.rotated(query, query_positions), key), far_pair
 
     def kv_cache(self, num_layers: int) -> SinkCache:
         return SinkCache(num_layers, self.num_sinks, self.window)

@@ -40,9 +40,9 @@ WIKITEXT = "wikitext-2-raw-test.txt"
 TRAIN_FRACTION = "0:0.8"
 HELDOUT_FRACTION = "0.8:1"
 CALIBRATION_TOKENS = 256
-# The recipe that kept SmolLM2 closest to the original (docs/benchmarks.md, "Recipes after a swap"): every fourth layer
-# swapped (8 of 30: 23.5 at 2048 tokens after 150 x 512 tokens, against 32.0 with every second layer), the RoPE of the others stretched x2 so that the whole model
-# stays flat past its 8192-token window.
+# The recipe that kept SmolLM2 closest to the original (docs/benchmarks.md, "Recipes after a swap"): every fourth
+# layer swapped (8 of 30: 23.5 at 2048 tokens after 150 x 512 tokens, against 32.0 with every second layer), the
+# RoPE of the others stretched x2 so that the whole model stays flat past its 8192-token window.
 DEFAULT_SWAP = "kerple:layers=every:4+yarn:factor=2,layers=rest"
 PLOT_TITLE = "SmolLM2-135M-Instruct (de-quantised from Q4_1): perplexity vs context (star: training length)"
 

@@ -220,6 +220,32 @@ def test_standalone_code_ships_a_user_registered_method(user_bias_method, tmp_pa
         assert diff <= 1e-6, directory
 
 
+def test_standalone_saves_parse_each_shipped_file_once_per_version(user_bias_method, tmp_path, monkeypatch):
+    """Parsing the shipped modules is most of a standalone save's cost: a process saving many checkpoints (a sweep,
+    this test suite) parses each file once. A file edited between saves is parsed again and shipped as edited."""
+    import ast
+
+    parsed = []
+    parse = ast.parse
+    monkeypatch.setattr(ast, "parse", lambda source, *args, **kwargs: parsed.append(source) or
+                        parse(source, *args, **kwargs))
+    model = hf_posenc.patch_model(tiny_model("llama"), user_bias_method)
+    model.save_pretrained(tmp_path / "first", standalone=True)
+    parsed.clear()
+    model.save_pretrained(tmp_path / "second", standalone=True)
+    assert parsed == []
+    shipped = sorted(path.name for path in (tmp_path / "first").glob("*.py"))
+    assert shipped == sorted(path.name for path in (tmp_path / "second").glob("*.py")) and len(shipped) > 5
+    for name in shipped:
+        assert (tmp_path / "first" / name).read_text() == (tmp_path / "second" / name).read_text(), name
+    user_file = Path(sys.modules[USER_MODULE].__file__)
+    user_file.write_text(user_file.read_text() + "# edited after the first save\n")
+    model.save_pretrained(tmp_path / "third", standalone=True)
+    assert len(parsed) == 1 and parsed[0].endswith("# edited after the first save\n")
+    copied = (tmp_path / "third" / f"posenc_user_{USER_MODULE}.py").read_text()
+    assert copied.endswith("# edited after the first save\n")
+
+
 @pytest.mark.parametrize("where", ["__main__", "function"])
 def test_a_user_method_that_cannot_be_shipped_is_refused_before_anything_is_written(method_registry, tmp_path,
                                                                                      where):

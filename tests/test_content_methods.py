@@ -537,17 +537,25 @@ def test_kernel_heads_path_equals_the_generic_path(method, options, model_type, 
 def test_transformer_xl_keeps_the_generic_path_where_positions_go_back(attention_mask, monkeypatch):
     """Position ids that restart among the attended keys (with a cache, which transformers does not read as packed
     documents) meet relative_distance's clamp at 0, which the kernel form does not reproduce: such a call takes the
-    generic path (and gives what it gives)."""
+    generic path (and gives what it gives). That is decided before any kernel call: with query blocks of 4 rows, the
+    first block's keys are in order, and no kernel call is made for it either."""
+    import torch.nn.functional as F
+
     from hf_posenc.engine import attention as engine
 
     model, module = _perturbed("transformer-xl", {}, "llama")
     ids = random_ids(1, 12)
     positions = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]])
-    mask = torch.ones(1, 12, dtype=torch.long) if attention_mask else None
+    mask = torch.tensor([[0] + [1] * 11]) if attention_mask else None  # (all ones would reach attention as None)
+    kernel_calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: kernel_calls.append(1) or sdpa(*a, **k))
+    monkeypatch.setattr(engine, "BLOCK_BYTES", 4 * 4 * 12)  # block_rows: 4 query rows of 12 keys
     engine.last_paths.clear()
     with torch.no_grad():
         logits = model(ids, position_ids=positions, attention_mask=mask).logits
         assert engine.last_paths["content kernel"] == 0 and engine.last_paths["content"] > 0
+        assert kernel_calls == []
         monkeypatch.setattr(type(module), "kernel_heads", lambda self, *arguments: None)
         generic = model(ids, position_ids=positions, attention_mask=mask).logits
     assert max_diff(logits, generic) == 0.0

@@ -184,18 +184,37 @@ def module_closure(roots: list[str], outside: tuple[str, ...] = ()) -> list[str]
         if not module.startswith(PACKAGE + ".") and module not in outside:
             raise PosEncError(f"Standalone export covers code from the {PACKAGE} package; {module} is not part of it.")
         seen.add(module)
-        tree = ast.parse(_module_file(module).read_text(encoding="utf-8"))
-        todo.extend(target for _, target in _internal_imports(module, tree))
+        todo.extend(_parsed(module)[0])
     return sorted(seen)
+
+
+# module -> (its file's path, mtime and size; the hf_posenc modules it imports; its flat source). Parsing is most of
+# a standalone save's cost, and a process that saves many checkpoints ships the same modules each time.
+_PARSED: dict[str, tuple[tuple[str, int, int], list[str], str]] = {}
+
+
+def _parsed(module: str) -> tuple[list[str], str]:
+    """(the hf_posenc modules `module` imports, its flat source), computed once per version of its file."""
+    path = _module_file(module)
+    stat = path.stat()
+    key = (str(path), stat.st_mtime_ns, stat.st_size)
+    cached = _PARSED.get(module)
+    if cached is None or cached[0] != key:
+        source = path.read_text(encoding="utf-8")
+        imports = _internal_imports(module, ast.parse(source))
+        cached = _PARSED[module] = (key, [target for _, target in imports], _flat(module, path, source, imports))
+    return cached[1], cached[2]
 
 
 def flatten_source(module: str) -> str:
     """The module's source with a header and every hf_posenc import rewritten to `from .posenc_x import`."""
-    path = _module_file(module)
-    source = path.read_text(encoding="utf-8")
+    return _parsed(module)[1]
+
+
+def _flat(module: str, path: Path, source: str, imports: list[tuple[ast.ImportFrom, str]]) -> str:
     lines = source.splitlines(keepends=True)
     targets: dict[ast.ImportFrom, list[str]] = {}
-    for node, target in _internal_imports(module, ast.parse(source)):
+    for node, target in imports:
         targets.setdefault(node, []).append(target)
     for node, modules in targets.items():
         line = lines[node.lineno - 1]

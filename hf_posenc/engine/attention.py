@@ -595,20 +595,36 @@ def _kernel_content(state, layer_idx, heads_form, value, attention_mask, scaling
         output = F.scaled_dot_product_attention(query, key, values, is_causal=True, scale=scaling)
     else:
         low = torch.finfo(query.dtype).min
+        blocks = list(causal_blocks(query_slots, key_slots, block_rows(batch, 1, kv, device=query.device), False))
+        if method.kernel_needs_ordered_keys and not _attended_keys_precede(
+                state, layer_idx, attention_mask, blocks, query_slots, key_slots, query_positions, key_positions):
+            return None
         outputs = []
-        for rows, columns in causal_blocks(query_slots, key_slots, block_rows(batch, 1, kv, device=query.device),
-                                           False):
+        for rows, columns in blocks:
             allowed, bias = _content_mask(state, layer_idx, attention_mask, rows, columns, query_slots, key_slots,
                                           query_positions, key_positions)
-            if method.kernel_needs_ordered_keys and bool(
-                    (allowed & (key_positions[:, None, None, columns] > query_positions[:, None, rows, None])).any()):
-                return None
             mask = torch.where(allowed, bias.to(query.dtype) if bias is not None else 0.0, low).to(query.dtype)
             outputs.append(F.scaled_dot_product_attention(query[:, :, rows], key[:, :, columns],
                                                           values[:, :, columns], attn_mask=mask, scale=scaling))
         output = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
     mixed = output[..., dim:used].unflatten(-1, key_state.shape[3:]) if used > dim else None
     return output[..., :dim].to(value.dtype), mixed
+
+
+def _attended_keys_precede(state, layer_idx, attention_mask, blocks, query_slots, key_slots, query_positions,
+                           key_positions) -> bool:
+    """Whether no query attends a key at a later position, decided before any kernel call. Usually by the slots
+    alone (no key up to a query's slot is at a later position); where positions go back (packed documents, left
+    padding), by each block's mask."""
+    last_key = torch.searchsorted(key_slots, query_slots, right=True).clamp_min(1) - 1
+    if bool((key_positions.cummax(-1).values[:, last_key] <= query_positions).all()):
+        return True
+    for rows, columns in blocks:
+        allowed, _ = _content_mask(state, layer_idx, attention_mask, rows, columns, query_slots, key_slots,
+                                   query_positions, key_positions)
+        if bool((allowed & (key_positions[:, None, None, columns] > query_positions[:, None, rows, None])).any()):
+            return False
+    return True
 
 
 def _content_mask(state, layer_idx, attention_mask, rows, columns, query_slots, key_slots, query_positions,

@@ -111,6 +111,7 @@ def test_two_processes_score_what_one_does(tiny, tmp_path):
     for a, b in zip(one["rows"], two["rows"]):
         assert (a["model"], a["metric"], a["value"]) == (b["model"], b["metric"], b["value"])
         assert a["stderr"] == pytest.approx(b["stderr"])  # summed in another order
-    # the main process (the one lm-eval shows progress for) scored 3 documents' 12 requests of the 20, not all
+    # the main process (the one lm-eval shows progress for) scored 3 documents' 12 requests of the 20, not all (tqdm
+    # may draw its finished bar twice, on the last update and on close, when the machine is busy)
     totals = re.findall(r"Running loglikelihood requests: 100%.*?\| *\d+/(\d+)", done.stderr)
-    assert totals == ["12"], totals
+    assert totals and set(totals) == {"12"}, totals

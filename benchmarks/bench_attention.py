@@ -62,6 +62,7 @@ class Row:
     extra_forward_mib: float = 0.0
     extra_vs_materialised_bias: float = 0.0  # extra forward peak / size of a materialised [1, H, L, L] bias
     mode: str = "train"
+    device: str = "cpu"  # what ran it (the GPU's name on CUDA)
 
 
 def served_path(calls: Counter) -> str:
@@ -196,9 +197,10 @@ def measure(model, ids, repeats: int, backward_repeats: int, mode: str = "last-l
 def run_benchmark(lengths=LENGTHS, methods=METHODS, paths=("blocked",), layers: int = 2, heads: int = 8,
                   head_dim: int = 64, repeats: int = 3, backward_repeats: int = 2, threads: int | None = None,
                   mode: str = "train", memory: bool = True, progress: bool = True, device: str = "cpu",
-                  dtype: torch.dtype = torch.float32) -> list[Row]:
+                  dtype: torch.dtype = torch.float32, on_row=None) -> list[Row]:
     """Run every (method, path) at every length; returns rows with ratios to native RoPE (sdpa). Times first for
-    every case, then (with `memory`) peak memory for every case (on the CPU with the mmap threshold lowered)."""
+    every case, then (with `memory`) peak memory for every case (on the CPU with the mmap threshold lowered).
+    ``on_row(rows)`` after every measurement (a run cut short keeps what it measured)."""
     from tqdm import tqdm
 
     from hf_posenc.tools.runtime import MethodRequest
@@ -235,12 +237,14 @@ def run_benchmark(lengths=LENGTHS, methods=METHODS, paths=("blocked",), layers: 
         forward_s, backward_s = measure_time(model, ids, mode, repeats, backward_repeats)
         calls = Counter(attention.last_paths)
         row = Row(method, served_path(calls), path, length, forward_s, backward_s, float("nan"), float("nan"),
-                  dict(calls), mode=mode)
+                  dict(calls), mode=mode, device=device_name(device))
         if method == "rope (native)":
             native[length] = row
         row.forward_ratio = forward_s / native[length].forward_s
         row.forward_backward_ratio = backward_s / native[length].forward_backward_s
         rows.append(row)
+        if on_row:
+            on_row(rows)
     if memory:
         _fix_mmap_threshold()
         for row, (length, method, path, ids) in zip(rows, each_job(f"bench_attention ({mode}): memory")):
@@ -250,6 +254,8 @@ def run_benchmark(lengths=LENGTHS, methods=METHODS, paths=("blocked",), layers: 
             row.extra_vs_materialised_bias = row.extra_forward_mib / (heads * length * length * 4 / 2**20)
             if device != "cpu":
                 torch.cuda.empty_cache()
+            if on_row:
+                on_row(rows)
     unpatch_model(model)
     return rows
 
@@ -272,13 +278,16 @@ def refused_kernels() -> list[str]:
     return [f"{v.kernel} on {v.device}: {v.detail}" for v in attention.kernel_status() if not v.passed]
 
 
-def save(rows: list[Row], output_dir: str | Path, name: str = "bench_attention") -> dict[str, Path]:
+def save(rows: list[Row], output_dir: str | Path, name: str = "bench_attention",
+         plot: bool = True) -> dict[str, Path]:
     """``name``.json and ``name``.png (the ratios to native and the extra memory per method) in ``output_dir``."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / f"{name}.json"
     json_path.write_text(json.dumps([asdict(r) for r in rows], indent=2))
     paths = {"json": json_path}
+    if not plot:
+        return paths
     try:
         import matplotlib
 
@@ -339,7 +348,8 @@ def main() -> None:
                          lengths=[int(x) for x in args.lengths.split(",")], methods=args.methods.split(";"),
                          paths=tuple(args.paths.split(",")), layers=args.layers, repeats=args.repeats,
                          backward_repeats=args.backward_repeats, threads=args.threads, mode=args.mode,
-                         memory=not args.no_memory)
+                         memory=not args.no_memory,
+                         on_row=lambda so_far: save(so_far, args.output_dir, plot=False))
     print(format_table(rows))
     for line in refused_kernels():
         print(f"refused by the kernel check: {line}")

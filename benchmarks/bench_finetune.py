@@ -8,7 +8,9 @@ and writes bench_finetune.json and bench_finetune.png to --output-dir.
 
 --layers 30 is the real depth; fewer layers keep the same per-layer work at a fraction of the time (the ratios to
 native change little, since every layer is the same). Times are taken first for every case with the allocator as
-users have it; peak memory afterwards, as in bench_attention.py.
+users have it; peak memory afterwards, as in bench_attention.py (on CUDA the allocator's own peak counter does not
+change the timing, so the peak is read in the timing pass, over one more step). A case that fails (a method that
+cannot run at this length or precision on this machine) gets a row with its error and the run goes on.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class Row:
     peak_mib: float = float("nan")
     throughput_ratio: float = 1.0  # tokens/s over native's (same length and checkpointing)
     peak_ratio: float = float("nan")
+    error: str = ""  # why this case has no figures (the exception it raised)
 
 
 def smollm2_shaped(layers: int, max_length: int):
@@ -106,43 +109,69 @@ def run_benchmark(lengths=LENGTHS, methods=None, layers: int = 30, steps: int = 
         request.check()
     jobs = [(length, gc, method) for length in lengths for gc in checkpointing for method in ["native", *methods]]
 
-    def each_job(desc):
-        for length, gc, method in tqdm(jobs, disable=not progress, desc=desc):
-            model = smollm2_shaped(layers, length)
-            if method != "native":
-                requests[method].apply(model)
-            yield length, gc, method, training(model, length, gc, steps, mixed_precision)
+    def build(length, gc, method):
+        _release_memory()
+        model = smollm2_shaped(layers, length)
+        if method != "native":
+            requests[method].apply(model)
+        return training(model, length, gc, steps, mixed_precision)
 
     rows, native = [], {}
-    for length, gc, method, step in each_job("bench_finetune: time"):
-        step(0)  # warm-up
-        times = []
-        for index in range(1, steps + 1):
-            start = time.perf_counter()
-            step(index)
-            times.append(time.perf_counter() - start)
-        seconds = statistics.median(times)
-        row = Row(method, length, gc, seconds, length / seconds)
+    for length, gc, method in tqdm(jobs, disable=not progress, desc="bench_finetune: time"):
+        try:
+            step = build(length, gc, method)
+            step(0)  # warm-up (and compilation, where a path compiles)
+            times = []
+            for index in range(1, steps + 1):
+                start = time.perf_counter()
+                step(index)
+                times.append(time.perf_counter() - start)
+            seconds = statistics.median(times)
+            row = Row(method, length, gc, seconds, length / seconds)
+            if memory and step.device.type == "cuda":
+                row.peak_mib = peak_mib(lambda: step(steps + 1), step.device)
+        except Exception as error:  # noqa: BLE001 (the row records it; native's failure ends the run)
+            if method == "native":
+                raise
+            row = Row(method, length, gc, float("nan"), float("nan"), error=f"{type(error).__name__}: {error}"[:500])
+        step = None
         native.setdefault((length, gc), row)
         row.throughput_ratio = row.tokens_per_s / native[length, gc].tokens_per_s
+        row.peak_ratio = row.peak_mib / native[length, gc].peak_mib
         rows.append(row)
         if on_row:
             on_row(rows)
-    if memory:
+    if memory and not torch.cuda.is_available():
         _fix_mmap_threshold()
-        for row, (length, gc, method, step) in zip(rows, each_job("bench_finetune: memory")):
+        for row in tqdm(rows, disable=not progress, desc="bench_finetune: memory"):
+            if row.error:
+                continue
+            step = build(row.length, row.checkpointing, row.method)
             step(0)  # optimizer state allocated, as in the timed steps
             row.peak_mib = peak_mib(lambda: step(1), step.device)
-            row.peak_ratio = row.peak_mib / native[length, gc].peak_mib
+            row.peak_ratio = row.peak_mib / native[row.length, row.checkpointing].peak_mib
+            step = None
             if on_row:
                 on_row(rows)
     return rows
+
+
+def _release_memory() -> None:
+    """Free the previous case's model and optimizer before building the next (their cycles, and CUDA's cache)."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def format_table(rows: list[Row]) -> str:
     lines = ["| method | L | checkpointing | step s | tokens/s | x native | peak MiB | x native |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
+        if r.error:
+            lines.append(f"| {r.method} | {r.length} | {'yes' if r.checkpointing else 'no'} | failed: {r.error} |")
+            continue
         lines.append(f"| {r.method} | {r.length} | {'yes' if r.checkpointing else 'no'} | {r.step_s:.2f} | "
                      f"{r.tokens_per_s:.0f} | {r.throughput_ratio:.2f} | {r.peak_mib:.0f} | {r.peak_ratio:.2f} |")
     return "\n".join(lines)

@@ -349,3 +349,25 @@ def test_flex_attention_path_equals_blocked_forward_backward_and_decoding():
     assert max_diff(flex[1][mask.bool()], blocked[1][mask.bool()]) <= 1e-5
     assert max_diff(flex[2], blocked[2]) <= 1e-5
     assert max_diff(flex[3], blocked[3]) <= 1e-5 * blocked[3].abs().max().item()
+
+
+def test_compiled_flex_calls_get_their_own_recompile_allowance(monkeypatch):
+    """Past dynamo's recompile limit (8 by default) a compiled function runs uncompiled: flex_attention then
+    materialises every score matrix (5x slower on an H200, and its backward raised at 16384 tokens). Each compiled
+    flex call runs with the limit raised to FLEX_RECOMPILE_LIMIT, and the process-wide setting is left as it was."""
+    config = torch._dynamo.config
+    monkeypatch.setattr(config, "recompile_limit", 1)
+    seen = []
+
+    def compiled(query, key, value, **kwargs):
+        seen.append(config.recompile_limit)
+        return query
+
+    monkeypatch.setitem(attention._compiled_flex, "cpu", compiled)
+    query = torch.randn(1, 2, 8, 4)
+    out = attention._flex_kernel(query, query, query, torch.zeros(2, 8), 0, torch.ones(1, 8, dtype=torch.bool), 0.5)
+    assert out.shape == (1, 8, 2, 4)
+    assert seen == [attention.FLEX_RECOMPILE_LIMIT] and config.recompile_limit == 1
+    monkeypatch.setattr(config, "recompile_limit", 4 * attention.FLEX_RECOMPILE_LIMIT)  # a user's higher limit stays
+    attention._flex_kernel(query, query, query, torch.zeros(2, 8), 0, torch.ones(1, 8, dtype=torch.bool), 0.5)
+    assert seen[-1] == 4 * attention.FLEX_RECOMPILE_LIMIT

@@ -86,6 +86,12 @@ ATTENTION_PATHS = ("auto", "blocked", "flex", "flash")
 _registered = False
 _path = "auto"
 _compiled_flex: dict = {}
+# Compiled flex recompiles for each new shape, grad mode and dtype, and for the kernel check's probes, across every
+# layer and method of the process. Past dynamo's default recompile_limit (8) dynamo silently runs flex_attention
+# uncompiled, which materialises every [B, H, q, kv] score matrix: measured on an H200 (torch 2.11), 5x slower, and
+# its backward at 16384 tokens raised ("cub sort does not support sorting more than INT_MAX elements"). Our calls
+# get this allowance instead, inside the call only (no process-wide setting changes).
+FLEX_RECOMPILE_LIMIT = 256
 last_paths: Counter = Counter()
 
 
@@ -830,9 +836,19 @@ def _flex_kernel(query, key, value, table, offset: int, valid, scaling) -> torch
         # Inductor's CPU flex template failed to compile with dynamic shapes (torch 2.13): one compile per shape there.
         _compiled_flex[device] = torch.compile(flex_attention, dynamic=False if device == "cpu" else None)
     blocks = create_block_mask(mask_mod, batch, None, q, kv, device=query.device)
-    output = _compiled_flex[device](query, key, value, score_mod=score_mod, block_mask=blocks, scale=scaling,
-                                    enable_gqa=heads != key.shape[1])
+    with _flex_recompile_allowance():
+        output = _compiled_flex[device](query, key, value, score_mod=score_mod, block_mask=blocks, scale=scaling,
+                                        enable_gqa=heads != key.shape[1])
     return output.transpose(1, 2).contiguous()
+
+
+def _flex_recompile_allowance():
+    """dynamo's recompile limit raised to FLEX_RECOMPILE_LIMIT for the duration of one compiled flex call."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    if getattr(config, name) >= FLEX_RECOMPILE_LIMIT:
+        return contextlib.nullcontext()
+    return config.patch(**{name: FLEX_RECOMPILE_LIMIT})
 
 
 def _table_gradient_probe(kernel, query, key, value, table, end: int, valid, scaling,

@@ -40,6 +40,14 @@ import torch
 import torch.nn.functional as F
 
 KEY_TILE = 256  # keys per backward tile (see the module docstring): 512 was a little slower at 8192, 1024 more
+# On a GPU the cache argument does not hold and every tile is a dozen kernel launches: a block's keys in one tile. A
+# block is already sized to the accelerator budget (attention.ACCELERATOR_BLOCK_BYTES), which bounds the temporaries.
+ACCELERATOR_KEY_TILE = 1 << 30
+
+
+def key_tile(device: torch.device) -> int:
+    """Keys per tile on `device` (the logsumexp of the forward and the backward)."""
+    return KEY_TILE if device.type == "cpu" else ACCELERATOR_KEY_TILE
 
 
 def skewed_view(buffer: torch.Tensor, keys: int) -> torch.Tensor:
@@ -74,9 +82,9 @@ def _logsumexp(query, key, padded, start, rows, keys, scaling):
     key = key.repeat_interleave(groups, dim=1) if groups > 1 else key
     compute = torch.promote_types(query.dtype, torch.float32)
     query = query.to(compute) * scaling
-    result = None
-    for first in range(0, keys, KEY_TILE):
-        width = min(KEY_TILE, keys - first)
+    result, tile = None, key_tile(query.device)
+    for first in range(0, keys, tile):
+        width = min(tile, keys - first)
         scores = torch.matmul(query, key[:, :, first:first + width].to(compute).transpose(2, 3))
         scores += _block_bias(padded, start + first, rows, width).to(compute)
         part = scores.logsumexp(-1)
@@ -142,11 +150,12 @@ class TableBiasAttention(torch.autograd.Function):
         # entries. A probability is then at least e * tiny (3e-38 in float32, the masked ones too) where it was
         # smaller or 0: a difference below float32's resolution of anything it is added to.
         floor = math.log(torch.finfo(compute).tiny) + 1
+        tile_width = key_tile(query.device)
         for first, rows, keys, start in ctx.blocks:
             span = slice(first, first + rows)
             block_grad_query = grad_query[:, span].zero_()
-            for tile in range(0, keys, KEY_TILE):
-                width = min(KEY_TILE, keys - tile)
+            for tile in range(0, keys, tile_width):
+                width = min(tile_width, keys - tile)
                 columns = slice(kv - keys + tile, kv - keys + tile + width)
                 bias = _block_bias(padded, start + tile, rows, width).to(compute)
                 probs = torch.baddbmm(bias.repeat(batch, 1, 1) if batch > 1 else bias,

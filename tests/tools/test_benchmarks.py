@@ -88,6 +88,40 @@ def test_finetune_benchmark_times_the_finetune_step_beside_native(tmp_path, monk
     assert "rope" not in bench.default_methods() and "alibi:trainable=true" in bench.default_methods()
 
 
+def test_finetune_benchmark_records_a_failing_case_and_goes_on(tmp_path, monkeypatch):
+    """A method that raises gets a row naming its error; the cases after it are still measured, and every row so far
+    reaches on_row (a run cut short by a time limit keeps what it measured)."""
+    bench = load_script("benchmarks/bench_finetune.py")
+    from hf_posenc.tools.runtime import MethodRequest
+
+    real_apply = MethodRequest.apply
+
+    def apply(self, model):
+        if self.name == "kerple":
+            raise RuntimeError("CUDA out of memory (planted)")
+        return real_apply(self, model)
+
+    monkeypatch.setattr(MethodRequest, "apply", apply)
+    seen = []
+    rows = bench.run_benchmark(lengths=[32], methods=["kerple", "t5"], layers=1, steps=1, checkpointing=(False,),
+                               progress=False, on_row=lambda so_far: seen.append(len(so_far)))
+    assert [r.method for r in rows] == ["native", "kerple", "t5"]
+    failed = rows[1]
+    assert failed.error == "RuntimeError: CUDA out of memory (planted)" and failed.tokens_per_s != failed.tokens_per_s
+    assert rows[2].error == "" and rows[2].tokens_per_s > 0 and rows[2].peak_mib > 0
+    assert seen[:3] == [1, 2, 3]
+    assert "| kerple | 32 | no | failed: RuntimeError" in bench.format_table(rows)
+    assert json.loads(bench.save(rows, tmp_path, plot=False)["json"].read_text())[1]["error"].startswith("Runtime")
+
+
+def test_attention_benchmark_hands_every_row_to_on_row():
+    bench = load_script("benchmarks/bench_attention.py")
+    seen = []
+    rows = bench.run_benchmark(lengths=[16], methods=["t5"], layers=1, heads=2, head_dim=8, repeats=1,
+                               backward_repeats=1, progress=False, on_row=lambda so_far: seen.append(len(so_far)))
+    assert seen == [1, 2, 2, 2] and all(r.device == "cpu" for r in rows)
+
+
 def test_rotation_benchmark_writes_its_rows_to_the_output_dir(tmp_path):
     bench = load_script("benchmarks/bench_rotations.py")
     bench.main(["--lengths", "16", "--repeats", "1", "--backward-repeats", "1", "--output-dir", str(tmp_path)])

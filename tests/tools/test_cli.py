@@ -64,16 +64,22 @@ def test_main_job_estimate_grows_with_the_work():
 def test_main_job_full_and_distillation_options(capsys):
     parse = main_job.build_parser().parse_args
     full = main_job.apply_defaults(parse(["--full"]))
-    assert (full.train_steps, full.train_length, full.lengths) == (400, 512, [512, 2048, 8192, 16384])
-    assert main_job.distillation(full) == {}  # the LM loss unless asked
+    assert (full.train_steps, full.train_length, full.lengths) == (320, 512, [512, 2048, 8192, 16384])
+    assert main_job.distillation(full) == {"distill_from": "original", "distill_alpha": 1.0,
+                                           "distill_temperature": 1.0}  # distilled unless asked otherwise
+    assert main_job.MethodRequest.parse(full.swap).label == "kerple:layers=last:4+yarn:factor=2,layers=rest"
+    lm_loss = main_job.apply_defaults(parse(["--full", "--distill-alpha", "0"]))
+    assert main_job.distillation(lm_loss) == {} and lm_loss.distill_alpha is None  # no teacher forwards
+    assert lm_loss.train_steps == 400  # the same 30 minutes without the teacher's forwards
+    assert 0.9 < main_job.estimate_seconds(full) / main_job.estimate_seconds(lm_loss) < 1.1
     distilled = main_job.apply_defaults(parse(["--full", "--distill-alpha", "0.5", "--distill-temperature", "2"]))
     assert main_job.distillation(distilled) == {"distill_from": "original", "distill_alpha": 0.5,
                                                 "distill_temperature": 2.0}
-    assert main_job.estimate_seconds(distilled) > main_job.estimate_seconds(full)  # the teacher's forwards
+    assert main_job.estimate_seconds(distilled) > main_job.estimate_seconds(lm_loss)  # the teacher's forwards
     default = main_job.apply_defaults(parse([]))
     assert main_job.estimate_seconds(full) > main_job.estimate_seconds(default)
-    for bad, message in ((["--distill-alpha", "0"], "--distill-alpha must be a finite number > 0"),
-                         (["--distill-alpha", "1.5"], "--distill-alpha must be in (0, 1]"),
+    for bad, message in ((["--distill-alpha", "-0.5"], "--distill-alpha must be a finite number >= 0"),
+                         (["--distill-alpha", "1.5"], "--distill-alpha must be in [0, 1]"),
                          (["--distill-alpha", "0.5", "--distill-temperature", "0"], "--distill-temperature")):
         with pytest.raises(main_job.UsageError, match=re.escape(message)):
             main_job.apply_defaults(parse(bad))

@@ -1,7 +1,7 @@
 """``hf-posenc main-job``: swap, fine-tune briefly, and measure perplexity vs context length, on the real
 SmolLM2-135M-Instruct (de-quantised from Q4_1).
 
-    bash scripts/main.sh            # about 7 minutes on 2 idle CPU cores (the estimate is printed first)
+    bash scripts/main.sh            # about 10 minutes on 2 idle CPU cores (the estimate is printed first)
     bash scripts/main.sh --quick    # about 2 minutes
     bash scripts/main.sh --full     # a 30-minute fine-tune (320 x 512 tokens distilled), perplexity up to 16384
 

@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# OMP_NUM_THREADS=1: one thread per test process (see tests/conftest.py), the processes the tests start included.
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 # -n auto: one test process per CPU core (pytest-xdist, in the test extras); the suite is independent per test.
 if [ $# -gt 0 ]; then
   exec .venv/bin/python -m pytest -q -n auto "$@"

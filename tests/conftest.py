@@ -11,7 +11,10 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download anything
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One intra-op thread per pytest-xdist worker: the workers already fill the cores, and on tiny models a second
+# thread per worker only oversubscribes them (measured on 2 cores: the contract's decoding and padding tests took
+# 5x as long with 2 threads per worker as with 1).
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
 
 @dataclass

@@ -354,9 +354,10 @@ def test_flex_attention_path_equals_blocked_forward_backward_and_decoding():
 def test_compiled_flex_calls_get_their_own_recompile_allowance(monkeypatch):
     """Past dynamo's recompile limit (8 by default) a compiled function runs uncompiled: flex_attention then
     materialises every score matrix (5x slower on an H200, and its backward raised at 16384 tokens). Each compiled
-    flex call runs with the limit raised to FLEX_RECOMPILE_LIMIT, and the process-wide setting is left as it was."""
+    flex call runs with the limit raised to FLEX_RECOMPILE_LIMIT, and the process-wide setting is left as it was.
+    (The limit is set with dynamo's own `config.patch`: pytest's monkeypatch undoes it with a delattr, which hides
+    the setting from every later torch.compile in the process.)"""
     config = torch._dynamo.config
-    monkeypatch.setattr(config, "recompile_limit", 1)
     seen = []
 
     def compiled(query, key, value, **kwargs):
@@ -365,9 +366,11 @@ def test_compiled_flex_calls_get_their_own_recompile_allowance(monkeypatch):
 
     monkeypatch.setitem(attention._compiled_flex, "cpu", compiled)
     query = torch.randn(1, 2, 8, 4)
-    out = attention._flex_kernel(query, query, query, torch.zeros(2, 8), 0, torch.ones(1, 8, dtype=torch.bool), 0.5)
-    assert out.shape == (1, 8, 2, 4)
-    assert seen == [attention.FLEX_RECOMPILE_LIMIT] and config.recompile_limit == 1
-    monkeypatch.setattr(config, "recompile_limit", 4 * attention.FLEX_RECOMPILE_LIMIT)  # a user's higher limit stays
-    attention._flex_kernel(query, query, query, torch.zeros(2, 8), 0, torch.ones(1, 8, dtype=torch.bool), 0.5)
-    assert seen[-1] == 4 * attention.FLEX_RECOMPILE_LIMIT
+    with config.patch(recompile_limit=1):
+        out = attention._flex_kernel(query, query, query, torch.zeros(2, 8), 0, torch.ones(1, 8, dtype=torch.bool),
+                                     0.5)
+        assert out.shape == (1, 8, 2, 4)
+        assert seen == [attention.FLEX_RECOMPILE_LIMIT] and config.recompile_limit == 1
+    with config.patch(recompile_limit=4 * attention.FLEX_RECOMPILE_LIMIT):  # a user's higher limit stays
+        attention._flex_kernel(query, query, query, torch.zeros(2, 8), 0, torch.ones(1, 8, dtype=torch.bool), 0.5)
+        assert seen[-1] == 4 * attention.FLEX_RECOMPILE_LIMIT

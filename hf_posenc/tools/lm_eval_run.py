@@ -103,27 +103,38 @@ def check_cloze_fits(tokenizer, task_dir: Path, model, max_length: int | None) -
                          f"--max-length {longest * 4} or more (lm-eval cuts the context from the left)")
 
 
-def evaluate_model(model, tokenizer, tasks: list[str], include_path: Path | None = None, limit: int | None = None,
-                   num_fewshot: int | None = None, batch_size: int = 1, seed: int = 0,
-                   max_length: int | None = None, accelerator=None) -> dict:
-    """lm-eval's ``simple_evaluate`` on this model object (patched or not): its ``results`` per task (on the main
-    process; {} on the others). lm-eval cuts each input to ``max_length`` tokens from the left (default: the model's
-    window from its config). With an ``accelerator`` of several processes, each scores its share of the requests."""
-    from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
+def task_manager(tasks: list[str], include_path: Path | None = None, defaults: bool = True):
+    """lm-eval's ``TaskManager`` for these tasks, after checking that it knows each of them. ``defaults=False``
+    indexes ``include_path`` alone: building lm-eval's index of its own 14k tasks takes 10-25 s on a CPU, which a run
+    of only our cloze task does not need."""
     from lm_eval.tasks import TaskManager
 
+    manager = TaskManager(include_path=str(include_path) if include_path else None,
+                          include_defaults=defaults or include_path is None)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise UsageError(f"lm-eval knows no task {', '.join(map(repr, unknown))}; use lm-eval's task names "
+                         f"(hellaswag, arc_easy, wikitext, ...), {CLOZE_TASK!r}, or your own YAML with --include-path")
+    return manager
+
+
+def evaluate_model(model, tokenizer, tasks: list[str], include_path: Path | None = None, limit: int | None = None,
+                   num_fewshot: int | None = None, batch_size: int = 1, seed: int = 0,
+                   max_length: int | None = None, accelerator=None, manager=None) -> dict:
+    """lm-eval's ``simple_evaluate`` on this model object (patched or not): its ``results`` per task (on the main
+    process; {} on the others). lm-eval cuts each input to ``max_length`` tokens from the left (default: the model's
+    window from its config). With an ``accelerator`` of several processes, each scores its share of the requests.
+    ``manager``: a ``task_manager(...)`` to reuse across models (else one is built for these tasks)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    manager = manager or task_manager(tasks, include_path)
     device = str(next(model.parameters()).device)
     wrapped = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
                    max_length=max_length)
     if process_count(accelerator) > 1:  # what HFLM sets itself when it builds the model under accelerate launch
         wrapped.accelerator = accelerator
         wrapped._rank, wrapped._world_size = accelerator.process_index, accelerator.num_processes
-    manager = TaskManager(include_path=str(include_path) if include_path else None)
-    unknown = [t for t in tasks if t not in manager.all_tasks]
-    if unknown:
-        raise UsageError(f"lm-eval knows no task {', '.join(map(repr, unknown))}; use lm-eval's task names "
-                         f"(hellaswag, arc_easy, wikitext, ...), {CLOZE_TASK!r}, or your own YAML with --include-path")
     out = simple_evaluate(model=wrapped, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
                           random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
                           log_samples=False)
@@ -200,6 +211,9 @@ def run_lm_eval(args: argparse.Namespace, work_dir: Path, accelerator=None) -> t
         if args.include_path is not None:  # lm-eval takes one folder: both task sets side by side
             for path in args.include_path.glob("*.y*ml"):
                 (include / path.name).write_bytes(path.read_bytes())
+    # one index of the tasks for every model and method, checked before any model loads; lm-eval's own tasks are
+    # left out of it where only our cloze task is asked for (a user's --include-path may build on them)
+    manager = task_manager(tasks, include, defaults=tasks != [CLOZE_TASK] or args.include_path is not None)
     device = accelerator.device if accelerator is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
     rows, results = [], {}
@@ -216,7 +230,7 @@ def run_lm_eval(args: argparse.Namespace, work_dir: Path, accelerator=None) -> t
         for request, model, replaced in each_method(model, requests, load):
             label = report.row_label(name, request.label, replaced or None)
             results[label] = evaluate_model(model, tokenizer, tasks, include, args.limit, args.num_fewshot,
-                                            args.batch_size, args.seed, args.max_length, accelerator)
+                                            args.batch_size, args.seed, args.max_length, accelerator, manager)
             rows += metric_rows(label, results[label])
     return rows, results
 

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_posenc
 from hf_posenc.tools import lm_eval_run
+from hf_posenc.tools.runtime import UsageError
 
 pytestmark = pytest.mark.skipif(not BOOK.is_file(), reason="../shared/data is not there")
 
@@ -66,10 +67,20 @@ def test_lm_eval_scores_the_patched_model_as_a_hand_computation(tiny, tmp_path):
     hf_posenc.patch_model(model, "alibi")
     acc, acc_norm, patched_scores = hand_scores(model, tokenizer, docs)
     assert patched_scores != pytest.approx(native_scores, abs=1e-3)  # the patch changes what is scored
-    results = lm_eval_run.evaluate_model(model, tokenizer, ["cloze"], task_dir, max_length=512)["cloze"]
+    manager = lm_eval_run.task_manager(["cloze"], task_dir, defaults=False)
+    results = lm_eval_run.evaluate_model(model, tokenizer, ["cloze"], task_dir, max_length=512,
+                                         manager=manager)["cloze"]
     assert results["acc,none"] == pytest.approx(acc) and results["acc_norm,none"] == pytest.approx(acc_norm)
     rows = lm_eval_run.metric_rows("tiny + alibi", {"cloze": results})
     assert {r["metric"]: r["value"] for r in rows} == {"acc": pytest.approx(acc), "acc_norm": pytest.approx(acc_norm)}
+
+
+def test_task_index_holds_lm_evals_own_tasks_unless_only_ours_are_asked_for(tmp_path):
+    task_dir = lm_eval_run.build_cloze_task(BOOK.read_text(encoding="utf-8"), tmp_path / "tasks", n_docs=4)
+    assert lm_eval_run.task_manager(["cloze"], task_dir, defaults=False).all_tasks == ["cloze"]
+    with pytest.raises(UsageError, match="lm-eval knows no task 'hellaswag'"):
+        lm_eval_run.task_manager(["hellaswag"], task_dir, defaults=False)
+    # with lm-eval's own tasks indexed (hellaswag known, no_such_task not): test_command_outputs_and_bad_input
 
 
 def test_command_outputs_and_bad_input(tiny, tmp_path, capsys):
@@ -85,7 +96,7 @@ def test_command_outputs_and_bad_input(tiny, tmp_path, capsys):
     assert (out / "lm_eval.png").stat().st_size > 1000
     capsys.readouterr()
     bad = tmp_path / "bad"
-    for extra, message in ((["--tasks", "no_such_task"], "lm-eval knows no task 'no_such_task'"),
+    for extra, message in ((["--tasks", "hellaswag,no_such_task"], "lm-eval knows no task 'no_such_task';"),
                            (["--include-path", str(tmp_path / "nowhere")], "is not a folder"),
                            (["--limit", "0"], "--limit must be an integer >= 1, got 0"),
                            (["--max-length", "16"], "and lm-eval takes inputs of at most 16; pass --max-length")):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -93,12 +94,25 @@ def launch(command: str, args: list[str], num_processes: int = 2, timeout: int =
     if cpu_mpirun:
         hostfile = Path(tempfile.mkdtemp()) / "hostfile"
         hostfile.write_text(f"localhost:{num_processes}\n")  # MPICH's format
-        cmd += ["--cpu", "--num_processes", str(num_processes), "--mpirun_hostfile", str(hostfile)]
+        # --main_process_port: in this form accelerate sets MASTER_PORT to 29500 unless told, whatever the
+        # environment says, so two such runs at once (two test workers) met on one port and hung.
+        cmd += ["--cpu", "--num_processes", str(num_processes), "--mpirun_hostfile", str(hostfile),
+                "--main_process_port", str(port)]
     else:
         cmd += ["--config_file", str(REPO / "scripts/accelerate_configs" / config), "--num_processes",
                 str(num_processes), "--main_process_port", str(port)]
-    return subprocess.run([*cmd, "-m", "hf_posenc", command, *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    # A session of its own, so that a run past `timeout` is ended with every process it started (mpiexec's ranks
+    # would otherwise go on holding the CPU), and the failure shows what they printed.
+    process = subprocess.Popen([*cmd, "-m", "hf_posenc", command, *args], cwd=REPO, env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise AssertionError(f"{' '.join(cmd[3:])} {command} ran past {timeout} s; it printed:\n"
+                             f"{stdout[-2000:]}\n{stderr[-4000:]}") from None
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def load_script(relative_path: str):

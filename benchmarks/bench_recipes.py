@@ -54,23 +54,24 @@ def plot_curves(rows: list[dict], path: Path) -> None:
         return
     if not rows:
         return
-    figure, axis = plt.subplots(figsize=(8, 4.5))
+    figure, axis = plt.subplots(figsize=(12, 4.5))
     for r in rows:
         label = f"{r['recipe']} {r['method']}" + (f" PoSE {r['pose_target_length']}" if r.get("pose_target_length")
-                                                  else "") + f" lr {r['lr']:g}"
+                                                  else "") + f" lr {r['lr']:g}, {r['max_length']}-token blocks"
         axis.plot([c["tokens"] for c in r["curve"]], [c["perplexity"] for c in r["curve"]], marker="o", label=label)
     axis.set_xlabel("fine-tuning tokens")
     axis.set_ylabel("perplexity, held-out blocks of the training text")
     axis.set_yscale("log")
     axis.set_title("recipes after a swap: SmolLM2-135M")
-    axis.legend(fontsize=7)
+    axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the axes: the lines stay visible
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", help="the model to swap: smollm2 (default), a folder or a .gguf file")
     p.add_argument("--recipe", choices=("original", "swap", "lm", "distill", "saved"), required=True)
     p.add_argument("--method", default="alibi", help="NAME[:KEY=VALUE,...] (layers=... for a hybrid)")
     p.add_argument("--steps", type=int, default=16)
@@ -98,7 +99,7 @@ def main() -> None:
     p.add_argument("--save-model", type=Path, default=None,
                    help="keep the fine-tuned model in this folder and evaluate it too (more lengths later with "
                         "--recipe saved --keep FOLDER)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     import hf_posenc
@@ -110,7 +111,8 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     windows = [int(x) for x in args.windows.split(",")]
     windows = windows * len(lengths) if len(windows) == 1 else windows
-    row = {"windows": dict(zip(map(str, lengths), windows)), "recipe": args.recipe, "method": None if args.recipe == "original" else args.method,
+    row = {"model": args.model, "windows": dict(zip(map(str, lengths), windows)), "recipe": args.recipe,
+           "method": None if args.recipe == "original" else args.method,
            "steps": args.steps, "max_length": args.max_length, "lr": args.lr, "train_only": args.train_only,
            "pose_target_length": args.pose_target_length, "text": [Path(t).name for t in args.text or [BOOK]]}
     if args.recipe == "saved":  # a model kept by an earlier --keep run: evaluate it, with that run's row
@@ -120,7 +122,7 @@ def main() -> None:
         model, tokenizer = hf_posenc.from_pretrained(args.keep), AutoTokenizer.from_pretrained(args.keep)
         row["windows"] = dict(zip(map(str, lengths), windows))
     elif args.recipe in ("original", "swap"):
-        model, tokenizer = load_model("smollm2", dtype=torch.float32, verbose=False)
+        model, tokenizer = load_model(args.model, dtype=torch.float32, verbose=False)
         if args.recipe == "swap":
             MethodRequest.parse(args.method).apply(model)
         row["steps"] = 0
@@ -130,8 +132,9 @@ def main() -> None:
             extra = {"distill_from": "original", "distill_alpha": args.distill_alpha,
                      "distill_temperature": args.distill_temperature} if args.recipe == "distill" else {}
             summary = finetune.run_finetune(finetune.settings(
-                method=args.method, train_only=args.train_only, text_file=[str(t) for t in args.text or [BOOK]],
-                text_fraction="0:1" if args.text else "0:0.8", eval_blocks=args.eval_blocks, eval_every=args.eval_every,
+                model=args.model, method=args.method, train_only=args.train_only,
+                text_file=[str(t) for t in args.text or [BOOK]], text_fraction="0:1" if args.text else "0:0.8",
+                eval_blocks=args.eval_blocks, eval_every=args.eval_every,
                 max_length=args.max_length, max_steps=args.steps, lr=args.lr, output_dir=out, no_progress=False,
                 threads=args.threads, pose_target_length=args.pose_target_length, no_memory_check=True, **extra))
             row["train_seconds"] = summary["seconds"]

@@ -12,9 +12,9 @@ others are sentences from elsewhere in the text; lm-eval scores it as multiple c
 ``--include-path DIR`` adds your own lm-eval task YAML files.
 
 Outputs in ``--output-dir``: ``lm_eval.csv`` (model, task, metric, value, stderr), ``lm_eval.json`` (lm-eval's results
-and the settings) and ``lm_eval.png`` (a bar per model and metric). Under ``accelerate launch`` the processes share each task's
-requests (lm-eval's own data-parallel split, given the ranks here since lm-eval leaves a model object it did not
-build to the caller) and lm-eval gathers the scores on the main process, which writes the outputs.
+and the settings) and ``lm_eval.png`` (a bar per model and metric). Under ``accelerate launch`` the processes share
+each task's requests (lm-eval's own data-parallel split, given the ranks here since lm-eval leaves a model object it
+did not build to the caller) and lm-eval gathers the scores on the main process, which writes the outputs.
 """
 
 from __future__ import annotations

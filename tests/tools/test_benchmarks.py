@@ -173,3 +173,25 @@ def test_long_context_benchmark_writes_every_method_beside_native(tmp_path):
     assert rows[("none", 96)]["prefill_ratio"] == 1.0 and rows[("none", 16)]["decode_ratio"] == 1.0
     assert all(r["prefill_s"] > 0 and r["decode_ms_per_token"] > 0 for r in rows.values())
     assert (tmp_path / "t" / "timing.png").stat().st_size > 0 and (tmp_path / "t" / "timing.csv").exists()
+
+
+def test_recipe_benchmark_appends_a_row_with_its_curve_and_plots_it(tmp_path):
+    """benchmarks/bench_recipes.py on a tiny LLaMA: a distillation run of a hybrid with PoSE records its held-out
+    perplexity, its loss per step and a perplexity-vs-tokens point per evaluation; a second run appends its row."""
+    from tool_helpers import save_tiny_model
+
+    bench = load_script("benchmarks/bench_recipes.py")
+    model = str(save_tiny_model(tmp_path / "tiny"))
+    common = ["--model", model, "--lengths", "64", "--windows", "1", "--threads", "1", "--output-dir", str(tmp_path)]
+    bench.main(["--recipe", "distill", "--method", "kerple:layers=last:1+yarn:factor=2,layers=rest", "--steps", "2",
+                "--max-length", "32", "--distill-alpha", "1", "--pose-target-length", "128", "--eval-blocks", "2",
+                "--eval-every", "1", *common])
+    bench.main(["--recipe", "original", *common])
+    rows = json.loads((tmp_path / "bench_recipes.json").read_text())
+    assert [r["recipe"] for r in rows] == ["distill", "original"] and rows[0]["model"] == model
+    distill = rows[0]
+    assert distill["pose_target_length"] == 128 and distill["distill_alpha"] == 1 and len(distill["loss"]) == 2
+    assert [(c["step"], c["tokens"]) for c in distill["curve"]] == [(1, 32), (2, 64)]
+    assert all(c["perplexity"] > 1 for c in distill["curve"]) and distill["perplexity"]["64"] > 1
+    assert rows[1]["steps"] == 0 and not rows[1].get("curve") and rows[1]["perplexity"]["64"] > 1
+    assert (tmp_path / "bench_recipes.png").stat().st_size > 1000

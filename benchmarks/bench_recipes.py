@@ -41,6 +41,22 @@ def held_out_perplexity(model, tokenizer, lengths: list[int], windows: list[int]
                                                     progress=False)[0], 2) for length, count in zip(lengths, windows)}
 
 
+def training_text_perplexity(model, tokenizer, args: argparse.Namespace) -> float:
+    """Perplexity on the held-out blocks of the training text that a fine-tune with these settings evaluates (its
+    last --eval-blocks blocks of --max-length tokens, positions restarting at each block): the level of the original
+    model or of a swap before training, where the recipes' curves start from and aim at."""
+    from hf_posenc.tools import finetune
+
+    settings = finetune.settings(text_file=[str(t) for t in args.text or [BOOK]],
+                                 text_fraction="0:1" if args.text else "0:0.8", max_length=args.max_length,
+                                 eval_blocks=args.eval_blocks)
+    data = finetune.training_data(settings, tokenizer, finetune.documents_of(settings), 1)
+    with torch.no_grad():
+        losses = [model(input_ids=block[None], position_ids=positions[None], labels=block[None]).loss.item()
+                  for block, positions in zip(data.eval_blocks, data.eval_positions)]
+    return round(math.exp(sum(losses) / len(losses)), 2)
+
+
 def plot_curves(rows: list[dict], path: Path) -> None:
     """Perplexity on the held-out blocks of the training text against fine-tuning tokens, one line per recipe run
     with --eval-blocks."""
@@ -56,8 +72,9 @@ def plot_curves(rows: list[dict], path: Path) -> None:
         return
     figure, axis = plt.subplots(figsize=(12, 4.5))
     for r in rows:
-        label = f"{r['recipe']} {r['method']}" + (f" PoSE {r['pose_target_length']}" if r.get("pose_target_length")
-                                                  else "") + f" lr {r['lr']:g}, {r['max_length']}-token blocks"
+        label = " ".join([r["recipe"], *([r["method"]] if r.get("method") else []),
+                          *([f"PoSE {r['pose_target_length']}"] if r.get("pose_target_length") else []),
+                          *([f"lr {r['lr']:g},"] if r.get("steps") else []), f"{r['max_length']}-token blocks"])
         axis.plot([c["tokens"] for c in r["curve"]], [c["perplexity"] for c in r["curve"]], marker="o", label=label)
     axis.set_xlabel("fine-tuning tokens")
     axis.set_ylabel("perplexity, held-out blocks of the training text")
@@ -84,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--text", action="append", default=None, metavar="FILE",
                    help="training text instead of the book's first 80 %% (repeatable; whole files)")
     p.add_argument("--eval-blocks", type=int, default=0,
-                   help="held-out blocks of the training text, for a perplexity-vs-tokens curve (0: none)")
+                   help="held-out blocks of the training text, for a perplexity-vs-tokens curve (0: none; with "
+                        "--recipe original or swap: the curve's point at 0 tokens)")
     p.add_argument("--eval-every", type=int, default=0, help="evaluate those blocks every N steps")
     p.add_argument("--lengths", default="512,2048")
     p.add_argument("--windows", default="2,1", help="held-out windows per length (one number, or one per length)")
@@ -126,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.recipe == "swap":
             MethodRequest.parse(args.method).apply(model)
         row["steps"] = 0
+        if args.eval_blocks:  # the curve's point at 0 tokens
+            row["curve"] = [{"step": 0, "tokens": 0, "perplexity": training_text_perplexity(model, tokenizer, args)}]
     else:
         with tempfile.TemporaryDirectory() as tmp:
             out = args.keep or args.save_model or Path(tmp) / "ft"

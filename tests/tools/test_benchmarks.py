@@ -186,12 +186,15 @@ def test_recipe_benchmark_appends_a_row_with_its_curve_and_plots_it(tmp_path):
     bench.main(["--recipe", "distill", "--method", "kerple:layers=last:1+yarn:factor=2,layers=rest", "--steps", "2",
                 "--max-length", "32", "--distill-alpha", "1", "--pose-target-length", "128", "--eval-blocks", "2",
                 "--eval-every", "1", *common])
-    bench.main(["--recipe", "original", *common])
+    bench.main(["--recipe", "original", "--max-length", "32", "--eval-blocks", "2", *common])
     rows = json.loads((tmp_path / "bench_recipes.json").read_text())
     assert [r["recipe"] for r in rows] == ["distill", "original"] and rows[0]["model"] == model
     distill = rows[0]
     assert distill["pose_target_length"] == 128 and distill["distill_alpha"] == 1 and len(distill["loss"]) == 2
     assert [(c["step"], c["tokens"]) for c in distill["curve"]] == [(1, 32), (2, 64)]
     assert all(c["perplexity"] > 1 for c in distill["curve"]) and distill["perplexity"]["64"] > 1
-    assert rows[1]["steps"] == 0 and not rows[1].get("curve") and rows[1]["perplexity"]["64"] > 1
+    # the untrained model on the same held-out blocks: the curve's point at 0 tokens
+    assert rows[1]["steps"] == 0 and rows[1]["perplexity"]["64"] > 1
+    [start] = rows[1]["curve"]
+    assert (start["step"], start["tokens"]) == (0, 0) and start["perplexity"] > 1
     assert (tmp_path / "bench_recipes.png").stat().st_size > 1000

@@ -66,11 +66,13 @@ def plot_curves(rows: list[dict], path: Path) -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return
     if not rows:
         return
     figure, axis = plt.subplots(figsize=(12, 4.5))
+    axis.set_prop_cycle(color=plt.cm.tab20.colors)  # 20 colours: the default 10 repeat across a long file
     for r in rows:
         label = " ".join([r["recipe"], *([r["method"]] if r.get("method") else []),
                           *([f"PoSE {r['pose_target_length']}"] if r.get("pose_target_length") else []),
@@ -79,6 +81,9 @@ def plot_curves(rows: list[dict], path: Path) -> None:
     axis.set_xlabel("fine-tuning tokens")
     axis.set_ylabel("perplexity, held-out blocks of the training text")
     axis.set_yscale("log")
+    plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")  # 34, not 3.4 x 10^1
+    axis.yaxis.set_major_formatter(plain)
+    axis.yaxis.set_minor_formatter(plain)
     axis.set_title("recipes after a swap: SmolLM2-135M")
     axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the axes: the lines stay visible
     figure.tight_layout()

@@ -76,7 +76,8 @@ def plot_curves(rows: list[dict], path: Path) -> None:
     for r in rows:
         label = " ".join([r["recipe"], *([r["method"]] if r.get("method") else []),
                           *([f"PoSE {r['pose_target_length']}"] if r.get("pose_target_length") else []),
-                          *([f"lr {r['lr']:g},"] if r.get("steps") else []), f"{r['max_length']}-token blocks"])
+                          *([f"lr {r['lr']:g},"] if r.get("steps") else []),
+                          f"{r.get('eval_blocks', '?')} x {r['max_length']}-token blocks"])
         axis.plot([c["tokens"] for c in r["curve"]], [c["perplexity"] for c in r["curve"]], marker="o", label=label)
     axis.set_xlabel("fine-tuning tokens")
     axis.set_ylabel("perplexity, held-out blocks of the training text")
@@ -137,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     row = {"model": args.model, "windows": dict(zip(map(str, lengths), windows)), "recipe": args.recipe,
            "method": None if args.recipe == "original" else args.method,
            "steps": args.steps, "max_length": args.max_length, "lr": args.lr, "train_only": args.train_only,
-           "pose_target_length": args.pose_target_length, "text": [Path(t).name for t in args.text or [BOOK]]}
+           "pose_target_length": args.pose_target_length, "eval_blocks": args.eval_blocks,
+           "text": [Path(t).name for t in args.text or [BOOK]]}
     if args.recipe == "saved":  # a model kept by an earlier --keep run: evaluate it, with that run's row
         from transformers import AutoTokenizer
 

@@ -191,6 +191,7 @@ def test_recipe_benchmark_appends_a_row_with_its_curve_and_plots_it(tmp_path):
     assert [r["recipe"] for r in rows] == ["distill", "original"] and rows[0]["model"] == model
     distill = rows[0]
     assert distill["pose_target_length"] == 128 and distill["distill_alpha"] == 1 and len(distill["loss"]) == 2
+    assert distill["eval_blocks"] == rows[1]["eval_blocks"] == 2
     assert [(c["step"], c["tokens"]) for c in distill["curve"]] == [(1, 32), (2, 64)]
     assert all(c["perplexity"] > 1 for c in distill["curve"]) and distill["perplexity"]["64"] > 1
     # the untrained model on the same held-out blocks: the curve's point at 0 tokens

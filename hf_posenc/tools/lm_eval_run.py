@@ -128,7 +128,8 @@ def evaluate_model(model, tokenizer, tasks: list[str], include_path: Path | None
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    manager = manager or task_manager(tasks, include_path)
+    if manager is None:
+        manager = task_manager(tasks, include_path)
     device = str(next(model.parameters()).device)
     wrapped = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
                    max_length=max_length)

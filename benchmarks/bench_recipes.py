@@ -41,20 +41,27 @@ def held_out_perplexity(model, tokenizer, lengths: list[int], windows: list[int]
                                                     progress=False)[0], 2) for length, count in zip(lengths, windows)}
 
 
+def training_text(args: argparse.Namespace) -> dict:
+    """The fine-tune's settings for its text: the book's first 80 % (or whole --text files), in --max-length blocks
+    of which the last --eval-blocks are held out."""
+    return {"text_file": [str(t) for t in args.text or [BOOK]], "text_fraction": "0:1" if args.text else "0:0.8",
+            "max_length": args.max_length, "eval_blocks": args.eval_blocks}
+
+
 def training_text_perplexity(model, tokenizer, args: argparse.Namespace) -> float:
-    """Perplexity on the held-out blocks of the training text that a fine-tune with these settings evaluates (its
-    last --eval-blocks blocks of --max-length tokens, positions restarting at each block): the level of the original
-    model or of a swap before training, where the recipes' curves start from and aim at."""
+    """Perplexity on the held-out blocks of the training text, computed as a fine-tune with these settings computes
+    its curve (``finetune.evaluate_loss``): the level of the original model or of a swap before training, where the
+    recipes' curves start from and aim at."""
+    from accelerate import Accelerator
+
     from hf_posenc.tools import finetune
 
-    settings = finetune.settings(text_file=[str(t) for t in args.text or [BOOK]],
-                                 text_fraction="0:1" if args.text else "0:0.8", max_length=args.max_length,
-                                 eval_blocks=args.eval_blocks)
+    settings = finetune.settings(**training_text(args))
     data = finetune.training_data(settings, tokenizer, finetune.documents_of(settings), 1)
-    with torch.no_grad():
-        losses = [model(input_ids=block[None], position_ids=positions[None], labels=block[None]).loss.item()
-                  for block, positions in zip(data.eval_blocks, data.eval_positions)]
-    return round(math.exp(sum(losses) / len(losses)), 2)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data.eval_blocks, data.eval_positions),
+                                         batch_size=settings.batch_size)
+    loss = finetune.evaluate_loss(model, loader, Accelerator(cpu=True), finetune.position_options(settings, model))
+    return round(math.exp(loss), 2)
 
 
 def plot_curves(rows: list[dict], path: Path) -> None:
@@ -159,10 +166,8 @@ def main(argv: list[str] | None = None) -> None:
             extra = {"distill_from": "original", "distill_alpha": args.distill_alpha,
                      "distill_temperature": args.distill_temperature} if args.recipe == "distill" else {}
             summary = finetune.run_finetune(finetune.settings(
-                model=args.model, method=args.method, train_only=args.train_only,
-                text_file=[str(t) for t in args.text or [BOOK]], text_fraction="0:1" if args.text else "0:0.8",
-                eval_blocks=args.eval_blocks, eval_every=args.eval_every,
-                max_length=args.max_length, max_steps=args.steps, lr=args.lr, output_dir=out, no_progress=False,
+                model=args.model, method=args.method, train_only=args.train_only, **training_text(args),
+                eval_every=args.eval_every, max_steps=args.steps, lr=args.lr, output_dir=out, no_progress=False,
                 threads=args.threads, pose_target_length=args.pose_target_length, no_memory_check=True, **extra))
             row["train_seconds"] = summary["seconds"]
             log = json.loads((out / "loss_log.json").read_text())

@@ -177,8 +177,7 @@ def check_args(args: argparse.Namespace) -> MethodRequest | None:
     if not 1 <= args.pose_chunks <= args.max_length:
         raise UsageError(f"--pose-chunks must be from 1 to --max-length ({args.max_length}), got {args.pose_chunks}")
     check_number("--distill-temperature", args.distill_temperature, 0, above=True)
-    if not 0 <= args.distill_alpha <= 1:
-        raise UsageError(f"--distill-alpha must be in [0, 1] (the KL's weight), got {args.distill_alpha:g}")
+    check_number("--distill-alpha", args.distill_alpha, 0, maximum=1, hint="the KL's weight")
     if args.distill_from is not None and args.distill_from != "original" and not Path(args.distill_from).exists():
         raise UsageError(f"--distill-from {args.distill_from}: give 'original' (the model before the patch) or an "
                          "existing checkpoint folder")

@@ -91,9 +91,7 @@ def apply_defaults(args: argparse.Namespace) -> argparse.Namespace:
     check_at_least(args, 1, "train_steps", "train_length", "max_windows", "threads")
     check_number("--lr", args.lr, 0, above=True)
     if args.distill_alpha is not None:
-        check_number("--distill-alpha", args.distill_alpha, 0)
-        if args.distill_alpha > 1:
-            raise UsageError(f"--distill-alpha must be in [0, 1], got {args.distill_alpha}")
+        check_number("--distill-alpha", args.distill_alpha, 0, maximum=1, hint="the KL's weight")
         if args.distill_alpha == 0:
             args.distill_alpha = None  # the LM loss alone: no teacher forwards
     check_number("--distill-temperature", args.distill_temperature, 0, above=True)

@@ -198,6 +198,15 @@ def test_pose_target_must_exceed_the_window(tiny_dir, tmp_path, capsys):
     assert "--pose-target-length 16 must be longer than --max-length 32" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("alpha", ["1.5", "-0.1", "nan"])
+def test_distill_alpha_outside_0_1_is_refused(tiny_dir, tmp_path, capsys, alpha):
+    argv = ["--model", str(tiny_dir), "--text-file", str(BOOK), "--max-length", "32", "--distill-from", "original",
+            "--distill-alpha", alpha, "--output-dir", str(tmp_path / "ft"), "--no-progress"]
+    assert run_cli("finetune", argv) == 2
+    assert "--distill-alpha must be a finite number >= 0 and <= 1" in capsys.readouterr().err
+    assert not (tmp_path / "ft").exists()
+
+
 @pytestmark_data
 def test_two_processes_distill_and_train_the_same_weights(tiny_dir, tmp_path):
     from tool_helpers import launch

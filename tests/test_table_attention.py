@@ -127,6 +127,37 @@ def test_not_used_without_gradient_or_for_fixed_biases(monkeypatch):
     assert not calls
 
 
+@pytest.mark.parametrize("method,frozen", [("sandwich", False), ("alibi", False), ("t5", True)])
+def test_fixed_tables_take_the_table_backward_where_sdpa_would_keep_block_masks(method, frozen, monkeypatch):
+    """Off the CPU, SDPA keeps an aligned copy of each block's mask for the backward (O(L^2) per layer: Sandwich at
+    3.3x native's peak on an H200), so there a fixed table goes through TableBiasAttention too: the device test is
+    forced here on the CPU. A learned table frozen (T5, as under LoRA) is a fixed one. Gradients equal the default
+    path's (SDPA with the mask, autograd), in float64, and the table, which takes no gradient, gets none."""
+    ids = random_ids(2, 30)
+
+    def gradients():
+        model = hf_posenc.patch_model(tiny_model("llama").double(), method).train()
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(not (frozen and "posenc" in name))
+        model(ids, labels=ids).loss.backward()
+        return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+    monkeypatch.setattr(attention, "VIEW_BLOCK_ROWS", 16)
+    monkeypatch.setattr(table_attention, "KEY_TILE", 8)
+    calls = []
+    original = TableBiasAttention.apply
+    monkeypatch.setattr(table_attention.TableBiasAttention, "apply",
+                        staticmethod(lambda *args: calls.append(args[3].requires_grad) or original(*args)))
+    reference = gradients()
+    assert not calls  # on the CPU SDPA keeps the mask's view: the default path
+    monkeypatch.setattr(table_attention, "sdpa_keeps_block_masks", lambda device: True)
+    fast = gradients()
+    assert calls and not any(calls), "the table backward did not serve the fixed table"
+    assert fast.keys() == reference.keys() and not any("posenc" in name for name in fast)
+    for name in fast:
+        assert max_diff(fast[name], reference[name]) < 1e-10 * max(1.0, reference[name].abs().max().item()), name
+
+
 def test_key_tiles_are_for_the_cpu_cache_and_a_gpu_takes_a_block_in_one_tile():
     """On an H200 the 256-key tiles made each block's backward dozens of small launches (blocked fwd+bwd of a learned
     table 12-16x causal SDPA at 8192 tokens); a block, already sized to the accelerator budget, is one tile there."""

@@ -69,6 +69,7 @@ from ..methods.base import AttentionBiasMethod, ContentBlock, ContentMethod, Pos
 from .content import layer_state
 from .state import STATE_ATTR, PositionState
 from .separable_attention import CAUSAL, SeparableBiasAttention, TwoPartAttention, separable_path_applies
+from . import table_attention
 from .table_attention import TableBiasAttention
 
 ATTENTION_NAME = "hf_posenc"
@@ -297,9 +298,12 @@ def _blocked(module, state, layer_idx, query, key, value, attention_mask, scalin
     else:
         step = block_rows(batch, heads, kv, state.method.block_cost, query.device)
     rotate_blocks = isinstance(state.method, RotaryMethod) and state.method.rotates_per_query_block
-    if as_view and dropout == 0.0 and padded.requires_grad and torch.is_grad_enabled():
+    if as_view and dropout == 0.0 and torch.is_grad_enabled() and (padded.requires_grad or (
+            table_attention.sdpa_keeps_block_masks(query.device)
+            and any(t.requires_grad for t in (query, key, value)))):
         # A learned table in training: SDPA takes the bias as a constant, the backward recomputes each block and
         # sends dS into the table (table_attention.py), rather than SDPA's math path for a mask with a gradient.
+        # A fixed table too where SDPA would keep a copy of every block's mask (sdpa_keeps_block_masks).
         blocks = [(rows.start, rows.stop - rows.start, max(1, min(kv, query_offset + rows.stop)),
                    step + query_offset + rows.start - max(1, min(kv, query_offset + rows.stop)) + 1)
                   for rows in query_blocks(query_positions, step)]

@@ -20,7 +20,8 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+import warnings
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import _fix_mmap_threshold, device_name, peak_mib, synchronize  # noqa: E402
 
 from hf_posenc import available_methods  # noqa: E402
+from hf_posenc.engine.attention import KernelCheckWarning, last_paths  # noqa: E402
 
 LENGTHS = [512, 2048, 4096]
 # What the contract suite needs to patch a method with no options of its own (RoPE scalings need a factor, ...).
@@ -55,6 +57,11 @@ class Row:
     throughput_ratio: float = 1.0  # tokens/s over native's (same length and checkpointing)
     peak_ratio: float = float("nan")
     error: str = ""  # why this case has no figures (the exception it raised)
+    # attention calls per path over the timed steps (attention.last_paths: "blocked", "flex", "causal", ...), and the
+    # kernel checks that refused a kernel on this device (KernelCheckWarning), so a slow or large row says which
+    # path it took
+    paths: dict = field(default_factory=dict)
+    refused: list = field(default_factory=list)
 
 
 def smollm2_shaped(layers: int, max_length: int):
@@ -120,14 +127,18 @@ def run_benchmark(lengths=LENGTHS, methods=None, layers: int = 30, steps: int = 
     for length, gc, method in tqdm(jobs, disable=not progress, desc="bench_finetune: time"):
         try:
             step = build(length, gc, method)
-            step(0)  # warm-up (and compilation, where a path compiles)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", KernelCheckWarning)
+                step(0)  # warm-up (and compilation, where a path compiles)
+            last_paths.clear()
             times = []
             for index in range(1, steps + 1):
                 start = time.perf_counter()
                 step(index)
                 times.append(time.perf_counter() - start)
             seconds = statistics.median(times)
-            row = Row(method, length, gc, seconds, length / seconds)
+            row = Row(method, length, gc, seconds, length / seconds, paths=dict(last_paths),
+                      refused=[str(w.message)[:300] for w in caught if issubclass(w.category, KernelCheckWarning)])
             if memory and step.device.type == "cuda":
                 row.peak_mib = peak_mib(lambda: step(steps + 1), step.device)
         except Exception as error:  # noqa: BLE001 (the row records it; native's failure ends the run)
@@ -165,15 +176,22 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def paths_cell(row: Row) -> str:
+    """"blocked 60, flex 30", and "(a kernel refused)" where a kernel check refused one during the warm-up."""
+    served = ", ".join(f"{path} {count}" for path, count in sorted(row.paths.items())) or "-"
+    return served + (" (a kernel refused)" if row.refused else "")
+
+
 def format_table(rows: list[Row]) -> str:
-    lines = ["| method | L | checkpointing | step s | tokens/s | x native | peak MiB | x native |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| method | L | checkpointing | step s | tokens/s | x native | peak MiB | x native | attention calls |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if r.error:
             lines.append(f"| {r.method} | {r.length} | {'yes' if r.checkpointing else 'no'} | failed: {r.error} |")
             continue
         lines.append(f"| {r.method} | {r.length} | {'yes' if r.checkpointing else 'no'} | {r.step_s:.2f} | "
-                     f"{r.tokens_per_s:.0f} | {r.throughput_ratio:.2f} | {r.peak_mib:.0f} | {r.peak_ratio:.2f} |")
+                     f"{r.tokens_per_s:.0f} | {r.throughput_ratio:.2f} | {r.peak_mib:.0f} | {r.peak_ratio:.2f} | "
+                     f"{paths_cell(r)} |")
     return "\n".join(lines)
 
 

@@ -83,7 +83,14 @@ def test_finetune_benchmark_times_the_finetune_step_beside_native(tmp_path, monk
     assert steps and all(shape == (1, 32) for shape in steps)
     assert [r.throughput_ratio for r in rows if r.method == "native"] == [1.0, 1.0]
     assert all(r.peak_mib > 0 and r.tokens_per_s > 0 for r in rows)
-    assert "| t5 | 32 | yes |" in bench.format_table(rows)
+    # the paths over the timed step (1 layer): native's attention is not ours; the checkpointed step runs the forward
+    # again in the backward
+    assert [(r.method, r.checkpointing, r.paths, r.refused) for r in rows] == [
+        ("native", False, {}, []), ("t5", False, {"blocked": 1}, []), ("native", True, {}, []),
+        ("t5", True, {"blocked": 2}, [])]
+    assert not rows[1].refused
+    assert "| t5 | 32 | yes |" in bench.format_table(rows) and bench.format_table(rows).endswith("| blocked 2 |")
+    assert bench.paths_cell(bench.Row("t5", 32, False, 1.0, 32.0, refused=["..."])) == "- (a kernel refused)"
     assert bench.save(rows, tmp_path)["png"].stat().st_size > 0
     assert "rope" not in bench.default_methods() and "alibi:trainable=true" in bench.default_methods()
 

@@ -150,7 +150,7 @@ def test_fixed_tables_take_the_table_backward_where_sdpa_would_keep_block_masks(
                         staticmethod(lambda *args: calls.append(args[3].requires_grad) or original(*args)))
     reference = gradients()
     assert not calls  # on the CPU SDPA keeps the mask's view: the default path
-    monkeypatch.setattr(table_attention, "sdpa_keeps_block_masks", lambda device: True)
+    monkeypatch.setattr(attention, "sdpa_keeps_block_masks", lambda device: True)
     fast = gradients()
     assert calls and not any(calls), "the table backward did not serve the fixed table"
     assert fast.keys() == reference.keys() and not any("posenc" in name for name in fast)

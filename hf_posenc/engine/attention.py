@@ -69,8 +69,7 @@ from ..methods.base import AttentionBiasMethod, ContentBlock, ContentMethod, Pos
 from .content import layer_state
 from .state import STATE_ATTR, PositionState
 from .separable_attention import CAUSAL, SeparableBiasAttention, TwoPartAttention, separable_path_applies
-from . import table_attention
-from .table_attention import TableBiasAttention
+from .table_attention import TableBiasAttention, sdpa_keeps_block_masks
 
 ATTENTION_NAME = "hf_posenc"
 BLOCK_BYTES = 16 * 2**20  # per block temporary on the CPU: about what its caches hold
@@ -299,7 +298,7 @@ def _blocked(module, state, layer_idx, query, key, value, attention_mask, scalin
         step = block_rows(batch, heads, kv, state.method.block_cost, query.device)
     rotate_blocks = isinstance(state.method, RotaryMethod) and state.method.rotates_per_query_block
     if as_view and dropout == 0.0 and torch.is_grad_enabled() and (padded.requires_grad or (
-            table_attention.sdpa_keeps_block_masks(query.device)
+            sdpa_keeps_block_masks(query.device)
             and any(t.requires_grad for t in (query, key, value)))):
         # A learned table in training: SDPA takes the bias as a constant, the backward recomputes each block and
         # sends dS into the table (table_attention.py), rather than SDPA's math path for a mask with a gradient.

@@ -297,9 +297,8 @@ def _blocked(module, state, layer_idx, query, key, value, attention_mask, scalin
     else:
         step = block_rows(batch, heads, kv, state.method.block_cost, query.device)
     rotate_blocks = isinstance(state.method, RotaryMethod) and state.method.rotates_per_query_block
-    if as_view and dropout == 0.0 and torch.is_grad_enabled() and (padded.requires_grad or (
-            sdpa_keeps_block_masks(query.device)
-            and any(t.requires_grad for t in (query, key, value)))):
+    if as_view and dropout == 0.0 and _needs_grad(state, query, key, value) and (
+            padded.requires_grad or sdpa_keeps_block_masks(query.device)):
         # A learned table in training: SDPA takes the bias as a constant, the backward recomputes each block and
         # sends dS into the table (table_attention.py), rather than SDPA's math path for a mask with a gradient.
         # A fixed table too where SDPA would keep a copy of every block's mask (sdpa_keeps_block_masks).

@@ -79,7 +79,8 @@ def test_main_job_full_and_distillation_options(capsys):
     default = main_job.apply_defaults(parse([]))
     assert main_job.estimate_seconds(full) > main_job.estimate_seconds(default)
     for bad, message in ((["--distill-alpha", "-0.5"], "--distill-alpha must be a finite number >= 0"),
-                         (["--distill-alpha", "1.5"], "--distill-alpha must be a finite number >= 0 and <= 1, got 1.5; the KL"),
+                         (["--distill-alpha", "1.5"],
+                          "--distill-alpha must be a finite number >= 0 and <= 1, got 1.5; the KL"),
                          (["--distill-alpha", "0.5", "--distill-temperature", "0"], "--distill-temperature")):
         with pytest.raises(main_job.UsageError, match=re.escape(message)):
             main_job.apply_defaults(parse(bad))

@@ -11,6 +11,12 @@ native change little, since every layer is the same). Times are taken first for 
 users have it; peak memory afterwards, as in bench_attention.py (on CUDA the allocator's own peak counter does not
 change the timing, so the peak is read in the timing pass, over one more step). A case that fails (a method that
 cannot run at this length or precision on this machine) gets a row with its error and the run goes on.
+
+--compile BACKEND adds, for every case, the same step with the prepared model under torch.compile (what
+`accelerate launch --dynamo_backend BACKEND` runs; --compile-mode reduce-overhead for CUDA graphs, --compile-fullgraph
+for one graph), beside the uncompiled row: `x uncompiled` is its tokens/s over the same method's uncompiled row. The
+fine-tune checks the compiled step against the uncompiled model in the warm-up (finetune.checked_compiled_loss); a
+row whose compiled step was refused there says so and times the uncompiled model.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch._dynamo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import _fix_mmap_threshold, device_name, peak_mib, synchronize  # noqa: E402
@@ -62,6 +69,9 @@ class Row:
     # path it took
     paths: dict = field(default_factory=dict)
     refused: list = field(default_factory=list)
+    compiled: str = ""  # "" uncompiled, else "BACKEND[:MODE][:fullgraph]"
+    compiled_step: dict | None = None  # the fine-tune's check of the compiled step (served or not, both losses)
+    compile_speedup: float = float("nan")  # tokens/s over the same method's uncompiled row
 
 
 def smollm2_shaped(layers: int, max_length: int):
@@ -75,8 +85,9 @@ def smollm2_shaped(layers: int, max_length: int):
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
 
 
-def training(model, length: int, checkpointing: bool, steps: int, mixed_precision: str = "no"):
-    """The fine-tune's training objects (finetune.prepare_training) over random blocks, and its step function."""
+def training(model, length: int, checkpointing: bool, steps: int, mixed_precision: str = "no", compiled: str = ""):
+    """The fine-tune's training objects (finetune.prepare_training) over random blocks, and its step function;
+    `compiled` ("BACKEND[:MODE][:fullgraph]"): the prepared model under torch.compile, as accelerate wraps it."""
     from accelerate import Accelerator
 
     from hf_posenc.tools import finetune
@@ -88,6 +99,10 @@ def training(model, length: int, checkpointing: bool, steps: int, mixed_precisio
     data = finetune.TrainingData([], blocks.numel(), blocks, blocks[:0], positions, positions[:0])
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision)
     prepared = finetune.prepare_training(args, accelerator, model, data)
+    if compiled:
+        backend, *rest = compiled.split(":")
+        mode = next((part for part in rest if part != "fullgraph"), None)
+        prepared.model = torch.compile(prepared.model, backend=backend, mode=mode, fullgraph="fullgraph" in rest)
     prepared.model.train()
     device = prepared.accelerator.device
 
@@ -96,12 +111,13 @@ def training(model, length: int, checkpointing: bool, steps: int, mixed_precisio
         synchronize(device)
 
     step_and_wait.device = device
+    step_and_wait.prepared = prepared
     return step_and_wait
 
 
 def run_benchmark(lengths=LENGTHS, methods=None, layers: int = 30, steps: int = 2, checkpointing=(False, True),
                   threads: int | None = None, memory: bool = True, progress: bool = True,
-                  mixed_precision: str = "no", on_row=None) -> list[Row]:
+                  mixed_precision: str = "no", on_row=None, compile_with: str = "") -> list[Row]:
     """Time every case, then (with ``memory``) measure its peak; ``on_row(rows)`` after every measurement (a run
     cut short keeps what it measured)."""
     from tqdm import tqdm
@@ -114,19 +130,21 @@ def run_benchmark(lengths=LENGTHS, methods=None, layers: int = 30, steps: int = 
     requests = {spec: MethodRequest.parse(spec) for spec in methods}
     for request in requests.values():
         request.check()
-    jobs = [(length, gc, method) for length in lengths for gc in checkpointing for method in ["native", *methods]]
+    jobs = [(length, gc, method, compiled) for length in lengths for gc in checkpointing
+            for method in ["native", *methods] for compiled in ["", *([compile_with] if compile_with else [])]]
 
-    def build(length, gc, method):
+    def build(length, gc, method, compiled=""):
         _release_memory()
+        torch._dynamo.reset()
         model = smollm2_shaped(layers, length)
         if method != "native":
             requests[method].apply(model)
-        return training(model, length, gc, steps, mixed_precision)
+        return training(model, length, gc, steps, mixed_precision, compiled)
 
-    rows, native = [], {}
-    for length, gc, method in tqdm(jobs, disable=not progress, desc="bench_finetune: time"):
+    rows, native, uncompiled = [], {}, {}
+    for length, gc, method, compiled in tqdm(jobs, disable=not progress, desc="bench_finetune: time"):
         try:
-            step = build(length, gc, method)
+            step = build(length, gc, method, compiled)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", KernelCheckWarning)
                 step(0)  # warm-up (and compilation, where a path compiles)
@@ -138,17 +156,21 @@ def run_benchmark(lengths=LENGTHS, methods=None, layers: int = 30, steps: int = 
                 times.append(time.perf_counter() - start)
             seconds = statistics.median(times)
             row = Row(method, length, gc, seconds, length / seconds, paths=dict(last_paths),
-                      refused=[str(w.message)[:300] for w in caught if issubclass(w.category, KernelCheckWarning)])
+                      refused=[str(w.message)[:300] for w in caught if issubclass(w.category, KernelCheckWarning)],
+                      compiled=compiled, compiled_step=step.prepared.compiled_step)
             if memory and step.device.type == "cuda":
                 row.peak_mib = peak_mib(lambda: step(steps + 1), step.device)
         except Exception as error:  # noqa: BLE001 (the row records it; native's failure ends the run)
             if method == "native":
                 raise
-            row = Row(method, length, gc, float("nan"), float("nan"), error=f"{type(error).__name__}: {error}"[:500])
+            row = Row(method, length, gc, float("nan"), float("nan"), error=f"{type(error).__name__}: {error}"[:500],
+                      compiled=compiled)
         step = None
-        native.setdefault((length, gc), row)
-        row.throughput_ratio = row.tokens_per_s / native[length, gc].tokens_per_s
-        row.peak_ratio = row.peak_mib / native[length, gc].peak_mib
+        native.setdefault((length, gc, compiled), row)
+        uncompiled.setdefault((length, gc, method), row)
+        row.throughput_ratio = row.tokens_per_s / native[length, gc, compiled].tokens_per_s
+        row.peak_ratio = row.peak_mib / native[length, gc, compiled].peak_mib
+        row.compile_speedup = row.tokens_per_s / uncompiled[length, gc, method].tokens_per_s
         rows.append(row)
         if on_row:
             on_row(rows)
@@ -157,10 +179,10 @@ def run_benchmark(lengths=LENGTHS, methods=None, layers: int = 30, steps: int = 
         for row in tqdm(rows, disable=not progress, desc="bench_finetune: memory"):
             if row.error:
                 continue
-            step = build(row.length, row.checkpointing, row.method)
+            step = build(row.length, row.checkpointing, row.method, row.compiled)
             step(0)  # optimizer state allocated, as in the timed steps
             row.peak_mib = peak_mib(lambda: step(1), step.device)
-            row.peak_ratio = row.peak_mib / native[row.length, row.checkpointing].peak_mib
+            row.peak_ratio = row.peak_mib / native[row.length, row.checkpointing, row.compiled].peak_mib
             step = None
             if on_row:
                 on_row(rows)
@@ -182,16 +204,28 @@ def paths_cell(row: Row) -> str:
     return served + (" (a kernel refused)" if row.refused else "")
 
 
+def compiled_cell(row: Row) -> str:
+    """"-" uncompiled; else the compile setting, and "(refused: uncompiled)" where the fine-tune's check refused it."""
+    if not row.compiled:
+        return "-"
+    refused = row.compiled_step is not None and not row.compiled_step.get("served")
+    return row.compiled + (" (refused: uncompiled)" if refused else "")
+
+
 def format_table(rows: list[Row]) -> str:
-    lines = ["| method | L | checkpointing | step s | tokens/s | x native | peak MiB | x native | attention calls |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    compiling = any(r.compiled for r in rows)
+    extra = " compiled | x uncompiled |" if compiling else ""
+    lines = ["| method | L | checkpointing |" + extra + " step s | tokens/s | x native | peak MiB | x native | "
+             "attention calls |", "| --- " * (9 + 2 * compiling) + "|"]
     for r in rows:
+        head = f"| {r.method} | {r.length} | {'yes' if r.checkpointing else 'no'} |"
+        if compiling:
+            head += f" {compiled_cell(r)} | {r.compile_speedup:.2f} |"
         if r.error:
-            lines.append(f"| {r.method} | {r.length} | {'yes' if r.checkpointing else 'no'} | failed: {r.error} |")
+            lines.append(f"{head} failed: {r.error} |")
             continue
-        lines.append(f"| {r.method} | {r.length} | {'yes' if r.checkpointing else 'no'} | {r.step_s:.2f} | "
-                     f"{r.tokens_per_s:.0f} | {r.throughput_ratio:.2f} | {r.peak_mib:.0f} | {r.peak_ratio:.2f} | "
-                     f"{paths_cell(r)} |")
+        lines.append(f"{head} {r.step_s:.2f} | {r.tokens_per_s:.0f} | {r.throughput_ratio:.2f} | {r.peak_mib:.0f} | "
+                     f"{r.peak_ratio:.2f} | {paths_cell(r)} |")
     return "\n".join(lines)
 
 
@@ -210,6 +244,7 @@ def save(rows: list[Row], output_dir: str | Path, plot: bool = True) -> dict[str
         import matplotlib.pyplot as plt
     except ImportError:
         return paths
+    rows = [r for r in rows if not r.compiled]  # the plot: uncompiled ratios to native (the table has the rest)
     settings = sorted({(r.length, r.checkpointing) for r in rows})
     methods = list(dict.fromkeys(r.method for r in rows if r.method != "native"))
     figure, axis = plt.subplots(figsize=(max(8, 0.45 * len(methods) * len(settings)), 4.5))
@@ -244,13 +279,20 @@ def main() -> None:
     parser.add_argument("--no-memory", action="store_true", help="times only")
     parser.add_argument("--mixed-precision", default="no", choices=("no", "bf16", "fp16"),
                         help="accelerate's mixed precision (CUDA; default no: fp32)")
+    parser.add_argument("--compile", default="", metavar="BACKEND",
+                        help="also time each case under torch.compile with this backend (inductor, aot_eager, ...)")
+    parser.add_argument("--compile-mode", default=None, help="torch.compile's mode (reduce-overhead: CUDA graphs)")
+    parser.add_argument("--compile-fullgraph", action="store_true", help="one graph (a method that cannot be "
+                        "traced as one is then refused by the fine-tune's check and timed uncompiled)")
     parser.add_argument("--output-dir", default="runs/bench_finetune")
     args = parser.parse_args()
     checkpointing = tuple({"no": False, "yes": True}[x.strip()] for x in args.checkpointing.split(","))
+    compile_setting = ":".join([args.compile, *([args.compile_mode] if args.compile_mode else []),
+                                *(["fullgraph"] if args.compile_fullgraph else [])]) if args.compile else ""
     rows = run_benchmark([int(x) for x in args.lengths.split(",")],
                          args.methods.split(";") if args.methods else None, args.layers, args.steps, checkpointing,
                          args.threads, not args.no_memory, mixed_precision=args.mixed_precision,
-                         on_row=lambda so_far: save(so_far, args.output_dir, plot=False))
+                         on_row=lambda so_far: save(so_far, args.output_dir, plot=False), compile_with=compile_setting)
     print(format_table(rows))
     for kind, path in save(rows, args.output_dir).items():
         print(f"{kind}: {path}")

@@ -42,6 +42,38 @@ def test_compiled_forward_is_one_graph_compiled_once(model_type, method, options
     assert attention.last_paths == paths_before  # no bookkeeping inside the traced region
 
 
+@pytest.mark.parametrize("model_type, method, options", [
+    ("llama", "alibi", {"trainable": True}),
+    ("llama", "kerple", {}),
+    ("llama", "yarn", {"factor": 2.0}),  # its frequencies come from transformers' rope functions, built at patch time
+    ("llama", "liere", {}),  # exp(p A) by matrix_exp under tracing: the power table is sized by a position's value
+    ("gpt2", "fire", {}),
+    ("bloom", "t5", {}),
+])
+def test_a_compiled_training_step_is_one_graph_with_the_eager_gradients(model_type, method, options):
+    """What accelerate's --dynamo_backend runs: forward, loss and backward of the compiled model, here traced before
+    any uncompiled forward (the fine-tune's first step), as one graph (fullgraph), with the uncompiled gradients."""
+    model = hf_posenc.patch_model(tiny_model(model_type), method, **options).train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):  # GPT-2's: the two runs would draw other masks
+            module.p = 0.0
+    ids = random_ids(2, 12)
+
+    def gradients(forward):
+        model.zero_grad(set_to_none=True)
+        logits = forward(ids).logits  # the loss outside: GPT-2's own loss function logs, which dynamo cannot trace
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    torch._dynamo.reset()
+    compiled_loss, compiled = gradients(torch.compile(model, fullgraph=True, backend="aot_eager"))
+    loss, expected = gradients(model)
+    assert float((compiled_loss - loss).abs()) < TOLERANCE
+    assert compiled.keys() == expected.keys() and len(expected) == len(list(model.parameters()))
+    assert max(max_diff(compiled[name], expected[name]) for name in expected) < TOLERANCE
+
+
 @pytest.mark.parametrize("model_type, method", [("llama", "alibi"), ("bloom", "alibi")])
 def test_generate_with_fullgraph_compile_config_matches_eager(model_type, method):
     model = hf_posenc.patch_model(tiny_model(model_type), method)

@@ -58,7 +58,8 @@ def block_exponentials(generators: torch.Tensor, positions: torch.Tensor) -> tor
         angle = positions[(...,) + (None,) * (generators.dim() - 2)].float() * generators.float()[..., 1, 0]
         cos, sin = angle.cos(), angle.sin()
         return torch.stack((torch.stack((cos, -sin), -1), torch.stack((sin, cos), -1)), -2)
-    if not positions.is_floating_point():
+    if not positions.is_floating_point() and not torch.compiler.is_compiling():
+        # (power_products sizes its table by the largest position, a value torch.compile cannot trace)
         return power_products(generators.float(), positions)
     return torch.linalg.matrix_exp(positions[(...,) + (None,) * generators.dim()].float() * generators.float())
 

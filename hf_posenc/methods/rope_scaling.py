@@ -204,6 +204,10 @@ class ScaledRope(RotaryMethod):
         self._base_patch = RopeConfig(theta=base_theta) if info.rope_theta is None else None
         self.check(info)
         self._frequency_cache: dict[int, tuple[torch.Tensor, float]] = {}
+        if not self.length_dependent:
+            # Now, not at the first forward: under torch.compile that forward would trace transformers' config
+            # and rope functions, which dynamo cannot (a compiled training step may be the first forward).
+            self.frequencies(0)
 
     def builds_on(self):
         return [self._base_patch] if self._base_patch is not None else []

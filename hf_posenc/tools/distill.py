@@ -24,6 +24,8 @@ import contextlib
 import copy
 from typing import TYPE_CHECKING, Any
 
+from .runtime import uncompiled
+
 if TYPE_CHECKING:
     import torch
 
@@ -98,7 +100,8 @@ class Teacher:
 
 
 def _inner_model(model):
-    """The transformers model inside accelerate / DDP / PEFT wrappers (the one the patch is installed on)."""
+    """The transformers model inside torch.compile / DDP / PEFT wrappers (the one the patch is installed on)."""
+    model = uncompiled(model)
     model = getattr(model, "module", model)  # DDP
     if hasattr(model, "get_base_model"):  # PEFT
         model = model.get_base_model()
@@ -113,6 +116,7 @@ def unpatched(model):
     from hf_posenc.engine.install import PATCH_ATTR, _reinstall, applied_patch
     from hf_posenc.registry import get_family
 
+    model = uncompiled(model)  # the teacher's forward runs uncompiled: one compiled graph, the student's
     wrapper = getattr(model, "module", model)
     inner = _inner_model(model)
     applied = applied_patch(inner)

@@ -41,7 +41,7 @@ from ..registry import get_family
 from .models import SMOLLM2, load_model
 from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir_on_main, output_path, write_json
 from .runtime import (DTYPES, UNPATCHED, MethodRequest, UsageError, check_at_least, check_number, parse_options,
-                      set_threads, settings_from, settings_of, versions)
+                      set_threads, settings_from, settings_of, uncompiled, versions)
 from .text import DataError, add_text_arguments, check_encoding, documents_of, pack_blocks, tokenize_documents
 from .training_positions import pack_documents
 
@@ -293,6 +293,7 @@ class Training:
     warmup_steps: int
     teacher: Any = None  # distill.Teacher under --distill-from
     restarts: bool = False  # position ids restart at each document (--document-restarts, where the model takes them)
+    compiled_step: dict | None = None  # the check of a compiled step (accelerate's --dynamo_backend), once made
 
 
 def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
@@ -572,7 +573,10 @@ def training_step(args: argparse.Namespace, training: Training, batch: torch.Lon
     loss averaged over processes, the same number on every process, so a divergence stops all of them together."""
     accelerator, model = training.accelerator, training.model
     with accelerator.accumulate(model):
-        loss = step_loss(args, training, batch, positions, step)
+        if training.compiled_step is None and uncompiled(model) is not model:
+            loss = checked_compiled_loss(args, training, batch, positions, step)
+        else:
+            loss = step_loss(args, training, batch, positions, step)
         mean_loss = accelerator.gather(loss.detach().float()[None]).mean().item()
         if not math.isfinite(mean_loss):
             raise NonFiniteLoss(f"the training loss is {mean_loss} at step {step + 1}; " + _diverged(args))
@@ -585,17 +589,106 @@ def training_step(args: argparse.Namespace, training: Training, batch: torch.Lon
     return mean_loss
 
 
-def step_loss(args: argparse.Namespace, training: Training, batch, positions, step: int):
-    """The training loss of a batch: the LM loss, or under --distill-from the mix of KL to the teacher and LM loss."""
+def step_loss(args: argparse.Namespace, training: Training, batch, positions, step: int, model=None):
+    """The training loss of a batch: the LM loss, or under --distill-from the mix of KL to the teacher and LM loss.
+    `model`: another view of the model being trained (the uncompiled one) instead of `training.model`."""
     from .distill import distillation_loss, mixed_loss
 
+    model = training.model if model is None else model
     inputs, teacher_inputs = model_inputs(args, training, batch, positions, step)
     if training.teacher is None:
-        return training.model(**inputs, labels=batch).loss
-    teacher_logits = training.teacher.logits(training.model, **teacher_inputs)
-    outputs = training.model(**inputs, labels=batch)
+        return model(**inputs, labels=batch).loss
+    teacher_logits = training.teacher.logits(model, **teacher_inputs)
+    outputs = model(**inputs, labels=batch)
     kl = distillation_loss(outputs.logits, teacher_logits, args.distill_temperature)
     return mixed_loss(outputs.loss, kl, args.distill_alpha)
+
+
+# How far the first loss of a compiled step may lie from the uncompiled model's, relative: a compiled graph adds in
+# another order (float32: about 1e-6 here), and under autocast rounds its intermediates at other points.
+COMPILED_STEP_TOLERANCE = {"no": 1e-3, "bf16": 3e-2, "fp16": 3e-2}
+
+
+def checked_compiled_loss(args: argparse.Namespace, training: Training, batch, positions, step: int):
+    """The first micro-step of a compiled model (accelerate's ``--dynamo_backend``), checked on this machine before
+    the compiled graph trains: its loss against the uncompiled model's on the same batch (no compiled number counts
+    unchecked; see engine/kernel_check.py). Where the model draws random numbers in training (dropout), the two are
+    compared in eval mode instead. Where they differ beyond COMPILED_STEP_TOLERANCE on any process, or compiling
+    fails (a method torch.compile cannot trace says so), the uncompiled model trains from this step on, with a
+    warning. The verdict goes into ``training_args.json`` (``compiled_step``)."""
+    import torch
+
+    accelerator, compiled = training.accelerator, training.model
+    eager = uncompiled(compiled)
+    backend = str(getattr(accelerator.state.dynamo_plugin, "backend", "no")).split(".")[-1].lower()
+    backend = "torch.compile" if backend == "no" else backend  # compiled by the caller, not by accelerate
+    verdict: dict[str, Any] = {"backend": backend, "compared": "training step"}
+
+    def compiled_loss():  # a compiler failure, or a method that refuses to be traced: a verdict, not a crash
+        try:
+            return step_loss(args, training, batch, positions, step)
+        except Exception as error:
+            verdict["error"] = _first_lines(error)
+            return None
+
+    # The uncompiled model first: state a method builds at its first forward is then built uncompiled, and a wrong
+    # compiled graph cannot leave it behind for the uncompiled model to read.
+    loss = checked = None
+    with torch.no_grad():
+        reference = _loss_twice(args, training, batch, positions, step, eager, accelerator.device)
+        if reference is None:  # random in training: compare the deterministic eval-mode forwards
+            verdict["compared"] = "eval mode (the model draws random numbers in training)"
+            compiled.eval()
+            try:
+                reference = float(step_loss(args, training, batch, positions, step, model=eager))
+                evaluated = compiled_loss()
+                checked = None if evaluated is None else float(evaluated)
+            finally:
+                compiled.train()
+    if "error" not in verdict:
+        loss = compiled_loss()
+        if loss is not None and checked is None:
+            checked = float(loss.detach())
+    verdict.update(compiled_loss=checked, uncompiled_loss=reference)
+    tolerance = COMPILED_STEP_TOLERANCE.get(accelerator.mixed_precision, 3e-2)
+    agrees = (checked is not None and math.isfinite(checked)
+              and abs(checked - reference) <= tolerance * max(1.0, abs(reference)))
+    agrees = bool(accelerator.gather(torch.tensor([int(agrees)], device=accelerator.device)).all())
+    verdict["served"] = agrees
+    training.compiled_step = verdict
+    if agrees:
+        if accelerator.is_main_process:
+            print(f"compiled step ({backend}) checked: loss {checked:.6g}, uncompiled {reference:.6g}", flush=True)
+        return loss
+    if accelerator.is_main_process:
+        why = verdict.get("error") or (f"its loss {checked} differs from the uncompiled model's {reference} on the "
+                                       "same batch" if checked is not None else "it failed on another process")
+        print(f"warning: the compiled training step ({backend}) is not used: {why}. Training goes on uncompiled; "
+              "launch without --dynamo_backend to skip the attempt.", file=sys.stderr, flush=True)
+    training.model = eager
+    return step_loss(args, training, batch, positions, step)
+
+
+def _loss_twice(args, training, batch, positions, step, model, device) -> float | None:
+    """The loss of `model` on the batch, or None when two forwards under different seeds disagree (dropout)."""
+    import torch
+
+    losses = []
+    for seed in (0, 1):
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            losses.append(float(step_loss(args, training, batch, positions, step, model=model)))
+    return losses[0] if losses[0] == losses[1] else None
+
+
+def _first_lines(error: Exception, limit: int = 300) -> str:
+    """The root cause of `error`, one line: dynamo wraps what the traced code raised (a method's refusal, a
+    compiler's failure) in errors of its own, whose first lines say only that something was raised."""
+    root, seen = error, 0
+    while (root.__cause__ or root.__context__) is not None and seen < 20:
+        root, seen = root.__cause__ or root.__context__, seen + 1
+    text = " ".join(line.strip() for line in str(root).splitlines() if line.strip())
+    return f"{type(root).__name__}: {text[:limit]}"
 
 
 def log_entry(args: argparse.Namespace, training: Training, step: int, loss: float, started: float) -> dict:
@@ -628,6 +721,7 @@ def run_summary(args: argparse.Namespace, training: Training, progress: Progress
         "mixed_precision_used": accelerator.mixed_precision,
         "warmup_steps_used": training.warmup_steps,
         "document_restarts_used": training.restarts,
+        "compiled_step": training.compiled_step,
         "distillation": None if training.teacher is None else {
             "teacher": args.distill_from, "mode": training.teacher.mode, "teacher_window": training.teacher.window,
             "temperature": args.distill_temperature, "alpha": args.distill_alpha},
@@ -640,7 +734,8 @@ def run_summary(args: argparse.Namespace, training: Training, progress: Progress
         "first_loss": log[0]["loss"] if log else None,
         "final_loss": log[-1]["loss"] if log else None,
         "final_eval_loss": next((e["eval_loss"] for e in reversed(log) if "eval_loss" in e), None),
-        "weights_sha256_per_process": gather_object([weights_digest(accelerator.unwrap_model(training.model))]),
+        "weights_sha256_per_process": gather_object(
+            [weights_digest(accelerator.unwrap_model(training.model, keep_torch_compile=False))]),
         "seconds": round(time.perf_counter() - started, 2),
         "versions": versions(),
     }
@@ -653,7 +748,7 @@ def save_output(args: argparse.Namespace, training: Training, tokenizer, posenc,
     from hf_posenc.checkpoints.saving import share_weight_files
 
     accelerator = training.accelerator
-    unwrapped = accelerator.unwrap_model(training.model)
+    unwrapped = accelerator.unwrap_model(training.model, keep_torch_compile=False)
     adapter_only = args.train_only == "lora" and args.save == "adapter"
     if args.train_only == "lora" and not adapter_only:
         unwrapped = unwrapped.merge_and_unload()

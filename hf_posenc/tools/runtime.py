@@ -295,6 +295,13 @@ def each_method(model, requests: list[MethodRequest], reload: Callable[[], Any])
 
 
 # --- several processes ----------------------------------------------------------------------------------------
+def uncompiled(model):
+    """The module a torch.compile wrapper holds (accelerate's ``--dynamo_backend`` wraps the prepared model in one),
+    else the model itself. Read from ``_modules``: the wrapper forwards unknown attributes to the module it holds, so
+    getattr cannot tell the two apart."""
+    return model.__dict__.get("_modules", {}).get("_orig_mod", model)
+
+
 def launched_by_accelerate() -> bool:
     """Whether this process was started by ``accelerate launch`` (or torchrun) with several processes."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 or "ACCELERATE_MIXED_PRECISION" in os.environ

@@ -94,6 +94,29 @@ def test_finetune_benchmark_times_the_finetune_step_beside_native(tmp_path, monk
     assert "rope" not in bench.default_methods() and "alibi:trainable=true" in bench.default_methods()
 
 
+def test_finetune_benchmark_times_the_compiled_step_beside_the_uncompiled_one(tmp_path):
+    """--compile: each case also runs with the prepared model under torch.compile, its step checked by the fine-tune
+    against the uncompiled model in the warm-up; ratios to the compiled native row and to the same method
+    uncompiled. With fullgraph, a method that cannot be traced as one graph is refused there and timed uncompiled."""
+    bench = load_script("benchmarks/bench_finetune.py")
+    rows = bench.run_benchmark(lengths=[32], methods=["kerple", "fox"], layers=1, steps=1, checkpointing=(False,),
+                               progress=False, memory=False, compile_with="aot_eager:fullgraph")
+    assert [(r.method, r.compiled) for r in rows] == [
+        (method, compiled) for method in ("native", "kerple", "fox") for compiled in ("", "aot_eager:fullgraph")]
+    assert all(r.error == "" and r.tokens_per_s > 0 for r in rows)
+    checks = {r.method: r.compiled_step for r in rows if r.compiled}
+    assert checks["native"]["served"] and checks["kerple"]["served"]
+    assert not checks["fox"]["served"] and "'fox'" in checks["fox"]["error"]
+    assert all(r.compiled_step is None for r in rows if not r.compiled)
+    native_compiled = rows[1]
+    assert native_compiled.throughput_ratio == 1.0
+    assert native_compiled.compile_speedup == native_compiled.tokens_per_s / rows[0].tokens_per_s
+    table = bench.format_table(rows)
+    assert "| fox | 32 | no | aot_eager:fullgraph (refused: uncompiled) |" in table
+    assert "| kerple | 32 | no | aot_eager:fullgraph | " in table
+    assert bench.save(rows, tmp_path)["png"].stat().st_size > 0
+
+
 def test_finetune_benchmark_records_a_failing_case_and_goes_on(tmp_path, monkeypatch):
     """A method that raises gets a row naming its error; the cases after it are still measured, and every row so far
     reaches on_row (a run cut short by a time limit keeps what it measured)."""

@@ -489,6 +489,38 @@ def test_fox_kernel_path_equals_the_generic_path_in_float64(options, model_type,
         assert max_diff(a, b) <= 1e-5 * max(1.0, b.abs().max())
 
 
+@pytest.mark.parametrize("options", [{}, {"base": "native", "key_shift": True}])
+def test_fox_one_causal_call_equals_the_generic_path_in_float64(options, monkeypatch):
+    """Without padding or a cache, FoX's c_i - c_j rides in the heads (Q' = [Q, c / scale, 1], K' = [K, 1,
+    -c / scale]) and one causal SDPA call serves the layer; its logits and every parameter's gradient equal the
+    generic path's, with c large enough (gate bias -3: c falls by about 3 per token) that a term dropped or mis-scaled
+    would show."""
+    from hf_posenc.engine import attention as engine
+
+    model = hf_posenc.patch_model(tiny_model("llama"), "fox", gate_bias=-3.0, **options).double()
+    module = hf_posenc.get_positional_module(model)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.add_(0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(6)))
+    ids = random_ids(2, 24)
+
+    def run():
+        model.zero_grad()
+        logits = model(ids).logits
+        logits.sin().sum().backward()
+        return [logits] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    engine.last_paths.clear()
+    fast = run()
+    assert engine.last_paths["separable causal"] > 0 and engine.last_paths["content"] == engine.last_paths["separable"]
+    monkeypatch.setattr(type(module), "separable_terms", lambda self, query_state, key_state: None)
+    engine.last_paths.clear()
+    generic = run()
+    assert engine.last_paths["separable causal"] == 0 and len(fast) == len(generic) > 2
+    for a, b in zip(fast, generic):
+        assert max_diff(a, b) <= 1e-5 * max(1.0, b.abs().max())  # c is float32: c_i - c_j rounds in the generic path
+
+
 KERNEL_CASES = [("transformer-xl", {}, "llama"), ("transformer-xl", {"relative_dim": 6}, "gpt2"),
                 ("transformer-xl", {"base": "native"}, "llama"), ("tape", {"init": "random"}, "llama"),
                 ("tape", {"init": "random", "base": "native"}, "gpt2")]

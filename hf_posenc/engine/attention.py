@@ -69,6 +69,7 @@ from ..methods.base import AttentionBiasMethod, ContentBlock, ContentMethod, Pos
 from .content import layer_state
 from .state import STATE_ATTR, PositionState
 from .separable_attention import CAUSAL, SeparableBiasAttention, TwoPartAttention, separable_path_applies
+from .separable_attention import causal_separable_attention
 from .table_attention import TableBiasAttention, sdpa_keeps_block_masks
 
 ATTENTION_NAME = "hf_posenc"
@@ -534,8 +535,14 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
             return _content_mask(state, layer_idx, attention_mask, rows, columns, query_slots, key_slots,
                                  query_positions, key_positions)
 
-        blocks = list(causal_blocks(query_slots, key_slots, block_rows(batch, heads, kv, device=query.device), False))
-        output = SeparableBiasAttention.apply(query, key, value, *terms, blocks, block_mask, scaling)
+        if _plain_causal(method, layer_idx, attention_mask, q, kv, query_slots, key_slots, query_positions,
+                         key_positions):
+            last_paths["separable causal"] += 1
+            output = causal_separable_attention(query, key, value, *terms, scaling)
+        else:
+            blocks = list(causal_blocks(query_slots, key_slots, block_rows(batch, heads, kv, device=query.device),
+                                        False))
+            output = SeparableBiasAttention.apply(query, key, value, *terms, blocks, block_mask, scaling)
         return method.finish_output(layer_idx, output, layer_input).transpose(1, 2).contiguous(), None
     heads_form = method.kernel_heads(layer_idx, query, key, query_state, key_state, query_positions, key_positions) \
         if not eager and dropout == 0.0 else None
@@ -569,6 +576,15 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
     return output.transpose(1, 2).contiguous(), attn_weights
 
 
+def _plain_causal(method, layer_idx, attention_mask, q, kv, query_slots, key_slots, query_positions,
+                  key_positions) -> bool:
+    """Whether a content call's allowed keys are exactly the causal ones with query i being key i (no padding, no
+    cache before it, no key mask or native bias of the method): then one causal kernel call serves it."""
+    return (attention_mask is None and q == kv and int(query_slots[0]) == int(key_slots[0])
+            and not method.masks_keys
+            and method.native_bias(layer_idx, query_positions[:, :1], key_positions[:, :1]) is None)
+
+
 def _pad_heads(x: torch.Tensor, width: int) -> torch.Tensor:
     """[B, H, n, E] -> [B, H, n, width], zeros after the first E columns."""
     return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
@@ -593,10 +609,8 @@ def _kernel_content(state, layer_idx, heads_form, value, attention_mask, scaling
     width = max(query.shape[-1], values.shape[-1])
     used = values.shape[-1]
     query, key, values = (_pad_heads(x, width) for x in (query, key, values))
-    plain_causal = (attention_mask is None and query.shape[2] == kv and int(query_slots[0]) == int(key_slots[0])
-                    and not method.masks_keys
-                    and method.native_bias(layer_idx, query_positions[:, :1], key_positions[:, :1]) is None)
-    if plain_causal:
+    if _plain_causal(method, layer_idx, attention_mask, query.shape[2], kv, query_slots, key_slots, query_positions,
+                     key_positions):
         # Query i is key i: every attended key's position is at most the query's iff positions never go back.
         if method.kernel_needs_ordered_keys and not bool((key_positions.cummax(-1).values <= query_positions).all()):
             return None

@@ -110,6 +110,26 @@ class SeparableBiasAttention(torch.autograd.Function):
                 grad_key_term, None, None, None)
 
 
+def causal_separable_attention(query, key, value, query_term, key_term, scaling: float) -> torch.Tensor:
+    """The same logits with plain causal masking (no padding, queries are the keys): one causal SDPA call on the
+    terms folded into the heads, Q' = [Q, u / scale, 1], K' = [K, 1, -w / scale], V' = [V, 0], widened with zeros
+    to a multiple of 8 (see _wide_head_dim), autograd through the kernel as it is. The kernel's causal flag skips the
+    keys past each query, which a call with a mask computes (FoX's step at 4096 tokens: see docs/benchmarks.md)."""
+    head_dim, dtype = query.shape[-1], query.dtype
+    width = -(-(head_dim + 2) // 8) * 8
+
+    def widened(tensor, first, second):
+        columns = (tensor.new_zeros(tensor.shape[:-1] + (width - head_dim - 2,)),)
+        return torch.cat((tensor, first[..., None].to(dtype), second[..., None].to(dtype)) + columns, dim=-1)
+
+    query_wide = widened(query, query_term / scaling, torch.ones_like(query_term))
+    key_wide = widened(key, torch.ones_like(key_term), -key_term / scaling)
+    value_wide = torch.nn.functional.pad(value, (0, width - head_dim))
+    output = torch.nn.functional.scaled_dot_product_attention(query_wide, key_wide, value_wide, is_causal=True,
+                                                              scale=scaling)
+    return output[..., :head_dim]
+
+
 CAUSAL = "causal"  # a part's mask in TwoPartAttention: the kernel's own causal flag (square parts only)
 
 

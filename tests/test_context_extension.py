@@ -326,6 +326,38 @@ def test_blocks_within_the_window_take_the_kernels_causal_flag(method, options, 
         assert max_diff(a, b) <= 1e-5 * max(1.0, b.abs().max())  # block_scores are float32
 
 
+@pytest.mark.parametrize("method,options", [("sinks", {"num_sinks": 2, "window": 40}), ("rerope", {"window": 40}),
+                                            ("self-extend", {"window": 40, "group": 4}),
+                                            ("rerope", {"window": 40, "log_scaling": True,
+                                                        "original_max_position_embeddings": 8})])
+def test_a_call_within_the_window_is_one_causal_kernel_call(method, options, monkeypatch):
+    """A call with no cache before it and no padding whose every causal pair is within the window is ordinary RoPE
+    attention: one causal SDPA call (`window_holds`). Its logits and gradients equal the per-block path's, in
+    float64; positions that span the window (a PoSE-like jump) or a left-padded batch go per block."""
+    model = hf_posenc.patch_model(tiny_model("llama"), method, **options).double()
+    ids = random_ids(2, 30)
+
+    def run(position_ids=None):
+        model.zero_grad()
+        logits = model(ids, position_ids=position_ids).logits
+        logits.sin().sum().backward()
+        return [logits] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    attention_module.last_paths.clear()
+    whole = run()
+    assert attention_module.last_paths["scored causal"] > 0 and attention_module.last_paths["scored parts"] == 0
+    jump = torch.cat((torch.arange(15), torch.arange(15) + 60))[None].expand(2, -1)
+    attention_module.last_paths.clear()
+    run(jump)
+    assert attention_module.last_paths["scored causal"] == 0 and attention_module.last_paths["scored parts"] > 0
+    monkeypatch.setattr(type(hf_posenc.get_positional_module(model)), "window_holds", lambda self, *args: False)
+    attention_module.last_paths.clear()
+    blocked = run()
+    assert attention_module.last_paths["scored causal"] == 0 and len(whole) == len(blocked) > 2
+    for a, b in zip(whole, blocked):
+        assert max_diff(a, b) <= 1e-10 * max(1.0, b.abs().max())
+
+
 def held_for_backward(model, length: int) -> int:
     """Bytes that a training forward of `length` tokens leaves allocated (for its backward): what its ops allocated
     net of what they freed, by the profiler's count, so that tensors kept anywhere (closures too) count."""

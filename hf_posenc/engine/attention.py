@@ -378,6 +378,13 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
     eager = state.eager
     dropout = dropout if module.training else 0.0
     low = torch.finfo(torch.float32).min
+    if (not eager and dropout == 0.0 and attention_mask is None and query.shape[2] == kv
+            and int(query_slots[0]) == int(key_slots[0]) and state.method.window_holds(query_positions, key_positions)):
+        # Every pair within the window: ordinary RoPE attention, one causal call (as native), not two per block.
+        last_paths["scored causal"] += 1
+        near_query, near_key = state.method.window_heads(query, key, query_positions)
+        output = F.scaled_dot_product_attention(near_query, near_key, value, is_causal=True, scale=scaling)
+        return output.transpose(1, 2).contiguous(), None
     keys = state.method.block_keys(key, key_positions)
     outputs, weights = [], []
     if not eager and dropout == 0.0:

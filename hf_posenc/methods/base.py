@@ -214,6 +214,16 @@ class RotaryMethod(PositionalMethod):
         (q_f, k_f) if `far` (some allowed entry of the block is far) else None)."""
         raise NotImplementedError
 
+    def window_holds(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> bool:
+        """For `scores_per_query_block` methods, a call whose query i is key i (positions [B or 1, L] each): whether
+        every causal pair takes one plain rotation (`window_heads`), so that one causal SDPA call serves the call.
+        False (the default): per query block."""
+        return False
+
+    def window_heads(self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor):
+        """For a call `window_holds` accepts: (query [B, H, L, D], key [B, H, L, D]) rotated for it."""
+        raise NotImplementedError
+
 
 @dataclass
 class ContentBlock:

@@ -96,6 +96,14 @@ class NeighbourWindowRope(RotaryMethod):
     def block_near(self, query_positions, key_positions):
         return self.near_keys(query_positions, key_positions)
 
+    def window_holds(self, query_positions, key_positions) -> bool:
+        """Every key j <= i within the window of query i (the near assignment alone): max_i (p_i - min_{j<=i} p_j)."""
+        return bool((query_positions - key_positions.cummin(dim=-1).values).max() < self.window)
+
+    def window_heads(self, query, key, positions):
+        """The near assignment's rotations."""
+        return self.rotated(self.scaled_queries(query, positions), positions), self.rotated(key, positions)
+
     def block_parts(self, query, keys, query_positions, key_positions, far):
         near_key, far_key = keys
         query = self.scaled_queries(query, query_positions)

@@ -17,6 +17,11 @@ cannot run at this length or precision on this machine) gets a row with its erro
 for one graph), beside the uncompiled row: `x uncompiled` is its tokens/s over the same method's uncompiled row. The
 fine-tune checks the compiled step against the uncompiled model in the warm-up (finetune.checked_compiled_loss); a
 row whose compiled step was refused there says so and times the uncompiled model.
+
+--paired keeps native's model of each setting and runs one of its steps just before each timed step of every method:
+`x native` is then the median over the timed steps of native's time over the method's, so a machine whose load
+changes during the run (other jobs on a shared CPU) moves both sides of each ratio alike. Native's model is held
+beside each method's (twice the weights and optimizer state in memory).
 """
 
 from __future__ import annotations
@@ -72,6 +77,9 @@ class Row:
     compiled: str = ""  # "" uncompiled, else "BACKEND[:MODE][:fullgraph]"
     compiled_step: dict | None = None  # the fine-tune's check of the compiled step (served or not, both losses)
     compile_speedup: float = float("nan")  # tokens/s over the same method's uncompiled row
+    # --paired: native's step time over this case's, one per timed step, each native step run just before this
+    # case's; throughput_ratio is their median (a load that changes over the run moves both alike)
+    pair_ratios: list = field(default_factory=list)
 
 
 def smollm2_shaped(layers: int, max_length: int):
@@ -117,9 +125,11 @@ def training(model, length: int, checkpointing: bool, steps: int, mixed_precisio
 
 def run_benchmark(lengths=LENGTHS, methods=None, layers: int = 30, steps: int = 2, checkpointing=(False, True),
                   threads: int | None = None, memory: bool = True, progress: bool = True,
-                  mixed_precision: str = "no", on_row=None, compile_with: str = "") -> list[Row]:
+                  mixed_precision: str = "no", on_row=None, compile_with: str = "", paired: bool = False
+                  ) -> list[Row]:
     """Time every case, then (with ``memory``) measure its peak; ``on_row(rows)`` after every measurement (a run
-    cut short keeps what it measured)."""
+    cut short keeps what it measured). ``paired``: native's model of the same setting is kept, and each timed step of
+    a method follows one of native's (see Row.pair_ratios)."""
     from tqdm import tqdm
 
     from hf_posenc.tools.runtime import MethodRequest
@@ -142,22 +152,40 @@ def run_benchmark(lengths=LENGTHS, methods=None, layers: int = 30, steps: int = 
         return training(model, length, gc, steps, mixed_precision, compiled)
 
     rows, native, uncompiled = [], {}, {}
+    native_steps = {}  # --paired: native's step of each setting, kept while that setting's methods run
+
+    def timed(step, index):
+        start = time.perf_counter()
+        step(index)
+        return time.perf_counter() - start
+
     for length, gc, method, compiled in tqdm(jobs, disable=not progress, desc="bench_finetune: time"):
+        beside = native_steps.get((length, gc, compiled)) if method != "native" else None
         try:
+            if method == "native" and paired:  # a new setting: the previous settings' native models go
+                for key in [key for key in native_steps if key[:2] != (length, gc)]:
+                    del native_steps[key]
             step = build(length, gc, method, compiled)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", KernelCheckWarning)
                 step(0)  # warm-up (and compilation, where a path compiles)
             last_paths.clear()
-            times = []
+            times, pair_ratios = [], []
             for index in range(1, steps + 1):
-                start = time.perf_counter()
-                step(index)
-                times.append(time.perf_counter() - start)
+                if beside is not None:
+                    paths = last_paths.copy()
+                    native_seconds = timed(beside, index)
+                    last_paths.clear()
+                    last_paths.update(paths)
+                times.append(timed(step, index))
+                if beside is not None:
+                    pair_ratios.append(native_seconds / times[-1])
             seconds = statistics.median(times)
             row = Row(method, length, gc, seconds, length / seconds, paths=dict(last_paths),
                       refused=[str(w.message)[:300] for w in caught if issubclass(w.category, KernelCheckWarning)],
-                      compiled=compiled, compiled_step=step.prepared.compiled_step)
+                      compiled=compiled, compiled_step=step.prepared.compiled_step, pair_ratios=pair_ratios)
+            if method == "native" and paired:
+                native_steps[length, gc, compiled] = step
             if memory and step.device.type == "cuda":
                 row.peak_mib = peak_mib(lambda: step(steps + 1), step.device)
         except Exception as error:  # noqa: BLE001 (the row records it; native's failure ends the run)
@@ -168,12 +196,14 @@ def run_benchmark(lengths=LENGTHS, methods=None, layers: int = 30, steps: int = 
         step = None
         native.setdefault((length, gc, compiled), row)
         uncompiled.setdefault((length, gc, method), row)
-        row.throughput_ratio = row.tokens_per_s / native[length, gc, compiled].tokens_per_s
+        row.throughput_ratio = (statistics.median(row.pair_ratios) if row.pair_ratios
+                                else row.tokens_per_s / native[length, gc, compiled].tokens_per_s)
         row.peak_ratio = row.peak_mib / native[length, gc, compiled].peak_mib
         row.compile_speedup = row.tokens_per_s / uncompiled[length, gc, method].tokens_per_s
         rows.append(row)
         if on_row:
             on_row(rows)
+    native_steps.clear()
     if memory and not torch.cuda.is_available():
         _fix_mmap_threshold()
         for row in tqdm(rows, disable=not progress, desc="bench_finetune: memory"):
@@ -284,6 +314,8 @@ def main() -> None:
     parser.add_argument("--compile-mode", default=None, help="torch.compile's mode (reduce-overhead: CUDA graphs)")
     parser.add_argument("--compile-fullgraph", action="store_true", help="one graph (a method that cannot be "
                         "traced as one is then refused by the fine-tune's check and timed uncompiled)")
+    parser.add_argument("--paired", action="store_true", help="each timed step of a method follows one of native's "
+                        "(kept in memory): the ratio is the median of those pairs' (for a machine whose load changes)")
     parser.add_argument("--output-dir", default="runs/bench_finetune")
     args = parser.parse_args()
     checkpointing = tuple({"no": False, "yes": True}[x.strip()] for x in args.checkpointing.split(","))
@@ -292,7 +324,8 @@ def main() -> None:
     rows = run_benchmark([int(x) for x in args.lengths.split(",")],
                          args.methods.split(";") if args.methods else None, args.layers, args.steps, checkpointing,
                          args.threads, not args.no_memory, mixed_precision=args.mixed_precision,
-                         on_row=lambda so_far: save(so_far, args.output_dir, plot=False), compile_with=compile_setting)
+                         on_row=lambda so_far: save(so_far, args.output_dir, plot=False), compile_with=compile_setting,
+                         paired=args.paired)
     print(format_table(rows))
     for kind, path in save(rows, args.output_dir).items():
         print(f"{kind}: {path}")

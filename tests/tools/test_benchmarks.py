@@ -117,6 +117,31 @@ def test_finetune_benchmark_times_the_compiled_step_beside_the_uncompiled_one(tm
     assert bench.save(rows, tmp_path)["png"].stat().st_size > 0
 
 
+def test_finetune_benchmark_paired_ratios_step_native_before_each_timed_step(monkeypatch):
+    """--paired: every timed step of a method follows one of native's (same setting, the model kept), and the row's
+    ratio is the median of native's time over the method's per pair; native's steps do not count in the method's
+    attention paths."""
+    bench = load_script("benchmarks/bench_finetune.py")
+    from hf_posenc.tools import finetune
+
+    order = []
+    real_step = finetune.training_step
+    monkeypatch.setattr(finetune, "training_step",
+                        lambda args, prepared, *a, **k: order.append(id(prepared)) or real_step(args, prepared, *a, **k))
+    rows = bench.run_benchmark(lengths=[32], methods=["t5", "kerple"], layers=1, steps=3, checkpointing=(False,),
+                               progress=False, memory=False, paired=True)
+    assert [r.method for r in rows] == ["native", "t5", "kerple"]
+    native_id = order[0]
+    # native: warm-up + 3; each method: its warm-up, then (native, method) three times
+    assert order[4] != native_id and order[5:11:2] == [native_id] * 3 and native_id not in order[6:11:2]
+    assert order[11] != native_id and order[12:18:2] == [native_id] * 3
+    for row in rows[1:]:
+        assert len(row.pair_ratios) == 3 and all(r > 0 for r in row.pair_ratios)
+        assert row.throughput_ratio == sorted(row.pair_ratios)[1]
+        assert row.paths == {"blocked": 3}
+    assert rows[0].pair_ratios == [] and rows[0].throughput_ratio == 1.0
+
+
 def test_finetune_benchmark_records_a_failing_case_and_goes_on(tmp_path, monkeypatch):
     """A method that raises gets a row naming its error; the cases after it are still measured, and every row so far
     reaches on_row (a run cut short by a time limit keeps what it measured)."""

@@ -259,8 +259,8 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                                 key_slots, query_positions, key_positions, kwargs)
         if output is not None:
             return output, None
-    if (not has_bias and not eager and attention_mask is None and query.shape[2] == key.shape[2]
-            and int(query_slots[0]) == int(key_slots[0]) and not state.method.masks_keys
+    if (not has_bias and not eager and _causal_square(attention_mask, query.shape[2], key.shape[2], query_slots,
+                                                      key_slots) and not state.method.masks_keys
             and not (rotary and state.method.rotates_per_query_block)):
         # No bias and a plain causal square (a full forward without padding): SDPA's own causal kernel.
         last_paths["causal"] += 1
@@ -378,8 +378,8 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
     eager = state.eager
     dropout = dropout if module.training else 0.0
     low = torch.finfo(torch.float32).min
-    if (not eager and dropout == 0.0 and attention_mask is None and query.shape[2] == kv
-            and int(query_slots[0]) == int(key_slots[0]) and state.method.window_holds(query_positions, key_positions)):
+    if (not eager and dropout == 0.0 and _causal_square(attention_mask, query.shape[2], kv, query_slots, key_slots)
+            and state.method.window_holds(query_positions, key_positions)):
         # Every pair within the window: ordinary RoPE attention, one causal call (as native), not two per block.
         last_paths["scored causal"] += 1
         near_query, near_key = state.method.window_heads(query, key, query_positions)
@@ -583,12 +583,16 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
     return output.transpose(1, 2).contiguous(), attn_weights
 
 
+def _causal_square(attention_mask, q: int, kv: int, query_slots, key_slots) -> bool:
+    """Whether query i is key i and nothing is masked but causality: no padding mask, no cache before the call."""
+    return attention_mask is None and q == kv and int(query_slots[0]) == int(key_slots[0])
+
+
 def _plain_causal(method, layer_idx, attention_mask, q, kv, query_slots, key_slots, query_positions,
                   key_positions) -> bool:
-    """Whether a content call's allowed keys are exactly the causal ones with query i being key i (no padding, no
-    cache before it, no key mask or native bias of the method): then one causal kernel call serves it."""
-    return (attention_mask is None and q == kv and int(query_slots[0]) == int(key_slots[0])
-            and not method.masks_keys
+    """Whether a content call's allowed keys are exactly the causal ones with query i being key i (a causal square,
+    no key mask or native bias of the method): then one causal kernel call serves it."""
+    return (_causal_square(attention_mask, q, kv, query_slots, key_slots) and not method.masks_keys
             and method.native_bias(layer_idx, query_positions[:, :1], key_positions[:, :1]) is None)
 
 

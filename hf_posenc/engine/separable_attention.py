@@ -116,7 +116,7 @@ def causal_separable_attention(query, key, value, query_term, key_term, scaling:
     to a multiple of 8 (see _wide_head_dim), autograd through the kernel as it is. The kernel's causal flag skips the
     keys past each query, which a call with a mask computes (FoX's step at 4096 tokens: see docs/benchmarks.md)."""
     head_dim, dtype = query.shape[-1], query.dtype
-    width = -(-(head_dim + 2) // 8) * 8
+    width = _wide_head_dim(head_dim + 1)  # two more columns, rounded up to a multiple of 8
 
     def widened(tensor, first, second):
         columns = (tensor.new_zeros(tensor.shape[:-1] + (width - head_dim - 2,)),)

@@ -89,13 +89,15 @@ def plot_curves(rows: list[dict], path: Path) -> None:
     axis.set_xlabel("fine-tuning tokens")
     axis.set_ylabel("perplexity, held-out blocks of the training text")
     axis.set_yscale("log")
-    # Less than a decade of perplexity: a log axis's own ticks would label one or two values, so place about 8
-    # round ones over the data and write them plainly (34, not 3.4 x 10^1).
+    plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")  # 34, not 3.4 x 10^1
+    axis.yaxis.set_major_formatter(plain)
     low, high = axis.get_ylim()
-    axis.yaxis.set_major_locator(matplotlib.ticker.FixedLocator(
-        [t for t in matplotlib.ticker.MaxNLocator(8).tick_values(low, high) if low <= t <= high]))
-    axis.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
-    axis.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    if high < 10 * low:  # under a decade a log axis labels one or two values: about 8 round ones over the data
+        axis.yaxis.set_major_locator(matplotlib.ticker.FixedLocator(
+            [t for t in matplotlib.ticker.MaxNLocator(8).tick_values(low, high) if low <= t <= high]))
+        axis.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    else:
+        axis.yaxis.set_minor_formatter(plain)
     axis.set_title("recipes after a swap: SmolLM2-135M")
     axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the axes: the lines stay visible
     figure.tight_layout()

@@ -18,6 +18,9 @@ for one graph), beside the uncompiled row: `x uncompiled` is its tokens/s over t
 fine-tune checks the compiled step against the uncompiled model in the warm-up (finetune.checked_compiled_loss); a
 row whose compiled step was refused there says so and times the uncompiled model.
 
+--attention-path PATH runs the methods under hf_posenc's attention path PATH (`compiled`: the content methods'
+blocks under torch.compile, checked first; docs/attention-paths.md); the JSON's `attention_path` says which.
+
 --paired keeps native's model of each setting and runs one of its steps just before each timed step of every method:
 `x native` is then the median over the timed steps of native's time over the method's, so a machine whose load
 changes during the run (other jobs on a shared CPU) moves both sides of each ratio alike. Native's model is held
@@ -42,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import _fix_mmap_threshold, device_name, peak_mib, synchronize  # noqa: E402
 
 from hf_posenc import available_methods  # noqa: E402
-from hf_posenc.engine.attention import KernelCheckWarning, last_paths  # noqa: E402
+from hf_posenc.engine.attention import (ATTENTION_PATHS, KernelCheckWarning, attention_path,  # noqa: E402
+                                       get_attention_path, last_paths)  # noqa: E402
 
 LENGTHS = [512, 2048, 4096]
 # What the contract suite needs to patch a method with no options of its own (RoPE scalings need a factor, ...).
@@ -80,6 +84,7 @@ class Row:
     # --paired: native's step time over this case's, one per timed step, each native step run just before this
     # case's; throughput_ratio is their median (a load that changes over the run moves both alike)
     pair_ratios: list = field(default_factory=list)
+    attention_path: str = "auto"  # hf_posenc.attention.set_attention_path for the methods' rows (--attention-path)
 
 
 def smollm2_shaped(layers: int, max_length: int):
@@ -125,11 +130,19 @@ def training(model, length: int, checkpointing: bool, steps: int, mixed_precisio
 
 def run_benchmark(lengths=LENGTHS, methods=None, layers: int = 30, steps: int = 2, checkpointing=(False, True),
                   threads: int | None = None, memory: bool = True, progress: bool = True,
-                  mixed_precision: str = "no", on_row=None, compile_with: str = "", paired: bool = False
-                  ) -> list[Row]:
+                  mixed_precision: str = "no", on_row=None, compile_with: str = "", paired: bool = False,
+                  path: str = "auto") -> list[Row]:
     """Time every case, then (with ``memory``) measure its peak; ``on_row(rows)`` after every measurement (a run
     cut short keeps what it measured). ``paired``: native's model of the same setting is kept, and each timed step of
-    a method follows one of native's (see Row.pair_ratios)."""
+    a method follows one of native's (see Row.pair_ratios). ``path``: the attention path the methods run under
+    (hf_posenc.attention.set_attention_path; native RoPE does not take it)."""
+    with attention_path(path):
+        return _run_benchmark(lengths, methods, layers, steps, checkpointing, threads, memory, progress,
+                              mixed_precision, on_row, compile_with, paired)
+
+
+def _run_benchmark(lengths, methods, layers, steps, checkpointing, threads, memory, progress, mixed_precision, on_row,
+                   compile_with, paired) -> list[Row]:
     from tqdm import tqdm
 
     from hf_posenc.tools.runtime import MethodRequest
@@ -200,6 +213,7 @@ def run_benchmark(lengths=LENGTHS, methods=None, layers: int = 30, steps: int = 
                                 else row.tokens_per_s / native[length, gc, compiled].tokens_per_s)
         row.peak_ratio = row.peak_mib / native[length, gc, compiled].peak_mib
         row.compile_speedup = row.tokens_per_s / uncompiled[length, gc, method].tokens_per_s
+        row.attention_path = get_attention_path()
         rows.append(row)
         if on_row:
             on_row(rows)
@@ -316,6 +330,9 @@ def main() -> None:
                         "traced as one is then refused by the fine-tune's check and timed uncompiled)")
     parser.add_argument("--paired", action="store_true", help="each timed step of a method follows one of native's "
                         "(kept in memory): the ratio is the median of those pairs' (for a machine whose load changes)")
+    parser.add_argument("--attention-path", default="auto", choices=ATTENTION_PATHS,
+                        help="hf_posenc's attention path for the methods (compiled: content methods' blocks under "
+                             "torch.compile)")
     parser.add_argument("--output-dir", default="runs/bench_finetune")
     args = parser.parse_args()
     checkpointing = tuple({"no": False, "yes": True}[x.strip()] for x in args.checkpointing.split(","))
@@ -325,7 +342,7 @@ def main() -> None:
                          args.methods.split(";") if args.methods else None, args.layers, args.steps, checkpointing,
                          args.threads, not args.no_memory, mixed_precision=args.mixed_precision,
                          on_row=lambda so_far: save(so_far, args.output_dir, plot=False), compile_with=compile_setting,
-                         paired=args.paired)
+                         paired=args.paired, path=args.attention_path)
     print(format_table(rows))
     for kind, path in save(rows, args.output_dir).items():
         print(f"{kind}: {path}")

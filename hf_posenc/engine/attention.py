@@ -7,7 +7,7 @@ all per-model state from the attention module it is called with, so any number o
 different methods, can use it at once. BLOOM, whose attention does not use the interface, reaches the same
 function through a per-instance forward (families/bloom.py).
 
-Three ways to compute attention with a bias, never materialising a [B, H, L, L] tensor:
+Ways to compute attention with a bias (and content methods' blocks), never materialising a [B, H, L, L] tensor:
 
 - "blocked" (portable, the default on CPU): queries in blocks; each block sees only the keys that causality
   allows it (so the work is about half the square, like causal SDPA). For a bias that depends on i - j alone
@@ -20,6 +20,10 @@ Three ways to compute attention with a bias, never materialising a [B, H, L, L] 
   query (decoding stays blocked), and on CPU only without gradients (flex has no CPU backward in torch 2.13).
 - "flash": flash-attn's `alibi_slopes`, for ALiBi with fixed slopes on CUDA in fp16/bf16 with flash-attn
   installed, no padding mask, and a cache holding exactly the keys seen (not a StaticCache).
+- "compiled" (only when chosen): a content method's per-block chain (its logits or weights, the softmax, the
+  values) under torch.compile with dynamic shapes, which fuses the chain's elementwise passes (`_compiled_content_call`;
+  blocks, and their recomputation in the backward, as in the eager path: `RecomputedBlock`). Not for eager mode,
+  dropout, or `mixes_state` methods (TAPE); every other call takes the blocked path.
 
 Methods that score each query block themselves (Self-Extend, ReRoPE, attention sinks: `_scored_blocks`) and content
 methods (`_content_blocks`) compute the block's logits in eager code where they must (attention weights to return,
@@ -30,7 +34,7 @@ that sends its gradient into the terms (separable_attention.py), or, for logits 
 queries and keys (Transformer-XL, TAPE: `kernel_heads`), on those (`_kernel_content`: one causal call per layer
 without a mask).
 
-`set_attention_path("auto" | "blocked" | "flex" | "flash")` (or the `attention_path(...)` context manager)
+`set_attention_path("auto" | "blocked" | "flex" | "flash" | "compiled")` (or the `attention_path(...)` context manager)
 chooses. "auto" takes flash where it applies, flex on CUDA where it applies, blocked otherwise: on CPU compiled
 flex costs seconds of compilation per shape, failed to compile for left-padded decoding, and once compiled ran
 1.8x causal SDPA at L=4096 against the blocked view's 1.1x, so it is never chosen automatically there. An explicit
@@ -38,7 +42,7 @@ flex costs seconds of compilation per shape, failed to compile for left-padded d
 counts which path served each call, for checking.
 
 No compiled or external kernel serves numbers that were not checked on the machine it runs on (kernel_check): the
-first call of each kind that flex or flash is about to serve also runs the kernel on NaN-fenced copies of its inputs
+first call of each kind that flex, flash or the compiled content blocks are about to serve also runs the kernel on NaN-fenced copies of its inputs
 and compares both outputs with the blocked path's (on at most 128 query rows), and, where the call needs gradients,
 the kernel's gradients on a small probe; a kind is every new compiled shape for flex, the dtype, heads and size
 classes for flash (see `_flex_call`, `_flash_call`). On a mismatch, NaN, or an exception, one `KernelCheckWarning`
@@ -77,12 +81,16 @@ BLOCK_BYTES = 16 * 2**20  # per block temporary on the CPU: about what its cache
 # On a GPU the per-block Python loop and kernel launches cost more than the memory traffic, and the memory is large:
 # bigger blocks, still a constant budget (memory stays linear in L per query block).
 ACCELERATOR_BLOCK_BYTES = 256 * 2**20
+# Per float32 [B, H, rows, keys] tensor of a compiled content block on the CPU: its fused chain runs best on a few
+# hundred rows (stick-breaking at 4096 keys, 9 heads, forward and backward: 18-row blocks, the eager budget's choice,
+# took 2.1x the time of 128- to 512-row ones, where the eager chain gained only 1.1x from 256-row blocks).
+COMPILED_BLOCK_BYTES = 64 * 2**20
 VIEW_BLOCK_ROWS = 256  # query rows per block when the bias is a view: fewer wastes the masked keys less, more calls
 # At most this many query rows per block of near/far parts on the CPU: the kernel computes the masked keys past a
 # block's diagonal too (1024-row blocks at 2048 tokens cost it 1.3x 227-row ones); 256 rows was 5% faster than 512 for
 # a sinks training step at 4096 tokens, 128 no faster.
 PARTS_BLOCK_ROWS = 256
-ATTENTION_PATHS = ("auto", "blocked", "flex", "flash")
+ATTENTION_PATHS = ("auto", "blocked", "flex", "flash", "compiled")
 
 _registered = False
 _path = "auto"
@@ -129,7 +137,8 @@ class RoutedAttentionConfig:
 
 
 def set_attention_path(path: str) -> None:
-    """Choose how biased attention is computed, process-wide: "auto" (default), "blocked", "flex" or "flash"."""
+    """Choose how biased attention is computed, process-wide: "auto" (default), "blocked", "flex", "flash" or
+    "compiled" (content methods' blocks under torch.compile; see the module docstring)."""
     from ..errors import PosEncError
 
     if path not in ATTENTION_PATHS:
@@ -561,6 +570,15 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
         if method.mixes_state:
             state.call.content.mixed[layer_idx] = mixed_state
         return method.finish_output(layer_idx, output, layer_input).transpose(1, 2).contiguous(), None
+    if _path == "compiled" and not eager and dropout == 0.0 and not method.mixes_state:
+        rows = max(step, int(COMPILED_BLOCK_BYTES // (4 * batch * heads * max(kv, 1))))
+        call = _compiled_content_call(state, layer_idx, scaling, query, key, value, attention_mask, rows, query_slots,
+                                      key_slots, query_positions, key_positions, query_state, key_state)
+        output = serve_checked(call)
+        if output is not None:
+            last_paths[call.kernel] += 1
+            output = method.finish_output(layer_idx, output.transpose(1, 2), layer_input)
+            return output.transpose(1, 2).contiguous(), None
     for rows, columns in causal_blocks(query_slots, key_slots, step, eager):
         arguments = (state, layer_idx, scaling, query, key, value, attention_mask, rows, columns, query_slots,
                      key_slots, query_positions, key_positions, query_state, key_state, dropout, module.training)
@@ -676,31 +694,188 @@ def _content_mask(state, layer_idx, attention_mask, rows, columns, query_slots, 
     return mask, bias
 
 
-def _content_block(state, layer_idx, scaling, query, key, value, attention_mask, rows, columns, query_slots, key_slots,
-                   query_positions, key_positions, query_state, key_state, dropout, training):
-    """Query rows `rows` against key columns `columns` in `_content_blocks`: (output [B, H, r, D], attention weights
-    float32 [B, H, r, k], for `mixes_state` methods the same weights applied to the keys' state [B, H, r, ...] in
-    float32, else None)."""
-    method = state.method
-    low = torch.finfo(torch.float32).min
+def _content_block_inputs(state, layer_idx, scaling, query, key, value, attention_mask, rows, columns, query_slots,
+                          key_slots, query_positions, key_positions, query_state, key_state):
+    """(queries [B, H, r, D], keys and values [B, H, k, D], ContentBlock) of query rows `rows` against key columns
+    `columns` in `_content_blocks`."""
     mask, bias = _content_mask(state, layer_idx, attention_mask, rows, columns, query_slots, key_slots,
                                query_positions, key_positions)
     block = ContentBlock(layer_idx, scaling, mask, bias, query_positions[:, rows], key_positions[:, columns],
                          query_state[:, :, rows] if query_state is not None else None,
                          key_state[:, :, columns] if key_state is not None else None, query_slots[rows],
                          key_slots[columns])
-    query, key, value = query[:, :, rows], key[:, :, columns], value[:, :, columns]
+    return query[:, :, rows], key[:, :, columns], value[:, :, columns], block
+
+
+def content_probabilities(method: ContentMethod, query, key, block: ContentBlock) -> torch.Tensor:
+    """A content block's attention weights float32 [B, H, r, k]: the method's own (`content_weights`) or the softmax
+    of its logits over the allowed keys."""
     if method.replaces_softmax:
-        probs = method.content_weights(query, key, block)
-    else:
-        probs = F.softmax(method.content_scores(query, key, block).masked_fill(~mask, low), dim=-1)
-    probs = F.dropout(probs, p=dropout, training=training)
+        return method.content_weights(query, key, block)
+    low = torch.finfo(torch.float32).min
+    return F.softmax(method.content_scores(query, key, block).masked_fill(~block.allowed, low), dim=-1)
+
+
+def content_block_output(method: ContentMethod, query, key, value, block: ContentBlock) -> torch.Tensor:
+    """A content block's output [B, H, r, D]: what the "compiled" path compiles (content_probabilities, then the
+    values)."""
+    return torch.matmul(content_probabilities(method, query, key, block).to(value.dtype), value)
+
+
+def _content_block(state, layer_idx, scaling, query, key, value, attention_mask, rows, columns, query_slots, key_slots,
+                   query_positions, key_positions, query_state, key_state, dropout, training):
+    """Query rows `rows` against key columns `columns` in `_content_blocks`: (output [B, H, r, D], attention weights
+    float32 [B, H, r, k], for `mixes_state` methods the same weights applied to the keys' state [B, H, r, ...] in
+    float32, else None)."""
+    method = state.method
+    query, key, value, block = _content_block_inputs(state, layer_idx, scaling, query, key, value, attention_mask,
+                                                     rows, columns, query_slots, key_slots, query_positions,
+                                                     key_positions, query_state, key_state)
+    probs = F.dropout(content_probabilities(method, query, key, block), p=dropout, training=training)
     mixed = None
     if method.mixes_state and key_state is not None:
         keys = key_state[:, :, columns]
         keys = keys.repeat_interleave(probs.shape[1] // keys.shape[1], dim=1).float()
         mixed = torch.matmul(probs.float(), keys.flatten(3)).unflatten(-1, keys.shape[3:])
     return torch.matmul(probs.to(value.dtype), value), probs, mixed
+
+
+_compiled_block_output = None  # torch.compile(content_block_output), made at the first "compiled" call
+
+
+def _compiled_content_call(state, layer_idx, scaling, query, key, value, attention_mask, step, query_slots, key_slots,
+                           query_positions, key_positions, query_state, key_state) -> KernelCall:
+    """The "compiled" path of a content call (heads matched, no dropout, no attention weights): the blocks of
+    `_content_blocks`, each one's chain (the method's logits or weights, softmax, values) under torch.compile, which
+    fuses its elementwise passes; checked against the eager blocks like any kernel (kernel_check), the gradient probe
+    comparing the method's parameters' gradients too. Its kind: the method, dtype, heads, head size, mask, grad mode
+    and size classes of the queries and keys (compiled with dynamic shapes, so a new length rarely recompiles)."""
+    method = state.method
+    batch, heads, q, head_dim = query.shape
+    kv = key.shape[2]
+    needs_grad = _needs_grad(state, query, key, value)
+    fixed = (attention_mask, query_slots, key_slots, query_positions, key_positions, query_state, key_state)
+    blocks = list(causal_blocks(query_slots, key_slots, step, False))
+    query_offset = int(query_slots[0]) - (int(key_slots[0]) if kv else 0)
+
+    def reference(rows: slice) -> torch.Tensor:
+        columns = slice(0, max(1, min(kv, query_offset + rows.stop)))
+        return _content_block(state, layer_idx, scaling, query, key, value, attention_mask, rows, columns,
+                              query_slots, key_slots, query_positions, key_positions, query_state, key_state, 0.0,
+                              False)[0].transpose(1, 2)
+
+    name, dtype, masked = method.config.method, str(query.dtype), attention_mask is not None
+    return KernelCall(
+        kernel="compiled content", device=query.device,
+        kind=(name, dtype, heads, head_dim, "mask" if masked else "no mask", "grad" if needs_grad else "no grad",
+              size_class(q), size_class(kv)),
+        function=functools.partial(_compiled_content_kernel, state, layer_idx, scaling, blocks=blocks, fixed=fixed,
+                                   needs_grad=needs_grad),
+        inputs={"query": query, "key": key, "value": value},
+        reference=reference,
+        defined=lambda: _content_rows_defined(state, layer_idx, batch, blocks, *fixed[:5]),
+        gradient_kind=(name, dtype, heads, head_dim, masked) if needs_grad else None,
+        gradient_probe=lambda: _content_gradient_probe(state, layer_idx, scaling, query, key, value, fixed))
+
+
+def _content_rows_defined(state, layer_idx, batch, blocks, attention_mask, query_slots, key_slots, query_positions,
+                          key_positions) -> torch.Tensor:
+    """bool [B, q]: the query rows that may attend to at least one key (the others' outputs are undefined: a
+    softmax over no key)."""
+    rows_defined = []
+    for rows, columns in blocks:
+        allowed, _ = _content_mask(state, layer_idx, attention_mask, rows, columns, query_slots, key_slots,
+                                   query_positions, key_positions)
+        rows_defined.append(allowed.any(-1)[:, 0].expand(batch, -1))
+    return torch.cat(rows_defined, dim=-1)
+
+
+def _compiled_content_kernel(state, layer_idx, scaling, query, key, value, blocks, fixed, needs_grad) -> torch.Tensor:
+    """The compiled blocks of a content call (see _compiled_content_call): output [B, q, H, D]. With gradients each
+    block is recomputed in the backward (as the eager blocks are), so a forward+backward holds one block at a time."""
+    global _compiled_block_output
+    if _compiled_block_output is None:
+        _compiled_block_output = torch.compile(content_block_output, dynamic=True)
+    compiled = _compiled_block_output
+    attention_mask, query_slots, key_slots, query_positions, key_positions, _, _ = fixed
+    parameters = [parameter for parameter in state.method.parameters() if parameter.requires_grad] \
+        if needs_grad else []
+    outputs = []
+    with _recompile_allowance():
+        for rows, columns in blocks:
+            def block_output(query, key, value, query_state, key_state, rows=rows, columns=columns):
+                inputs = _content_block_inputs(state, layer_idx, scaling, query, key, value, attention_mask, rows,
+                                               columns, query_slots, key_slots, query_positions, key_positions,
+                                               query_state, key_state)
+                return compiled(state.method, *inputs)
+
+            tensors = (query, key, value, *fixed[5:])
+            outputs.append(RecomputedBlock.apply(block_output, len(tensors), *tensors, *parameters) if needs_grad
+                           else block_output(*tensors))
+    output = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
+    return output.transpose(1, 2).contiguous()
+
+
+class RecomputedBlock(torch.autograd.Function):
+    """`block_output(*inputs)` without keeping anything for the backward but its inputs: the backward recomputes it
+    and differentiates that, w.r.t. the inputs and `parameters` (what it reads besides: a method's parameters).
+    torch.utils.checkpoint does the same, but checks that the recomputation saved as many tensors as the forward,
+    which fails for a compiled function whose recomputation dynamo serves with another graph of the same code (with
+    dynamic shapes it may: pytorch/pytorch#166926)."""
+
+    @staticmethod
+    def forward(ctx, block_output, count: int, *tensors):
+        ctx.block_output, ctx.count = block_output, count
+        ctx.parameters = tensors[count:]
+        ctx.save_for_backward(*tensors[:count])
+        with torch.no_grad():
+            return block_output(*tensors[:count])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        needs = ctx.needs_input_grad[2:]
+        inputs = [tensor.detach().requires_grad_(need) if tensor is not None else None
+                  for tensor, need in zip(ctx.saved_tensors, needs)]
+        candidates = [*inputs, *ctx.parameters]
+        wanted = [index for index, need in enumerate(needs) if need]
+        with torch.enable_grad():
+            output = ctx.block_output(*inputs)
+        grads = torch.autograd.grad(output, [candidates[index] for index in wanted], grad_output, allow_unused=True) \
+            if wanted and output.requires_grad else [None] * len(wanted)
+        result = [None] * len(candidates)
+        for index, grad in zip(wanted, grads):
+            result[index] = grad
+        return (None, None, *result)
+
+
+def _content_gradient_probe(state, layer_idx, scaling, query, key, value, fixed) -> GradientProbe:
+    """A small problem cut from a content call, for checking the compiled blocks' gradients w.r.t. queries, keys,
+    values and the method's parameters against the eager block: the last PROBE_ROWS queries of the first PROBE_BATCH
+    rows, with the keys that end at the last query's slot."""
+    attention_mask, query_slots, key_slots, query_positions, key_positions, query_state, key_state = fixed
+    q = query.shape[2]
+    end = min(key.shape[2], int(query_slots[-1]) - int(key_slots[0]) + 1)
+    size = min(PROBE_ROWS, q, end)
+    batch = slice(0, min(PROBE_BATCH, query.shape[0]))
+    rows, keys = slice(q - size, q), slice(end - size, end)
+    cut = (attention_mask[batch][..., rows, keys] if attention_mask is not None else None, query_slots[rows],
+           key_slots[keys], query_positions[batch][:, rows], key_positions[batch][:, keys],
+           query_state[batch][:, :, rows] if query_state is not None else None,
+           key_state[batch][:, :, keys] if key_state is not None else None)
+    block = (slice(0, size), slice(0, size))
+
+    def kernel(query, key, value):
+        return _compiled_content_kernel(state, layer_idx, scaling, query, key, value, [block], cut, True)
+
+    def reference(query, key, value):
+        return _content_block(state, layer_idx, scaling, query, key, value, cut[0], *block, *cut[1:], 0.0,
+                              False)[0].transpose(1, 2)
+
+    parameters = {name: parameter for name, parameter in state.method.named_parameters() if parameter.requires_grad}
+    inputs = {"query": query[batch, :, rows], "key": key[batch, :, keys], "value": value[batch, :, keys]}
+    defined = _content_rows_defined(state, layer_idx, inputs["query"].shape[0], [block], *cut[:5])
+    return GradientProbe(inputs, kernel=kernel, reference=reference, defined=defined, parameters=parameters)
 
 
 def _traced(module, state, layer_idx, query, key, value, attention_mask, scaling, dropout, eager, query_slots,
@@ -863,14 +1038,15 @@ def _flex_kernel(query, key, value, table, offset: int, valid, scaling) -> torch
         # Inductor's CPU flex template failed to compile with dynamic shapes (torch 2.13): one compile per shape there.
         _compiled_flex[device] = torch.compile(flex_attention, dynamic=False if device == "cpu" else None)
     blocks = create_block_mask(mask_mod, batch, None, q, kv, device=query.device)
-    with _flex_recompile_allowance():
+    with _recompile_allowance():
         output = _compiled_flex[device](query, key, value, score_mod=score_mod, block_mask=blocks, scale=scaling,
                                         enable_gqa=heads != key.shape[1])
     return output.transpose(1, 2).contiguous()
 
 
-def _flex_recompile_allowance():
-    """dynamo's recompile limit raised to FLEX_RECOMPILE_LIMIT for the duration of one compiled flex call."""
+def _recompile_allowance():
+    """dynamo's recompile limit raised to FLEX_RECOMPILE_LIMIT for the duration of one compiled call (flex, or a
+    compiled content block)."""
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     if getattr(config, name) >= FLEX_RECOMPILE_LIMIT:

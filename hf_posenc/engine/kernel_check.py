@@ -25,9 +25,14 @@ CUDA) and the error, and from then on the blocked path serves every call of that
 of the process; the checking call itself is served by the blocked path. A kernel thus serves only kinds of call
 it has passed on this device; later calls of a passed kind are not compared again.
 
-What a kind is belongs to each kernel (`_flex_call`, `_flash_call` in hf_posenc/engine/attention.py): the calls that run the
-same compiled code, as far as its known failure modes go (compiled flex: every new shape; flash-attn: dtype, heads,
-head size and power-of-two size classes of batch, queries and keys).
+What a kind is belongs to each kernel (`_flex_call`, `_flash_call`, `_compiled_content_call` in
+hf_posenc/engine/attention.py): the calls that run the same compiled code, as far as its known failure modes go
+(compiled flex: every new shape; flash-attn: dtype, heads, head size and power-of-two size classes of batch, queries
+and keys; compiled content blocks: the method, dtype, heads, head size, mask, grad mode and size classes).
+
+The check's own computations (the fenced run, the gradient probe) keep their saved tensors out of an enclosing
+non-reentrant gradient checkpoint (a layer under `gradient_checkpointing_enable()`), whose recomputation, which does
+not check again, must save the same tensors as its forward.
 
 `kernel_status()` lists every check made in this process (which kernel serves which kind, and which were refused);
 `reset_kernel_status()` forgets them all, so the next call of each kind is checked again.
@@ -41,7 +46,7 @@ import functools
 import math
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -71,11 +76,13 @@ class Verdict:
 class GradientProbe:
     """A small problem both the kernel and the reference solve: `inputs` (the tensors whose gradients are compared),
     passed by name to `kernel` and `reference`, which return outputs [B, q, ...]; `defined` [B, q] marks the output
-    rows that are defined (None: all)."""
+    rows that are defined (None: all). `parameters`: tensors both read as they are (a method's parameters), whose
+    gradients are compared too."""
     inputs: dict[str, torch.Tensor]
     kernel: Callable[..., torch.Tensor]
     reference: Callable[..., torch.Tensor]
     defined: torch.Tensor | None = None
+    parameters: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -161,7 +168,8 @@ def serve(call: KernelCall) -> torch.Tensor | None:
         return call.run()
     try:
         # In the call's own grad mode, so that a compiled kernel runs the same graph it will serve with.
-        fenced = call.function(**fenced_inputs(call.inputs)).detach() if forward_key in unchecked else None
+        with _kept_out_of_checkpointing():
+            fenced = call.function(**fenced_inputs(call.inputs)).detach() if forward_key in unchecked else None
         output = call.run()
     except Exception as error:  # a compiler or kernel failure is a verdict, not a crash: blocked serves
         _record(forward_key, math.inf, f"it raised {_first_line(error)}")
@@ -173,12 +181,20 @@ def serve(call: KernelCall) -> torch.Tensor | None:
             return None
     if gradient_key in unchecked:
         try:
-            error, detail = _gradient_error(call.gradient_probe(), 2 * allowed)  # a backward adds its rounding
+            with _kept_out_of_checkpointing(), torch.enable_grad():
+                error, detail = _gradient_error(call.gradient_probe(), 2 * allowed)  # a backward adds its rounding
         except Exception as failure:
             error, detail = math.inf, f"its gradient probe raised {_first_line(failure)}"
         if not _record(gradient_key, error, _failure(error, detail, 2 * allowed, output.dtype)):
             return None
     return output
+
+
+def _kept_out_of_checkpointing():
+    """Saved-tensor hooks that keep tensors as they are, around the check's own computations (the fenced run, the
+    gradient probe): inside a layer under non-reentrant gradient checkpointing they would otherwise be packed by the
+    checkpoint's hooks, whose recomputation (which does not check again) must save the same tensors as its forward."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda tensor: tensor, lambda tensor: tensor)
 
 
 def nan_fenced_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -269,13 +285,18 @@ def _gradient_error(probe: GradientProbe, allowed: float) -> tuple[float, str]:
         weight = torch.randn(output.shape, generator=torch.Generator().manual_seed(0)).to(output.device)
         if probe.defined is not None:  # undefined rows carry no gradient in either
             weight = weight * probe.defined.reshape(*probe.defined.shape, *[1] * (output.dim() - 2)).to(weight)
-        grads = torch.autograd.grad((output.float() * weight).sum(), list(leaves.values()), allow_unused=True)
-        results[side] = (output.detach(), dict(zip(leaves, grads)))
+        grads = torch.autograd.grad((output.float() * weight).sum(),
+                                    [*leaves.values(), *probe.parameters.values()], allow_unused=True)
+        results[side] = (output.detach(), dict(zip([*leaves, *probe.parameters], grads)))
     (got, got_grads), (want, want_grads) = results["kernel"], results["reference"]
     keep = probe.defined if probe.defined is not None else slice(None)
     worst, detail = relative_error(got[keep], want[keep])
     for name, want_grad in want_grads.items():
         got_grad = got_grads[name]
+        if want_grad is None and (got_grad is None or not got_grad.any()):  # an input the reference does not read
+            continue
+        if want_grad is None:
+            return math.inf, f"a gradient w.r.t. {name}, which the reference does not read"
         if got_grad is None:
             return math.inf, f"no gradient w.r.t. {name}"
         error, problem = relative_error(got_grad, want_grad)

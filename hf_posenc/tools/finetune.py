@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1, help="blocks per process and micro-step")
     p.add_argument("--gradient-accumulation-steps", type=int, default=1)
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--attention-path", default="auto",
+                   help="hf_posenc's attention path while training: auto (default), blocked, flex, flash, or compiled "
+                        "(CoPE's, stick-breaking's and the other content methods' per-block chains under "
+                        "torch.compile, checked against the eager blocks first; docs/attention-paths.md)")
     p.add_argument("--mixed-precision", choices=("no", "fp16", "bf16"), default=None,
                    help="default: accelerate's config (no)")
     p.add_argument("--seed", type=int, default=0)
@@ -152,6 +156,10 @@ def check_args(args: argparse.Namespace) -> MethodRequest | None:
                    "log_every", "save_total_limit", "threads")
     check_at_least(args, 0, "eval_blocks", "eval_every", "save_every", "weight_decay")
     check_number("--max-length", args.max_length, 2)
+    from hf_posenc.engine.attention import ATTENTION_PATHS
+
+    if args.attention_path not in ATTENTION_PATHS:
+        raise UsageError(f"--attention-path {args.attention_path!r} is unknown; use one of {', '.join(ATTENTION_PATHS)}")
     check_number("--seed", args.seed, 0, maximum=2**32 - 1)
     # AdamW adds lr / (1 - beta1) = 10 lr to the weights in its first step (and multiplies them by 1 - lr * weight
     # decay): a number the weights' dtype cannot hold stops it with an overflow error, so it is refused here.
@@ -337,7 +345,10 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
     if trackers:
         accelerator.init_trackers("hf_posenc_finetune", config=_flat_config(args))
     progress = resume_progress(accelerator, resume)
-    train(args, training, progress, checkpoint_dir, started, bool(trackers), run_settings)
+    from hf_posenc.engine.attention import attention_path
+
+    with attention_path(args.attention_path):
+        train(args, training, progress, checkpoint_dir, started, bool(trackers), run_settings)
 
     summary = run_summary(args, training, progress, request, posenc, data, started)
     save_output(args, training, tokenizer, posenc, summary, progress.log)

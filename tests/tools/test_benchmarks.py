@@ -142,6 +142,24 @@ def test_finetune_benchmark_paired_ratios_step_native_before_each_timed_step(mon
     assert rows[0].pair_ratios == [] and rows[0].throughput_ratio == 1.0
 
 
+def test_finetune_benchmark_runs_the_methods_under_the_attention_path_asked(monkeypatch):
+    """--attention-path: the methods' rows run under it (stick-breaking's blocks on the compiled path, here with the
+    eager chain standing in for the compiled one, so that the test does not compile) and say so; afterwards the
+    process's path is what it was."""
+    bench = load_script("benchmarks/bench_finetune.py")
+    from hf_posenc import attention as engine
+
+    monkeypatch.setattr(engine, "_compiled_block_output", engine.content_block_output)
+    engine.reset_kernel_status()
+    rows = bench.run_benchmark(lengths=[32], methods=["stick-breaking"], layers=1, steps=1, checkpointing=(False,),
+                               progress=False, memory=False, path="compiled")
+    engine.reset_kernel_status()
+    assert [(r.method, r.attention_path, r.error) for r in rows] == [("native", "compiled", ""),
+                                                                     ("stick-breaking", "compiled", "")]
+    assert rows[1].paths["compiled content"] == rows[1].paths["content"] == 1
+    assert engine.get_attention_path() == "auto"
+
+
 def test_finetune_benchmark_records_a_failing_case_and_goes_on(tmp_path, monkeypatch):
     """A method that raises gets a row naming its error; the cases after it are still measured, and every row so far
     reaches on_row (a run cut short by a time limit keeps what it measured)."""

@@ -158,6 +158,7 @@ def test_lora_adapter_only_output_reloads_with_its_trained_patch(tiny_dir, tmp_p
     (["--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
     (["--save", "adapter"], "--save adapter needs --train-only lora"),
     (["--encoding", "no-such-codec"], "--encoding 'no-such-codec' is not an encoding Python knows"),
+    (["--attention-path", "fast"], "--attention-path 'fast' is unknown; use one of auto, blocked, flex, flash, compiled"),
     # inputs that ended in tracebacks
     (["--text-file", str(DATA)], "is a folder, not a text file; pass a glob such as"),
 ])
@@ -323,6 +324,32 @@ def test_a_method_over_2d_positions_and_tape_fine_tune(tiny_dir, tmp_path):
         module = hf_posenc.get_positional_module(hf_posenc.from_pretrained(out))
         fresh = hf_posenc.get_positional_module(hf_posenc.patch_model(hf_posenc.from_pretrained(tiny_dir), method))
         assert not torch.equal(getattr(module, parameter), getattr(fresh, parameter)), method
+
+
+def test_compiled_attention_path_trains_the_same_weights(tiny_dir, tmp_path):
+    """--attention-path compiled: CoPE's blocks under torch.compile (checked first) train the weights the eager
+    blocks train, within float32 rounding over two AdamW steps, and the run's path does not outlive it."""
+    from hf_posenc import attention as engine
+
+    weights = {}
+    for path in ("blocked", "compiled"):
+        out = tmp_path / path
+        engine.last_paths.clear()
+        argv = ["--model", str(tiny_dir), "--method", "cope", "--method-option", "max_pos=8", "--text-file", str(BOOK),
+                "--text-fraction", "0:0.8", "--max-length", "48", "--max-steps", "2", "--lr", "1e-3",
+                "--attention-path", path, "--output-dir", str(out), "--no-progress"]
+        assert finetune_main(argv) == 0, path
+        assert (engine.last_paths["compiled content"] > 0) == (path == "compiled"), dict(engine.last_paths)
+        weights[path] = load_file(out / "model.safetensors")
+    assert engine.get_attention_path() == "auto"  # the run's path is the run's alone
+    # AdamW's first steps move each weight by about lr whatever its gradient's size: a gradient that differs in its
+    # last bits moves a weight by a few 1e-6 at most here (lr 5e-4 at the first step).
+    for name, weight in weights["blocked"].items():
+        assert (weights["compiled"][name] - weight).abs().max() < 1e-5, name
+    losses = {path: [entry["loss"] for entry in json.loads((tmp_path / path / "loss_log.json").read_text())]
+              for path in weights}
+    assert losses["compiled"] == pytest.approx(losses["blocked"], rel=1e-6)
+    assert any(".posenc." in name for name in weights["blocked"])
 
 
 def test_a_hybrid_of_two_methods_fine_tunes_and_reloads(tiny_dir, tmp_path, capsys):

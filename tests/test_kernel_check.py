@@ -374,3 +374,35 @@ def test_compiled_flex_calls_get_their_own_recompile_allowance(monkeypatch):
     with config.patch(recompile_limit=4 * attention.FLEX_RECOMPILE_LIMIT):  # a user's higher limit stays
         attention._flex_kernel(query, query, query, torch.zeros(2, 8), 0, torch.ones(1, 8, dtype=torch.bool), 0.5)
         assert seen[-1] == 4 * attention.FLEX_RECOMPILE_LIMIT
+
+
+def test_a_parameter_gradient_that_is_zero_in_exact_arithmetic_is_not_held_to_its_own_noise():
+    """The gradient probe compares parameters' gradients too (GradientProbe.parameters). A parameter that adds the
+    same value to every logit of a row (CAPE's output bias) has a gradient that is zero in exact arithmetic: each
+    side's is rounding noise, as large as its own reference. Its error counts against the probe's largest gradient
+    (GRADIENT_FLOOR of it: 1e-2 x 2e-4 of it in float32); a parameter whose gradient is wrong is still refused."""
+    generator = torch.Generator().manual_seed(0)
+    scores, value = torch.randn(2, 3, 16, 16, generator=generator), torch.randn(2, 3, 16, 8, generator=generator)
+    shift = torch.randn(3, 1, 1, generator=generator).requires_grad_(True)
+
+    def kernel(scores):
+        return (scores + shift).softmax(-1) @ value
+
+    def reference(scores):  # the same softmax in another order of operations: other rounding
+        weights = (scores + shift - (scores + shift).amax(-1, keepdim=True)).exp()
+        return (weights / weights.sum(-1, keepdim=True)) @ value
+
+    probe = kernel_check.GradientProbe({"scores": scores}, kernel=kernel, reference=reference,
+                                       parameters={"shift": shift})
+    (noise,) = torch.autograd.grad(reference(scores.requires_grad_(True)).square().sum(), [shift])
+    assert 0 < noise.abs().max() < 1e-4  # what it is: noise
+    error, detail = kernel_check._gradient_error(probe, 2e-4)
+    assert detail == "" and error <= 2e-4
+
+    def wrong(scores):
+        return kernel(scores) + ((shift - shift.detach()) * 1e-2).sum()
+
+    error, detail = kernel_check._gradient_error(
+        kernel_check.GradientProbe({"scores": scores}, kernel=wrong, reference=reference, parameters={"shift": shift}),
+        2e-4)
+    assert error > 2e-4 and detail.startswith("gradients w.r.t. shift")

@@ -576,7 +576,7 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
                                       key_slots, query_positions, key_positions, query_state, key_state)
         output = serve_checked(call)
         if output is not None:
-            last_paths[call.kernel] += 1
+            last_paths["compiled content"] += 1
             output = method.finish_output(layer_idx, output.transpose(1, 2), layer_input)
             return output.transpose(1, 2).contiguous(), None
     for rows, columns in causal_blocks(query_slots, key_slots, step, eager):
@@ -766,7 +766,7 @@ def _compiled_content_call(state, layer_idx, scaling, query, key, value, attenti
 
     name, dtype, masked = method.config.method, str(query.dtype), attention_mask is not None
     return KernelCall(
-        kernel="compiled content", device=query.device,
+        kernel=f"compiled content ({name})", device=query.device,  # a refusal holds for this method's chain alone
         kind=(name, dtype, heads, head_dim, "mask" if masked else "no mask", "grad" if needs_grad else "no grad",
               size_class(q), size_class(kv)),
         function=functools.partial(_compiled_content_kernel, state, layer_idx, scaling, blocks=blocks, fixed=fixed,
@@ -801,19 +801,37 @@ def _compiled_content_kernel(state, layer_idx, scaling, query, key, value, block
     parameters = [parameter for parameter in state.method.parameters() if parameter.requires_grad] \
         if needs_grad else []
     outputs = []
-    with _recompile_allowance():
-        for rows, columns in blocks:
-            def block_output(query, key, value, query_state, key_state, rows=rows, columns=columns):
-                inputs = _content_block_inputs(state, layer_idx, scaling, query, key, value, attention_mask, rows,
-                                               columns, query_slots, key_slots, query_positions, key_positions,
-                                               query_state, key_state)
-                return compiled(state.method, *inputs)
+    for rows, columns in blocks:
+        def block_output(query, key, value, query_state, key_state, rows=rows, columns=columns):
+            *heads, block = _content_block_inputs(state, layer_idx, scaling, query, key, value, attention_mask, rows,
+                                                  columns, query_slots, key_slots, query_positions, key_positions,
+                                                  query_state, key_state)
+            # Fresh contiguous inputs: a block's slices have strides and storage offsets that differ from block to
+            # block, and dynamo guards on how those relate to sizes (each new relation would recompile).
+            block = ContentBlock(**{name: _fresh(value) if isinstance(value, torch.Tensor) else value
+                                    for name, value in vars(block).items()})
+            with _recompile_allowance(), _no_duck_sizing():  # the backward's recomputation included
+                return compiled(state.method, *(_fresh(tensor) for tensor in heads), block)
 
-            tensors = (query, key, value, *fixed[5:])
-            outputs.append(RecomputedBlock.apply(block_output, len(tensors), *tensors, *parameters) if needs_grad
-                           else block_output(*tensors))
+        tensors = (query, key, value, *fixed[5:])
+        outputs.append(RecomputedBlock.apply(block_output, len(tensors), *tensors, *parameters) if needs_grad
+                       else block_output(*tensors))
     output = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
     return output.transpose(1, 2).contiguous()
+
+
+def _fresh(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor at storage offset 0 with the values of `tensor` (itself where it already is one)."""
+    return tensor if tensor.is_contiguous() and tensor.storage_offset() == 0 else tensor.clone(
+        memory_format=torch.contiguous_format)
+
+
+def _no_duck_sizing():
+    """Dynamo's duck sizing off for one compiled content block: with it, sizes that happen to be equal in the first
+    call (a block's rows and keys, a slot offset and a length) are guarded equal, and the next block recompiles."""
+    import torch.fx.experimental._config as shape_config
+
+    return shape_config.patch(use_duck_shape=False)
 
 
 class RecomputedBlock(torch.autograd.Function):
@@ -828,8 +846,8 @@ class RecomputedBlock(torch.autograd.Function):
         ctx.block_output, ctx.count = block_output, count
         ctx.parameters = tensors[count:]
         ctx.save_for_backward(*tensors[:count])
-        with torch.no_grad():
-            return block_output(*tensors[:count])
+        with torch.no_grad():  # on detached inputs, as the compiled graph saw them in the first call
+            return block_output(*(tensor.detach() if tensor is not None else None for tensor in tensors[:count]))
 
     @staticmethod
     @torch.autograd.function.once_differentiable

@@ -109,7 +109,8 @@ def wrong_in_parameter_gradients(method, query, key, value, block):
     """The right output, but a gradient 1000 times too large for the method's position embeddings alone: only the
     probe's comparison of the parameters' gradients can see it."""
     embeddings = method.position_embeddings
-    return engine.content_block_output(method, query, key, value, block) + ((embeddings - embeddings.detach()) * 1e3).sum()
+    wrong_gradient = ((embeddings - embeddings.detach()) * 1e3).sum()
+    return engine.content_block_output(method, query, key, value, block) + wrong_gradient
 
 
 @pytest.mark.parametrize("kernel, what", [(wrong_in_forward, "relative to the largest reference value"),

@@ -42,9 +42,9 @@ flex costs seconds of compilation per shape, failed to compile for left-padded d
 counts which path served each call, for checking.
 
 No compiled or external kernel serves numbers that were not checked on the machine it runs on (kernel_check): the
-first call of each kind that flex, flash or the compiled content blocks are about to serve also runs the kernel on NaN-fenced copies of its inputs
-and compares both outputs with the blocked path's (on at most 128 query rows), and, where the call needs gradients,
-the kernel's gradients on a small probe; a kind is every new compiled shape for flex, the dtype, heads and size
+first call of each kind that flex, flash or the compiled content blocks are about to serve also runs the kernel on
+NaN-fenced copies of its inputs and compares both outputs with the blocked path's (on at most 128 query rows), and,
+where the call needs gradients, the kernel's gradients on a small probe; a kind is every new compiled shape for flex, the dtype, heads and size
 classes for flash (see `_flex_call`, `_flash_call`). On a mismatch, NaN, or an exception, one `KernelCheckWarning`
 names the kernel, torch, the device and the error, and the blocked path serves that kernel's calls on that device
 for the rest of the process (the checking call included). `kernel_status()` lists the verdicts (which kernel serves
@@ -161,8 +161,10 @@ def attention_path(path: str):
         set_attention_path(previous)
 
 
-def block_rows(batch: int, heads: int, kv: int, cost: float = 1.0, device: torch.device | None = None) -> int:
-    budget = BLOCK_BYTES if device is None or device.type == "cpu" else ACCELERATOR_BLOCK_BYTES
+def block_rows(batch: int, heads: int, kv: int, cost: float = 1.0, device: torch.device | None = None,
+               budget: int | None = None) -> int:
+    if budget is None:
+        budget = BLOCK_BYTES if device is None or device.type == "cpu" else ACCELERATOR_BLOCK_BYTES
     return max(1, int(budget // (4 * batch * heads * max(kv, 1) * cost)))
 
 
@@ -571,7 +573,7 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
             state.call.content.mixed[layer_idx] = mixed_state
         return method.finish_output(layer_idx, output, layer_input).transpose(1, 2).contiguous(), None
     if _path == "compiled" and not eager and dropout == 0.0 and not method.mixes_state:
-        rows = max(step, int(COMPILED_BLOCK_BYTES // (4 * batch * heads * max(kv, 1))))
+        rows = max(step, block_rows(batch, heads, kv, budget=COMPILED_BLOCK_BYTES))
         call = _compiled_content_call(state, layer_idx, scaling, query, key, value, attention_mask, rows, query_slots,
                                       key_slots, query_positions, key_positions, query_state, key_state)
         output = serve_checked(call)
@@ -756,10 +758,9 @@ def _compiled_content_call(state, layer_idx, scaling, query, key, value, attenti
     needs_grad = _needs_grad(state, query, key, value)
     fixed = (attention_mask, query_slots, key_slots, query_positions, key_positions, query_state, key_state)
     blocks = list(causal_blocks(query_slots, key_slots, step, False))
-    query_offset = int(query_slots[0]) - (int(key_slots[0]) if kv else 0)
 
     def reference(rows: slice) -> torch.Tensor:
-        columns = slice(0, max(1, min(kv, query_offset + rows.stop)))
+        _, columns = next(causal_blocks(query_slots[rows], key_slots, rows.stop - rows.start, False))
         return _content_block(state, layer_idx, scaling, query, key, value, attention_mask, rows, columns,
                               query_slots, key_slots, query_positions, key_positions, query_state, key_state, 0.0,
                               False)[0].transpose(1, 2)
@@ -843,7 +844,7 @@ class RecomputedBlock(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, block_output, count: int, *tensors):
-        ctx.block_output, ctx.count = block_output, count
+        ctx.block_output = block_output
         ctx.parameters = tensors[count:]
         ctx.save_for_backward(*tensors[:count])
         with torch.no_grad():  # on detached inputs, as the compiled graph saw them in the first call

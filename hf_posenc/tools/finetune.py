@@ -159,7 +159,8 @@ def check_args(args: argparse.Namespace) -> MethodRequest | None:
     from hf_posenc.engine.attention import ATTENTION_PATHS
 
     if args.attention_path not in ATTENTION_PATHS:
-        raise UsageError(f"--attention-path {args.attention_path!r} is unknown; use one of {', '.join(ATTENTION_PATHS)}")
+        raise UsageError(f"--attention-path {args.attention_path!r} is unknown; use one of "
+                         f"{', '.join(ATTENTION_PATHS)}")
     check_number("--seed", args.seed, 0, maximum=2**32 - 1)
     # AdamW adds lr / (1 - beta1) = 10 lr to the weights in its first step (and multiplies them by 1 - lr * weight
     # decay): a number the weights' dtype cannot hold stops it with an overflow error, so it is refused here.

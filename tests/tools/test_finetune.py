@@ -158,7 +158,8 @@ def test_lora_adapter_only_output_reloads_with_its_trained_patch(tiny_dir, tmp_p
     (["--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
     (["--save", "adapter"], "--save adapter needs --train-only lora"),
     (["--encoding", "no-such-codec"], "--encoding 'no-such-codec' is not an encoding Python knows"),
-    (["--attention-path", "fast"], "--attention-path 'fast' is unknown; use one of auto, blocked, flex, flash, compiled"),
+    (["--attention-path", "fast"],
+     "--attention-path 'fast' is unknown; use one of auto, blocked, flex, flash, compiled"),
     # inputs that ended in tracebacks
     (["--text-file", str(DATA)], "is a folder, not a text file; pass a glob such as"),
 ])

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Static
 
 import hf_posenc
 from hf_posenc.engine import attention as attention_module
+from hf_posenc.engine import separable_attention
 from hf_posenc.engine.state import STATE_ATTR
 from hf_posenc import PosEncError
 from helpers import (decode_token_by_token, left_pad, max_diff, padded_and_cached_outputs_and_gradients,
@@ -278,7 +279,7 @@ def test_sinks_unpatch_removes_the_bounded_cache_from_generate():
 @pytest.mark.parametrize("two_calls", [True, False])
 def test_sdpa_on_near_and_far_parts_equals_the_scored_path(method, options, two_calls, monkeypatch):
     """Without attention weights to return, each query block is SDPA on the method's near and far parts (block_parts):
-    on CPU two kernel calls merged by logsumexp (TwoPartAttention), elsewhere one call with both assignments side by
+    on CPU kernel calls merged by logsumexp (NearFarAttention), elsewhere one call with both assignments side by
     side along the head dimension. Either way its logits and the model's gradients equal those of block_scores with an
     eager softmax, in float64, over several blocks, for a left-padded batch and a chunk after a cache."""
     if not two_calls:
@@ -302,24 +303,45 @@ def test_sdpa_on_near_and_far_parts_equals_the_scored_path(method, options, two_
         assert max_diff(a, b) <= 1e-5 * max(1.0, b.abs().max())  # block_scores are float32
 
 
-@pytest.mark.parametrize("method,options", [("sinks", {"num_sinks": 2, "window": 40}), ("rerope", {"window": 40})])
-def test_blocks_within_the_window_take_the_kernels_causal_flag(method, options, monkeypatch):
-    """A block whose allowed keys are exactly the causal ones (all near, no padding) is two kernel calls: the keys
-    before its rows with no mask, its diagonal square with the kernel's causal flag. Its logits and gradients equal
-    block_scores', in float64; the padded rows, whose keys are not the causal ones, keep the mask."""
+def test_mask_segments_cut_a_parts_keys_where_the_kernel_needs_no_mask():
+    """A part's keys: the columns every row allows (no mask), then the masked band, then the causal square (the
+    kernel's flag); a mask with none of these shapes stays one masked segment."""
+    rows, keys = 4, 11
+    row, key = torch.arange(rows)[:, None] + keys - rows, torch.arange(keys)[None]
+    near = ((key <= row) & (row - key < 6))[None, None]  # a window of 6: a band, then the causal square
+    far = (row - key >= 6)[None, None]  # the keys past the window: all allowed, then a band
+    causal = (key <= row)[None, None]
+    cut = separable_attention.mask_segments
+    assert cut(near) == [(slice(0, 7), "mask"), (slice(7, 11), separable_attention.CAUSAL)]
+    assert cut(far) == [(slice(0, 2), None), (slice(2, 11), "mask")]
+    assert cut(causal) == [(slice(0, 7), None), (slice(7, 11), separable_attention.CAUSAL)]
+    assert cut(causal[..., 7:]) == [(slice(0, 4), separable_attention.CAUSAL)]
+    padded = torch.cat((causal, causal.clone()))
+    padded[1, ..., 0] = False  # a left-padded row: no column is allowed to every row of the batch
+    assert cut(padded) == [(slice(0, 7), "mask"), (slice(7, 11), separable_attention.CAUSAL)]
+    assert cut(None) == [(slice(0, None), None)] and cut(near[..., :0]) == []
+
+
+@pytest.mark.parametrize("method,options", [("sinks", {"num_sinks": 2, "window": 40}), ("rerope", {"window": 40}),
+                                            ("self-extend", {"window": 6, "group": 2})])
+def test_parts_run_unmasked_and_causal_segments_where_the_mask_allows(method, options, monkeypatch):
+    """Each part's keys go to the kernel in segments (mask_segments): the keys every row allows with no mask, the
+    diagonal square with the kernel's causal flag, the rest with the mask. Logits and gradients equal block_scores',
+    in float64, for a left-padded batch (whose padded rows keep the mask) and a chunk after a cache."""
     model = hf_posenc.patch_model(tiny_model("llama"), method, **options).double()
     padded, mask = left_pad([random_ids(1, 30, seed=3)[0], random_ids(1, 19, seed=4)[0]])
     ids = random_ids(2, 30)
     monkeypatch.setattr(attention_module, "BLOCK_BYTES", 4 * 2 * 30 * 7)
-    diagonals, original = [], attention_module._causal_diagonal
+    kinds, original = set(), separable_attention.mask_segments
 
-    def causal_diagonal(allowed):
-        diagonals.append(original(allowed))
-        return diagonals[-1]
+    def mask_segments(allowed):
+        segments = original(allowed)
+        kinds.update(kind for _, kind in segments)
+        return segments
 
-    monkeypatch.setattr(attention_module, "_causal_diagonal", causal_diagonal)
+    monkeypatch.setattr(separable_attention, "mask_segments", mask_segments)
     parts = padded_and_cached_outputs_and_gradients(model, padded, mask, ids, 11)
-    assert any(d is not None and d > 0 for d in diagonals) and None in diagonals
+    assert kinds == {None, "mask", separable_attention.CAUSAL}
     monkeypatch.setattr(type(hf_posenc.get_positional_module(model)), "block_near", lambda self, *args: None)
     scored = padded_and_cached_outputs_and_gradients(model, padded, mask, ids, 11)
     for a, b in zip(parts, scored):
@@ -372,7 +394,7 @@ def held_for_backward(model, length: int) -> int:
 @pytest.mark.parametrize("method,options", [CASES[0], CASES[2], CASES[4]])
 @pytest.mark.parametrize("two_calls", [True, False])
 def test_training_memory_of_the_near_far_parts_grows_linearly(method, options, two_calls, monkeypatch):
-    """The parts' masks are rebuilt in the backward (TwoPartAttention, or a checkpoint off the CPU kernel), never kept:
+    """The parts' masks are rebuilt in the backward (NearFarAttention, or a checkpoint off the CPU kernel), never kept:
     what a training forward holds for the backward doubles with the length (with each block's masks kept, a byte or
     more per query-key pair, it grew 2.5x from 1024 to 2048 tokens on this model)."""
     if not two_calls:

@@ -28,7 +28,8 @@ Ways to compute attention with a bias (and content methods' blocks), never mater
 Methods that score each query block themselves (Self-Extend, ReRoPE, attention sinks: `_scored_blocks`) and content
 methods (`_content_blocks`) compute the block's logits in eager code where they must (attention weights to return,
 dropout, or a method with no kernel form); otherwise one SDPA call per block serves: on the method's near and far parts
-side by side (`block_near`, `block_parts`, `_near_far_attention`; the masks rebuilt in the backward, never kept), or,
+(`block_near`, `block_parts`; on the CPU each part's segments as kernel calls merged by logsumexp, `NearFarAttention`,
+elsewhere side by side, `_near_far_attention`; the masks rebuilt in the backward, never kept), or,
 for logits whose bias is a term per query minus one per key (FoX), with that bias as the block's mask and a backward
 that sends its gradient into the terms (separable_attention.py), or, for logits that are a dot product of transformed
 queries and keys (Transformer-XL, TAPE: `kernel_heads`), on those (`_kernel_content`: one causal call per layer
@@ -72,7 +73,7 @@ from .kernel_check import (PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, K
 from ..methods.base import AttentionBiasMethod, ContentBlock, ContentMethod, PositionalMethod, RotaryMethod
 from .content import layer_state
 from .state import STATE_ATTR, PositionState
-from .separable_attention import CAUSAL, SeparableBiasAttention, TwoPartAttention, separable_path_applies
+from .separable_attention import NearFarAttention, SeparableBiasAttention, separable_path_applies
 from .separable_attention import causal_separable_attention
 from .table_attention import TableBiasAttention, sdpa_keeps_block_masks
 
@@ -397,26 +398,34 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
         output = F.scaled_dot_product_attention(near_query, near_key, value, is_causal=True, scale=scaling)
         return output.transpose(1, 2).contiguous(), None
     keys = state.method.block_keys(key, key_positions)
-    outputs, weights = [], []
     if not eager and dropout == 0.0:
         # SDPA per block on the method's near and far parts (block_parts); their masks [B or 1, 1, r, <= k] are built
         # from the positions per block and again in the backward, never kept: O(r) memory per block, not O(r k)
         step = block_rows(batch, 1, 2 * kv, device=query.device)
         step = min(step, PARTS_BLOCK_ROWS) if query.device.type == "cpu" else step
-        for rows, columns in causal_blocks(query_slots, key_slots, step, False):
-            masks = functools.partial(_near_far_masks, state, attention_mask, rows, columns, query_slots, key_slots,
-                                      query_positions, key_positions)
-            built = masks()
-            if built is None:
-                break
-            outputs.append(_near_far_attention(
-                state.method, query[:, :, rows], tuple(part[:, :, columns] for part in keys), query_positions[:, rows],
-                key_positions[:, columns], value[:, :, columns], built, masks, scaling))
-        else:
+        blocks = list(causal_blocks(query_slots, key_slots, step, False))
+        block_masks = functools.partial(_near_far_masks, state, attention_mask, query_slots=query_slots,
+                                        key_slots=key_slots, query_positions=query_positions,
+                                        key_positions=key_positions)
+        first = block_masks(*blocks[0])
+        if first is not None:  # else an additive mask, or no near mask: block_scores serve
             last_paths["scored parts"] += 1
+            if separable_path_applies(query):  # the CPU kernel on each part's segments, one autograd node
+                (near_query, near_key), (far_query, far_key) = state.method.block_parts(
+                    query, keys, query_positions, key_positions, True)
+                output = NearFarAttention.apply(near_query, far_query, near_key, far_key, value, blocks,
+                                                block_masks, scaling)
+                return output.transpose(1, 2).contiguous(), None
+            outputs = []
+            for index, (rows, columns) in enumerate(blocks):
+                masks = functools.partial(block_masks, rows, columns)
+                outputs.append(_near_far_attention(
+                    state.method, query[:, :, rows], tuple(part[:, :, columns] for part in keys),
+                    query_positions[:, rows], key_positions[:, columns], value[:, :, columns],
+                    first if index == 0 else masks(), masks, scaling))
             output = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
             return output.transpose(1, 2).contiguous(), None
-        outputs = []
+    outputs, weights = [], []
     step = block_rows(batch, heads, kv, state.method.block_cost, query.device)
     for rows, columns in causal_blocks(query_slots, key_slots, step, eager):
         scores = state.method.block_scores(query[:, :, rows], tuple(part[:, :, columns] for part in keys),
@@ -434,7 +443,7 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
     return output.transpose(1, 2).contiguous(), torch.cat(weights, dim=2) if eager else None
 
 
-def _near_far_masks(state, attention_mask, rows, columns, query_slots, key_slots, query_positions, key_positions):
+def _near_far_masks(state, attention_mask, rows, columns, *, query_slots, key_slots, query_positions, key_positions):
     """(near allowed, far allowed) bool [B or 1, 1, r, k] of a query block of a `block_near` method: causality, padding
     and the method's key mask, split by its near mask; None where the given mask is additive or the method has no
     near mask (block_scores serves)."""
@@ -449,13 +458,12 @@ def _near_far_masks(state, attention_mask, rows, columns, query_slots, key_slots
 
 
 def _near_far_attention(method, query, keys, query_positions, key_positions, value, masks, rebuild, scaling):
-    """One block of a `block_near` method with SDPA: softmax over the allowed keys of q_n . k_n where near, else
-    q_f . k_f. masks: the block's (near allowed, far allowed) (_near_far_masks), rebuild() gives them again: the
-    backward rebuilds them rather than keep them. Only the key columns where some row uses a part are given to it.
-    On CPU (float32/64) the two parts are two kernel calls merged by their logsumexp (TwoPartAttention): no copy of
-    the keys, and the head dimension stays D. Elsewhere the two assignments are one SDPA call over the keys twice,
-    [near ones; far ones], with the queries [q_n, q_f] and the keys [k_n, 0] and [0, k_f] along the head dimension,
-    so that each copy scores with its own query; with gradients, that call is checkpointed with its masks."""
+    """One block of a `block_near` method off the CPU kernel (there, NearFarAttention serves every block): softmax
+    over the allowed keys of q_n . k_n where near, else q_f . k_f, as one SDPA call over the keys twice, [near ones;
+    far ones], with the queries [q_n, q_f] and the keys [k_n, 0] and [0, k_f] along the head dimension, so that each
+    copy scores with its own query. masks: the block's (near allowed, far allowed) (_near_far_masks); with gradients
+    the call is checkpointed and rebuild() gives them again in the recomputation, rather than keep them. Only the key
+    columns where some row uses a part are given to it."""
     near_allowed, far_allowed = masks
     far_used = far_allowed.flatten(0, -2).any(0)  # [k]
     far = bool(far_used.any())
@@ -473,18 +481,6 @@ def _near_far_attention(method, query, keys, query_positions, key_positions, val
     tensors = (near_query, near_key[:, :, near_columns], far_query, far_key[:, :, far_columns] if far else None,
                value[:, :, near_columns], value[:, :, far_columns] if far else None)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    if separable_path_applies(near_query):  # the CPU kernel on each part, merged by logsumexp
-        diagonal = None if far else _causal_diagonal(near_allowed)
-        if diagonal is not None:  # keys before the block's rows, unmasked; its diagonal square, the kernel's causal
-            whole, square = slice(0, diagonal), slice(diagonal, None)
-            if diagonal == 0:
-                return TwoPartAttention.apply(near_query, near_key, None, None, value, None, (CAUSAL, None),
-                                              lambda: (CAUSAL, None), scaling)
-            return TwoPartAttention.apply(near_query, near_key[:, :, whole], near_query, near_key[:, :, square],
-                                          value[:, :, whole], value[:, :, square], (None, CAUSAL),
-                                          lambda: (None, CAUSAL), scaling)
-        if far or needs_grad:
-            return TwoPartAttention.apply(*tensors, cut(masks), lambda: cut(rebuild()), scaling)
     if not needs_grad:
         return _side_by_side(cut(masks), *tensors, scaling)
     pending = [masks]  # the forward's masks, released once used: the recomputation in the backward rebuilds them
@@ -493,21 +489,6 @@ def _near_far_attention(method, query, keys, query_positions, key_positions, val
         return _side_by_side(cut(pending.pop() if pending else rebuild()), *tensors, scaling)
 
     return torch.utils.checkpoint.checkpoint(kernel, *tensors, use_reentrant=False)
-
-
-def _causal_diagonal(allowed: torch.Tensor) -> int | None:
-    """For a block's allowed keys [B or 1, 1, r, k] that are exactly the causal ones of its r rows, the last r keys
-    (every key before them allowed to every row, then the lower triangle): k - r. None otherwise. The kernel with a
-    mask computes the masked keys past the diagonal too, and reads the mask; with no mask, and with its own causal
-    flag on the square, it does neither (a sinks training step within the window at 4096 tokens: 0.87x native with the
-    mask)."""
-    rows, keys = allowed.shape[-2:]
-    if keys < rows or rows < 2:  # a single row (decoding) wastes nothing
-        return None
-    square = torch.ones(rows, rows, dtype=torch.bool, device=allowed.device).tril_()
-    if not bool(allowed[..., keys - rows:].eq(square).all()) or not bool(allowed[..., :keys - rows].all()):
-        return None
-    return keys - rows
 
 
 def _side_by_side(masks, near_query, near_key, far_query, far_key, near_value, far_value, scaling):

@@ -130,11 +130,11 @@ def causal_separable_attention(query, key, value, query_term, key_term, scaling:
     return output[..., :head_dim]
 
 
-CAUSAL = "causal"  # a part's mask in TwoPartAttention: the kernel's own causal flag (square parts only)
+CAUSAL = "causal"  # a segment's mask in NearFarAttention: the kernel's own causal flag (square segments only)
 
 
 def _mask_arguments(allowed, dtype: torch.dtype) -> dict:
-    """The kernel's mask arguments for a part's mask: bool allowed keys, None (all allowed) or CAUSAL."""
+    """The kernel's mask arguments for a segment's mask: bool allowed keys, None (all allowed) or CAUSAL."""
     if allowed is None:
         return {}
     if isinstance(allowed, str):
@@ -143,48 +143,114 @@ def _mask_arguments(allowed, dtype: torch.dtype) -> dict:
         ~allowed, torch.finfo(dtype).min)}
 
 
-class TwoPartAttention(torch.autograd.Function):
-    """One softmax over two sets of keys, each scored with its own queries (Self-Extend / ReRoPE's near and far
-    assignments, attention.py `_near_far_attention`): the CPU flash kernel on each part gives its output and
-    logsumexp, merged as out = sum_p exp(lse_p - lse) out_p with lse = logaddexp(lse_near, lse_far). The backward is
-    the kernel's backward on each part with the merged output and logsumexp, which is exactly the merged softmax's
-    gradient restricted to that part's keys. Unlike one call on both parts side by side, the head dimension stays D.
-    The far part may be None (far_query, far_key, far_value): then this is the kernel on the near part alone.
-    masks: (near allowed, far allowed or None), bool [B or 1, 1, r, k_part], None (all keys allowed) or CAUSAL, for
-    the forward only; rebuild() gives them again in the backward. Only the queries, keys, values, output and logsumexp are kept: O(r) per block, where
-    keeping the masks would hold a byte per query-key pair over a whole training step."""
+def mask_segments(allowed) -> list[tuple[slice, str | None]]:
+    """A part's keys cut into column segments that the kernel runs at full speed where it can: [(columns, kind)] with
+    kind None (every row allows every key: no mask), CAUSAL (the last r keys of r rows, exactly their lower triangle:
+    the kernel's causal flag skips the keys past the diagonal) or "mask" (the part's mask on those columns). With a
+    mask the kernel computes and reads every key of the block: Self-Extend's far keys of a 256-row block at 4096
+    tokens are all allowed but the last 256 (a band), and its near keys a band then the causal square."""
+    if allowed is None or isinstance(allowed, str):
+        return [(slice(0, None), allowed)]
+    rows, keys = allowed.shape[-2:]
+    square = 0
+    if 2 <= rows <= keys and bool(allowed[..., keys - rows:].eq(
+            torch.ones(rows, rows, dtype=torch.bool, device=allowed.device).tril_()).all()):
+        square = rows
+    every_row = allowed[..., :keys - square].flatten(0, -2).all(0)  # [k - square]
+    prefix = int(every_row.int().cumprod(0).sum())
+    segments = [(slice(0, prefix), None)] if prefix else []
+    if prefix < keys - square:
+        segments.append((slice(prefix, keys - square), "mask"))
+    if square:
+        segments.append((slice(keys - square, keys), CAUSAL))
+    return segments
+
+
+def _segment_mask(allowed, columns: slice, kind):
+    return allowed[..., columns] if kind == "mask" else kind
+
+
+def near_far_plan(near_allowed: torch.Tensor, far_allowed: torch.Tensor) -> list[tuple[int, slice, str | None]]:
+    """A query block's kernel calls: [(part: 0 near or 1 far, key columns, segment kind)]. Only the columns where some
+    row uses a part go to it (the near keys from the first one a row uses, the far keys up to the last), each cut by
+    mask_segments."""
+    far_used = far_allowed.flatten(0, -2).any(0)  # [k]
+    near_start, far_stop = 0, 0
+    if bool(far_used.any()):
+        near_used = near_allowed.flatten(0, -2).any(0)
+        near_start = int(near_used.int().argmax()) if bool(near_used.any()) else near_used.shape[0]
+        far_stop = int(far_used.nonzero().max()) + 1
+    plan = [(0, slice(near_start + c.start, near_start + c.stop), kind)
+            for c, kind in mask_segments(near_allowed[..., near_start:])]
+    if far_stop:
+        plan += [(1, c, kind) for c, kind in mask_segments(far_allowed[..., :far_stop])]
+    return plan
+
+
+class NearFarAttention(torch.autograd.Function):
+    """Every query block of a layer call of a `block_near` method on the CPU (Self-Extend, ReRoPE, sinks: attention.py
+    `_scored_blocks`): per block, one softmax over two sets of keys, each scored with its own queries (the near and
+    far assignments). Each part's keys are cut into segments (near_far_plan, mask_segments: no mask, a mask, the
+    causal square); the CPU flash kernel on each segment gives its output and logsumexp, merged as
+    out = sum_s exp(lse_s - lse) out_s with lse = logsumexp_s lse_s. The backward is the kernel's backward on each
+    segment with the merged output and logsumexp, which is exactly the merged softmax's gradient restricted to that
+    segment's keys; it adds each block's gradients into whole-call tensors in place (one autograd node per layer call:
+    with one per block, each block's key gradient was a zero-filled tensor of every key, summed by autograd, which
+    cost Self-Extend's training step at 4096 tokens more than its masks did).
+    near_query, far_query [B, H, q, D]: every query under each assignment; near_key, far_key, value [B, H, kv, D];
+    blocks: (rows, columns) per query block; block_masks(rows, columns) -> (near allowed, far allowed) bool
+    [B or 1, 1, r, k], built in the forward and again in the backward, never kept (a byte per query-key pair over a
+    training step). Kept: the inputs, the output and the logsumexp, O(q + kv)."""
 
     @staticmethod
-    def forward(ctx, near_query, near_key, far_query, far_key, near_value, far_value, masks: tuple,
-                rebuild: Callable, scaling: float):
-        near_allowed, far_allowed = masks
-        dtype = near_query.dtype
-        output, lse = FLASH(near_query, near_key, near_value, **_mask_arguments(near_allowed, dtype), scale=scaling)
-        if far_query is not None:
-            far_out, far_lse = FLASH(far_query, far_key, far_value, **_mask_arguments(far_allowed, dtype),
+    def forward(ctx, near_query, far_query, near_key, far_key, value, blocks: list, block_masks: Callable,
+                scaling: float):
+        queries, keys = (near_query, far_query), (near_key, far_key)
+        outputs, lses, plans = [], [], []
+        for rows, columns in blocks:
+            masks = block_masks(rows, columns)
+            plan = near_far_plan(*masks)
+            output = lse = None
+            for part, segment, kind in plan:
+                key_columns = slice(columns.start + segment.start, columns.start + segment.stop)
+                out, out_lse = FLASH(queries[part][:, :, rows], keys[part][:, :, key_columns],
+                                     value[:, :, key_columns],
+                                     **_mask_arguments(_segment_mask(masks[part], segment, kind), near_query.dtype),
                                      scale=scaling)
-            merged = torch.logaddexp(lse, far_lse)
-            output = output * (lse - merged).exp()[..., None] + far_out * (far_lse - merged).exp()[..., None]
-            lse = merged
-        ctx.save_for_backward(near_query, near_key, far_query, far_key, near_value, far_value, output, lse)
-        ctx.rebuild, ctx.scaling = rebuild, scaling
+                if output is None:
+                    output, lse = out, out_lse
+                    continue
+                merged = torch.logaddexp(lse, out_lse)
+                output = output * (lse - merged).exp()[..., None] + out * (out_lse - merged).exp()[..., None]
+                lse = merged
+            outputs.append(output)
+            lses.append(lse)
+            plans.append(plan)
+        output = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
+        lse = torch.cat(lses, dim=-1) if len(lses) > 1 else lses[0]
+        ctx.save_for_backward(near_query, far_query, near_key, far_key, value, output, lse)
+        ctx.blocks, ctx.plans, ctx.block_masks, ctx.scaling = blocks, plans, block_masks, scaling
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        near_query, near_key, far_query, far_key, near_value, far_value, output, lse = ctx.saved_tensors
+        near_query, far_query, near_key, far_key, value, output, lse = ctx.saved_tensors
         grad_output = grad_output.to(output.dtype).contiguous()
-        grads = []
+        queries, keys = (near_query, far_query), (near_key, far_key)
+        grad_queries = (torch.zeros_like(near_query), torch.zeros_like(far_query))
+        grad_keys = (torch.zeros_like(near_key), torch.zeros_like(far_key))
+        grad_value = torch.zeros_like(value)
         with torch.no_grad():
-            masks = ctx.rebuild()
-        for (query, key, value), allowed in zip(((near_query, near_key, near_value), (far_query, far_key, far_value)),
-                                                masks):
-            if query is None:
-                grads.extend((None, None, None))
-                continue
-            arguments = _mask_arguments(allowed, query.dtype)
-            grads.extend(FLASH_BACKWARD(grad_output, query, key, value, output, lse, 0.0,
-                                        arguments.pop("is_causal", False), **arguments, scale=ctx.scaling))
-        near_grad_query, near_grad_key, near_grad_value, far_grad_query, far_grad_key, far_grad_value = grads
-        return (near_grad_query, near_grad_key, far_grad_query, far_grad_key, near_grad_value, far_grad_value, None,
-                None, None)
+            for (rows, columns), plan in zip(ctx.blocks, ctx.plans):
+                masks = ctx.block_masks(rows, columns) if any(kind == "mask" for *_, kind in plan) else (None, None)
+                for part, segment, kind in plan:
+                    key_columns = slice(columns.start + segment.start, columns.start + segment.stop)
+                    arguments = _mask_arguments(_segment_mask(masks[part], segment, kind), near_query.dtype)
+                    grad_query, grad_key, grad_val = FLASH_BACKWARD(
+                        grad_output[:, :, rows], queries[part][:, :, rows], keys[part][:, :, key_columns],
+                        value[:, :, key_columns], output[:, :, rows], lse[:, :, rows], 0.0,
+                        arguments.pop("is_causal", False), **arguments, scale=ctx.scaling)
+                    grad_queries[part][:, :, rows] += grad_query
+                    grad_keys[part][:, :, key_columns] += grad_key
+                    grad_value[:, :, key_columns] += grad_val
+        return grad_queries[0], grad_queries[1], grad_keys[0], grad_keys[1], grad_value, None, None, None

@@ -204,14 +204,15 @@ class RotaryMethod(PositionalMethod):
     def block_near(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor | None:
         """For `scores_per_query_block` methods whose block_scores are where(near, q_n . k_n, q_f . k_f): positions
         [B or 1, r] and [B or 1, k] -> the near mask bool [B or 1, 1, r, k]; the attention path then runs SDPA on the
-        method's `block_parts` (one kernel call per part and block) instead of block_scores and an eager softmax, and
+        method's `block_parts` (kernel calls per part and block) instead of block_scores and an eager softmax, and
         rebuilds this mask in the backward rather than keep it. None (the default): block_scores serves."""
         return None
 
     def block_parts(self, query: torch.Tensor, keys: tuple[torch.Tensor, ...], query_positions: torch.Tensor,
                     key_positions: torch.Tensor, far: bool):
         """For methods with a `block_near` mask: the block_scores arguments -> ((q_n [B, H, r, D], k_n [B, H, k, D]),
-        (q_f, k_f) if `far` (some allowed entry of the block is far) else None)."""
+        (q_f, k_f) if `far` (some allowed entry of the block is far) else None). Each query's rotations depend on its
+        own position alone: on the CPU the attention path calls this once for every query of the call."""
         raise NotImplementedError
 
     def window_holds(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> bool:

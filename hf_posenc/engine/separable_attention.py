@@ -139,8 +139,8 @@ def _mask_arguments(allowed, dtype: torch.dtype) -> dict:
         return {}
     if isinstance(allowed, str):
         return {"is_causal": True}
-    return {"attn_mask": torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-        ~allowed, torch.finfo(dtype).min)}
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return {"attn_mask": torch.where(allowed, zero, torch.finfo(dtype).min)}  # the kernel takes no bool mask
 
 
 def mask_segments(allowed) -> list[tuple[slice, str | None]]:

@@ -45,9 +45,9 @@ counts which path served each call, for checking.
 No compiled or external kernel serves numbers that were not checked on the machine it runs on (kernel_check): the
 first call of each kind that flex, flash or the compiled content blocks are about to serve also runs the kernel on
 NaN-fenced copies of its inputs and compares both outputs with the blocked path's (on at most 128 query rows), and,
-where the call needs gradients, the kernel's gradients on a small probe; a kind is every new compiled shape for flex, the dtype, heads and size
-classes for flash (see `_flex_call`, `_flash_call`). On a mismatch, NaN, or an exception, one `KernelCheckWarning`
-names the kernel, torch, the device and the error, and the blocked path serves that kernel's calls on that device
+where the call needs gradients, the kernel's gradients on a small probe; a kind is every new compiled shape for
+flex, the dtype, heads and size classes for flash (see `_flex_call`, `_flash_call`). On a mismatch, NaN, or an
+exception, one `KernelCheckWarning` names the kernel, torch, the device and the error, and the blocked path serves that kernel's calls on that device
 for the rest of the process (the checking call included). `kernel_status()` lists the verdicts (which kernel serves
 which kind, which were refused), `reset_kernel_status()` forgets them. Seen on an AMD EPYC CPU with torch 2.13 (4
 heads, 2 KV heads, head size 16): compiled flex at 40 queries and keys (batch 1 or 2) reads past the end of the keys
@@ -73,7 +73,7 @@ from .kernel_check import (PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, K
 from ..methods.base import AttentionBiasMethod, ContentBlock, ContentMethod, PositionalMethod, RotaryMethod
 from .content import layer_state
 from .state import STATE_ATTR, PositionState
-from .separable_attention import NearFarAttention, SeparableBiasAttention, separable_path_applies
+from .separable_attention import NearFarAttention, SeparableBiasAttention, near_far_columns, separable_path_applies
 from .separable_attention import causal_separable_attention
 from .table_attention import TableBiasAttention, sdpa_keeps_block_masks
 
@@ -464,15 +464,9 @@ def _near_far_attention(method, query, keys, query_positions, key_positions, val
     copy scores with its own query. masks: the block's (near allowed, far allowed) (_near_far_masks); with gradients
     the call is checkpointed and rebuild() gives them again in the recomputation, rather than keep them. Only the key
     columns where some row uses a part are given to it."""
-    near_allowed, far_allowed = masks
-    far_used = far_allowed.flatten(0, -2).any(0)  # [k]
-    far = bool(far_used.any())
+    near_columns, far_columns = near_far_columns(*masks)
+    far = far_columns is not None
     (near_query, near_key), far_pair = method.block_parts(query, keys, query_positions, key_positions, far)
-    near_columns, far_columns = slice(0, None), slice(0, 0)
-    if far:
-        near_used = near_allowed.flatten(0, -2).any(0)
-        near_columns = slice(int(near_used.int().argmax()) if bool(near_used.any()) else near_used.shape[0], None)
-        far_columns = slice(0, int(far_used.nonzero().max()) + 1)
 
     def cut(masks):
         return masks[0][..., near_columns], masks[1][..., far_columns] if far else None

@@ -170,20 +170,27 @@ def _segment_mask(allowed, columns: slice, kind):
     return allowed[..., columns] if kind == "mask" else kind
 
 
-def near_far_plan(near_allowed: torch.Tensor, far_allowed: torch.Tensor) -> list[tuple[int, slice, str | None]]:
-    """A query block's kernel calls: [(part: 0 near or 1 far, key columns, segment kind)]. Only the columns where some
-    row uses a part go to it (the near keys from the first one a row uses, the far keys up to the last), each cut by
-    mask_segments."""
+def near_far_columns(near_allowed: torch.Tensor, far_allowed: torch.Tensor) -> tuple[slice, slice | None]:
+    """The key columns of a query block that each part is given: only those where some row uses that part (the near
+    keys from the first one a row uses, the far keys up to the last); every column near and None where no row uses a
+    far key."""
     far_used = far_allowed.flatten(0, -2).any(0)  # [k]
-    near_start, far_stop = 0, 0
-    if bool(far_used.any()):
-        near_used = near_allowed.flatten(0, -2).any(0)
-        near_start = int(near_used.int().argmax()) if bool(near_used.any()) else near_used.shape[0]
-        far_stop = int(far_used.nonzero().max()) + 1
-    plan = [(0, slice(near_start + c.start, near_start + c.stop), kind)
-            for c, kind in mask_segments(near_allowed[..., near_start:])]
-    if far_stop:
-        plan += [(1, c, kind) for c, kind in mask_segments(far_allowed[..., :far_stop])]
+    if not bool(far_used.any()):
+        return slice(0, far_used.shape[0]), None
+    near_used = near_allowed.flatten(0, -2).any(0)
+    near_start = int(near_used.int().argmax()) if bool(near_used.any()) else near_used.shape[0]
+    return slice(near_start, near_used.shape[0]), slice(0, int(far_used.nonzero().max()) + 1)
+
+
+def near_far_plan(near_allowed: torch.Tensor, far_allowed: torch.Tensor) -> list[tuple[int, slice, str | None]]:
+    """A query block's kernel calls: [(part: 0 near or 1 far, key columns, segment kind)], each part's columns
+    (near_far_columns) cut by mask_segments."""
+    near_columns, far_columns = near_far_columns(near_allowed, far_allowed)
+    start = near_columns.start
+    plan = [(0, slice(start + c.start, start + c.stop), kind)
+            for c, kind in mask_segments(near_allowed[..., near_columns])]
+    if far_columns is not None:
+        plan += [(1, c, kind) for c, kind in mask_segments(far_allowed[..., far_columns])]
     return plan
 
 

@@ -45,14 +45,14 @@ counts which path served each call, for checking.
 No compiled or external kernel serves numbers that were not checked on the machine it runs on (kernel_check): the
 first call of each kind that flex, flash or the compiled content blocks are about to serve also runs the kernel on
 NaN-fenced copies of its inputs and compares both outputs with the blocked path's (on at most 128 query rows), and,
-where the call needs gradients, the kernel's gradients on a small probe; a kind is every new compiled shape for
-flex, the dtype, heads and size classes for flash (see `_flex_call`, `_flash_call`). On a mismatch, NaN, or an
-exception, one `KernelCheckWarning` names the kernel, torch, the device and the error, and the blocked path serves that kernel's calls on that device
-for the rest of the process (the checking call included). `kernel_status()` lists the verdicts (which kernel serves
-which kind, which were refused), `reset_kernel_status()` forgets them. Seen on an AMD EPYC CPU with torch 2.13 (4
-heads, 2 KV heads, head size 16): compiled flex at 40 queries and keys (batch 1 or 2) reads past the end of the keys
-and gives NaN, or values off by up to 2, depending on what that memory holds; at 16, 32, 37, 48, 64, 100 and 128
-(batch 1 or 2, with or without padding) it passed, fenced.
+where the call needs gradients, the kernel's gradients on a small probe; a kind is every new compiled shape for flex,
+the dtype, heads and size classes for flash (see `_flex_call`, `_flash_call`). On a mismatch, NaN, or an exception,
+one `KernelCheckWarning` names the kernel, torch, the device and the error, and the blocked path serves that kernel's
+calls on that device for the rest of the process (the checking call included). `kernel_status()` lists the verdicts
+(which kernel serves which kind, which were refused), `reset_kernel_status()` forgets them. Seen on an AMD EPYC CPU
+with torch 2.13 (4 heads, 2 KV heads, head size 16): compiled flex at 40 queries and keys (batch 1 or 2) reads past
+the end of the keys and gives NaN, or values off by up to 2, depending on what that memory holds; at 16, 32, 37, 48,
+64, 100 and 128 (batch 1 or 2, with or without padding) it passed, fenced.
 """
 
 from __future__ import annotations

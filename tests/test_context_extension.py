@@ -380,6 +380,43 @@ def test_a_call_within_the_window_is_one_causal_kernel_call(method, options, mon
         assert max_diff(a, b) <= 1e-10 * max(1.0, b.abs().max())
 
 
+def test_near_far_plans_are_made_once_per_forward_and_keep_only_band_masks(monkeypatch):
+    """Every layer of a forward attends with the same positions, mask and blocks: the first layer builds each block's
+    masks and kernel calls (_near_far_plans), the other layers and the backward reuse them. Self-Extend's masked
+    segments are bands (at most twice a block's rows wide) and are kept; a left-padded batch's masked segments span
+    the keys, are not kept, and are built again in each layer's forward and backward."""
+    model = hf_posenc.patch_model(tiny_model("llama"), "self-extend", window=6, group=2)
+    monkeypatch.setattr(attention_module, "BLOCK_BYTES", 4 * 2 * 30 * 7)
+    built, plans_seen, block_rows = [], [], []
+    near_far_masks, near_far_plans = attention_module._near_far_masks, attention_module._near_far_plans
+    monkeypatch.setattr(attention_module, "_near_far_masks",
+                        lambda *a, **k: built.append(1) or near_far_masks(*a, **k))
+
+    def plans_of(state, attention_mask, kv, blocks, *args):
+        block_rows.append(blocks[0][0].stop - blocks[0][0].start)
+        plans_seen.append(near_far_plans(state, attention_mask, kv, blocks, *args))
+        return plans_seen[-1]
+
+    monkeypatch.setattr(attention_module, "_near_far_plans", plans_of)
+
+    def train_step(*args, **kwargs):
+        built.clear()
+        plans_seen.clear()
+        model(*args, **kwargs).logits.sum().backward()
+        assert len(plans_seen) == model.config.num_hidden_layers >= 2
+        assert all(plans is plans_seen[0] for plans in plans_seen)
+        return plans_seen[0]
+
+    plans = train_step(random_ids(1, 30))
+    assert len(plans) > 2 and len(built) == len(plans)  # once per block, for every layer, forward and backward
+    kept = [arguments["attn_mask"] for calls in plans for *_, arguments in calls if "attn_mask" in arguments]
+    assert kept and all(mask.shape[-1] <= 2 * block_rows[0] < 30 for mask in kept)
+    padded, mask = left_pad([random_ids(1, 30, seed=3)[0], random_ids(1, 19, seed=4)[0]])
+    plans = train_step(padded, attention_mask=mask)
+    wide = sum(arguments is None for calls in plans for *_, arguments in calls)
+    assert wide and len(built) > len(plans) + 2 * model.config.num_hidden_layers
+
+
 def held_for_backward(model, length: int) -> int:
     """Bytes that a training forward of `length` tokens leaves allocated (for its backward): what its ops allocated
     net of what they freed, by the profiler's count, so that tensors kept anywhere (closures too) count."""
@@ -394,9 +431,10 @@ def held_for_backward(model, length: int) -> int:
 @pytest.mark.parametrize("method,options", [CASES[0], CASES[2], CASES[4]])
 @pytest.mark.parametrize("two_calls", [True, False])
 def test_training_memory_of_the_near_far_parts_grows_linearly(method, options, two_calls, monkeypatch):
-    """The parts' masks are rebuilt in the backward (NearFarAttention, or a checkpoint off the CPU kernel), never kept:
-    what a training forward holds for the backward doubles with the length (with each block's masks kept, a byte or
-    more per query-key pair, it grew 2.5x from 1024 to 2048 tokens on this model)."""
+    """The parts' masks are rebuilt in the backward (a checkpoint off the CPU kernel), or kept only where they are
+    bands (NearFarAttention's plans, at most twice a block's rows wide): what a training forward holds for the
+    backward doubles with the length (with each block's masks kept, a byte or more per query-key pair, it grew 2.5x
+    from 1024 to 2048 tokens on this model)."""
     if not two_calls:
         monkeypatch.setattr(attention_module, "separable_path_applies", lambda query: False)
     torch.manual_seed(0)

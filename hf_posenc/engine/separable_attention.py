@@ -21,6 +21,7 @@ tests/test_content_methods.py checks outputs and gradients against the generic p
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -166,10 +167,6 @@ def mask_segments(allowed) -> list[tuple[slice, str | None]]:
     return segments
 
 
-def _segment_mask(allowed, columns: slice, kind):
-    return allowed[..., columns] if kind == "mask" else kind
-
-
 def near_far_columns(near_allowed: torch.Tensor, far_allowed: torch.Tensor) -> tuple[slice, slice | None]:
     """The key columns of a query block that each part is given: only those where some row uses that part (the near
     keys from the first one a row uses, the far keys up to the last); every column near and None where no row uses a
@@ -182,22 +179,29 @@ def near_far_columns(near_allowed: torch.Tensor, far_allowed: torch.Tensor) -> t
     return slice(near_start, near_used.shape[0]), slice(0, int(far_used.nonzero().max()) + 1)
 
 
-def near_far_plan(near_allowed: torch.Tensor, far_allowed: torch.Tensor) -> list[tuple[int, slice, str | None]]:
-    """A query block's kernel calls: [(part: 0 near or 1 far, key columns, segment kind)], each part's columns
-    (near_far_columns) cut by mask_segments."""
-    near_columns, far_columns = near_far_columns(near_allowed, far_allowed)
-    start = near_columns.start
-    plan = [(0, slice(start + c.start, start + c.stop), kind)
-            for c, kind in mask_segments(near_allowed[..., near_columns])]
+def near_far_calls(masks: tuple[torch.Tensor, torch.Tensor], dtype,
+                   kept_width: int) -> list[tuple[int, slice, dict | None]]:
+    """A query block's kernel calls: [(part: 0 near or 1 far, key columns, mask arguments)], each part's columns
+    (near_far_columns) cut by mask_segments. A masked segment's float mask is kept where it is at most `kept_width`
+    keys wide (a band: O(L r) for a call); a wider one (a padded batch's) is None, built where needed."""
+    near_columns, far_columns = near_far_columns(*masks)
+    cuts = [(0, slice(near_columns.start + c.start, near_columns.start + c.stop), kind)
+            for c, kind in mask_segments(masks[0][..., near_columns])]
     if far_columns is not None:
-        plan += [(1, c, kind) for c, kind in mask_segments(far_allowed[..., far_columns])]
-    return plan
+        cuts += [(1, c, kind) for c, kind in mask_segments(masks[1][..., far_columns])]
+    return [(part, c, None if kind == "mask" and c.stop - c.start > kept_width
+             else _mask_arguments(masks[part][..., c] if kind == "mask" else kind, dtype)) for part, c, kind in cuts]
+
+
+def _call_arguments(arguments: dict | None, masks: Callable, part: int, segment: slice, dtype) -> dict:
+    """A call's mask arguments: as kept (near_far_calls), or its mask built again from masks() (the block's)."""
+    return arguments if arguments is not None else _mask_arguments(masks()[part][..., segment], dtype)
 
 
 class NearFarAttention(torch.autograd.Function):
     """Every query block of a layer call of a `block_near` method on the CPU (Self-Extend, ReRoPE, sinks: attention.py
     `_scored_blocks`): per block, one softmax over two sets of keys, each scored with its own queries (the near and
-    far assignments). Each part's keys are cut into segments (near_far_plan, mask_segments: no mask, a mask, the
+    far assignments). Each part's keys are cut into segments (near_far_calls, mask_segments: no mask, a mask, the
     causal square); the CPU flash kernel on each segment gives its output and logsumexp, merged as
     out = sum_s exp(lse_s - lse) out_s with lse = logsumexp_s lse_s. The backward is the kernel's backward on each
     segment with the merged output and logsumexp, which is exactly the merged softmax's gradient restricted to that
@@ -205,24 +209,25 @@ class NearFarAttention(torch.autograd.Function):
     with one per block, each block's key gradient was a zero-filled tensor of every key, summed by autograd, which
     cost Self-Extend's training step at 4096 tokens more than its masks did).
     near_query, far_query [B, H, q, D]: every query under each assignment; near_key, far_key, value [B, H, kv, D];
-    blocks: (rows, columns) per query block; block_masks(rows, columns) -> (near allowed, far allowed) bool
-    [B or 1, 1, r, k], built in the forward and again in the backward, never kept (a byte per query-key pair over a
-    training step). Kept: the inputs, the output and the logsumexp, O(q + kv)."""
+    blocks: (rows, columns) per query block; plans: each block's calls (near_far_calls, made once per forward for all
+    its layers); block_masks(rows, columns) -> (near allowed, far allowed) bool [B or 1, 1, r, k], called for a
+    masked segment whose mask the plan does not keep (wider than a band), in the forward and again in the backward
+    (never kept: a byte per query-key pair over a training step). Kept: the inputs, the output and the logsumexp,
+    O(q + kv), and the plans' band masks, O(q r)."""
 
     @staticmethod
-    def forward(ctx, near_query, far_query, near_key, far_key, value, blocks: list, block_masks: Callable,
+    def forward(ctx, near_query, far_query, near_key, far_key, value, blocks: list, plans: list, block_masks: Callable,
                 scaling: float):
         queries, keys = (near_query, far_query), (near_key, far_key)
-        outputs, lses, plans = [], [], []
-        for rows, columns in blocks:
-            masks = block_masks(rows, columns)
-            plan = near_far_plan(*masks)
+        outputs, lses = [], []
+        for (rows, columns), calls in zip(blocks, plans):
+            masks = functools.cache(functools.partial(block_masks, rows, columns))
             output = lse = None
-            for part, segment, kind in plan:
+            for part, segment, arguments in calls:
                 key_columns = slice(columns.start + segment.start, columns.start + segment.stop)
                 out, out_lse = FLASH(queries[part][:, :, rows], keys[part][:, :, key_columns],
                                      value[:, :, key_columns],
-                                     **_mask_arguments(_segment_mask(masks[part], segment, kind), near_query.dtype),
+                                     **_call_arguments(arguments, masks, part, segment, near_query.dtype),
                                      scale=scaling)
                 if output is None:
                     output, lse = out, out_lse
@@ -232,7 +237,6 @@ class NearFarAttention(torch.autograd.Function):
                 lse = merged
             outputs.append(output)
             lses.append(lse)
-            plans.append(plan)
         output = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
         lse = torch.cat(lses, dim=-1) if len(lses) > 1 else lses[0]
         ctx.save_for_backward(near_query, far_query, near_key, far_key, value, output, lse)
@@ -248,16 +252,16 @@ class NearFarAttention(torch.autograd.Function):
         grad_keys = (torch.zeros_like(near_key), torch.zeros_like(far_key))
         grad_value = torch.zeros_like(value)
         with torch.no_grad():
-            for (rows, columns), plan in zip(ctx.blocks, ctx.plans):
-                masks = ctx.block_masks(rows, columns) if any(kind == "mask" for *_, kind in plan) else (None, None)
-                for part, segment, kind in plan:
+            for (rows, columns), calls in zip(ctx.blocks, ctx.plans):
+                masks = functools.cache(functools.partial(ctx.block_masks, rows, columns))
+                for part, segment, arguments in calls:
                     key_columns = slice(columns.start + segment.start, columns.start + segment.stop)
-                    arguments = _mask_arguments(_segment_mask(masks[part], segment, kind), near_query.dtype)
+                    arguments = _call_arguments(arguments, masks, part, segment, near_query.dtype)
                     grad_query, grad_key, grad_val = FLASH_BACKWARD(
                         grad_output[:, :, rows], queries[part][:, :, rows], keys[part][:, :, key_columns],
                         value[:, :, key_columns], output[:, :, rows], lse[:, :, rows], 0.0,
-                        arguments.pop("is_causal", False), **arguments, scale=ctx.scaling)
+                        arguments.get("is_causal", False), attn_mask=arguments.get("attn_mask"), scale=ctx.scaling)
                     grad_queries[part][:, :, rows] += grad_query
                     grad_keys[part][:, :, key_columns] += grad_key
                     grad_value[:, :, key_columns] += grad_val
-        return grad_queries[0], grad_queries[1], grad_keys[0], grad_keys[1], grad_value, None, None, None
+        return grad_queries[0], grad_queries[1], grad_keys[0], grad_keys[1], grad_value, None, None, None, None

@@ -147,7 +147,7 @@ def _mask_arguments(allowed, dtype: torch.dtype) -> dict:
 def mask_segments(allowed) -> list[tuple[slice, str | None]]:
     """A part's keys cut into column segments that the kernel runs at full speed where it can: [(columns, kind)] with
     kind None (every row allows every key: no mask), CAUSAL (the last r keys of r rows, exactly their lower triangle:
-    the kernel's causal flag skips the keys past the diagonal) or "mask" (the part's mask on those columns). With a
+    the kernel's causal flag, no mask to build or read) or "mask" (the part's mask on those columns). With a
     mask the kernel computes and reads every key of the block: Self-Extend's far keys of a 256-row block at 4096
     tokens are all allowed but the last 256 (a band), and its near keys a band then the causal square."""
     if allowed is None or isinstance(allowed, str):

@@ -370,8 +370,8 @@ class PositionCapture:
             return positions.reshape(-1, q).long(), None
         if given is not None and not (given.dim() == 3 and given.shape[-2:] == (q, axes)):
             raise PosEncError(f"{type(method).__name__} takes {axes}-D positions, and position_ids of shape "
-                              f"{list(given.shape)} were given: pass position_ids of shape [B, {q}, {axes}] (row, column "
-                              "of each token), or none for a 1 x L grid.")
+                              f"{list(given.shape)} were given: pass position_ids of shape [B, {q}, {axes}] (row, "
+                              "column of each token), or none for a 1 x L grid.")
         tokens = self.default_positions(arguments, q, offset, device).reshape(-1, q).long()
         coordinates = method.default_coordinates(tokens) if given is None else given.long()
         if given is not None and "position_ids" in self.parameter_names:

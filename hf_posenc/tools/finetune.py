@@ -507,7 +507,11 @@ def prepare_training(args: argparse.Namespace, accelerator, model, data: Trainin
                      f"training on {args.batch_size} x {args.max_length} tokens")
     if args.gradient_checkpointing:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_options = {"use_reentrant": False}
+        if hasattr(base, "activation_checkpointing_enable"):  # its name in later 5.x releases; the old one warns
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_options)
+        else:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_options)
         base.config.use_cache = False
     groups = [{"params": [p for p in trainable if id(p) not in positional_ids], "lr": args.lr},
               {"params": [p for p in trainable if id(p) in positional_ids], "lr": args.positional_lr or args.lr}]

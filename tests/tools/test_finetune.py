@@ -374,3 +374,24 @@ def test_a_hybrid_of_two_methods_fine_tunes_and_reloads(tiny_dir, tmp_path, caps
     refused = tmp_path / "refused"
     assert_failed_cleanly(finetune_main([*argv[:-3], "--method-option", "factor=4", "--output-dir", str(refused),
                                          "--no-progress"]), capsys, "write each option in its part", refused)
+
+
+def test_gradient_checkpointing_is_enabled_without_a_deprecation_warning():
+    """--gradient-checkpointing turns on the model's own (non-reentrant) activation checkpointing through the name
+    this transformers offers, so a fine-tune prints no FutureWarning about the deprecated name."""
+    import warnings
+
+    from accelerate import Accelerator
+    from tiny_models import tiny_model
+
+    model = hf_posenc.patch_model(tiny_model("llama"), "alibi")
+    args = finetune.settings(max_length=16, batch_size=1, max_steps=1, gradient_checkpointing=True,
+                             no_memory_check=True)
+    blocks = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(16).expand_as(blocks)
+    data = finetune.TrainingData([], blocks.numel(), blocks, blocks[:0], positions, positions[:0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prepared = finetune.prepare_training(args, Accelerator(cpu=True), model, data)
+    assert not [w for w in caught if "checkpointing_enable" in str(w.message)], [str(w.message) for w in caught]
+    assert prepared.accelerator.unwrap_model(prepared.model).is_gradient_checkpointing

@@ -62,7 +62,7 @@ class CallPositions:
     # `key_positions` holds only the position of slot 0 [B or 1, 1]: each key sits at its slot plus that.
     traced: bool = False
     content: Any = None  # a content method's per-token state of this forward (engine/content.py ContentCall)
-    # ((method, attention mask, q, kv, blocks, dtype), each block's kernel calls) for a `block_near` method on the
+    # ((method, attention mask, dtype, kv, blocks), each block's kernel calls) for a `block_near` method on the
     # CPU kernel, made by the first layer that asks (attention.py _near_far_plans) and reused by the others
     near_far_plans: list = field(default_factory=list)
 

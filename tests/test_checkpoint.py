@@ -71,8 +71,9 @@ def test_standalone_code_is_the_library_code_with_a_versioned_header(contract_ch
     # learned tables' key-tiled backward (engine/table_attention.py) and the cache-name module, 4,517 with the fused
     # per-block paths of Self-Extend / ReRoPE / sinks and FoX (engine/separable_attention.py), 4,703 with the one-call
     # kernel forms of Transformer-XL and TAPE and the masks rebuilt in the backward, 4,979 with the compiled content
-    # blocks (the "compiled" path and its checks)
-    assert sum(len(p.read_text().splitlines()) for p in directory.glob("*.py")) < 5100
+    # blocks (the "compiled" path and its checks), 5,146 with the near/far plans per forward and the far keys' causal
+    # triangle as one call
+    assert sum(len(p.read_text().splitlines()) for p in directory.glob("*.py")) < 5300
 
 
 def test_export_command_writes_what_save_pretrained_standalone_writes(contract_checkpoints, tmp_path):

@@ -319,7 +319,7 @@ def test_mask_segments_cut_a_parts_keys_where_the_kernel_needs_no_mask():
     padded = torch.cat((causal, causal.clone()))
     padded[1, ..., 0] = False  # a left-padded row: no column is allowed to every row of the batch
     assert cut(padded) == [(slice(0, 7), "mask"), (slice(7, 11), separable_attention.CAUSAL)]
-    assert cut(None) == [(slice(0, None), None)] and cut(near[..., :0]) == []
+    assert cut(near[..., :0]) == []
 
 
 @pytest.mark.parametrize("method,options", [("sinks", {"num_sinks": 2, "window": 40}), ("rerope", {"window": 40}),
@@ -380,6 +380,41 @@ def test_a_call_within_the_window_is_one_causal_kernel_call(method, options, mon
         assert max_diff(a, b) <= 1e-10 * max(1.0, b.abs().max())
 
 
+@pytest.mark.parametrize("method,options", [("rerope", {"window": 10}), ("self-extend", {"window": 10, "group": 3}),
+                                            ("sinks", {"num_sinks": 2, "window": 10})])
+def test_far_keys_that_form_a_causal_triangle_are_one_kernel_call(method, options, monkeypatch):
+    """With no padding and no cache longer than the window before the call, Self-Extend's and ReRoPE's far keys are
+    one causal triangle, key j <= query i - window: one kernel call for the layer call (NearFarAttention's far_rows),
+    merged with the per-block near calls. Its logits and gradients equal block_scores', in float64, for a whole
+    sequence and for chunks after caches shorter and longer than the window (the latter per block), with a window that
+    ends inside a block. Sinks' far keys (the sinks) are no triangle and go per block."""
+    model = hf_posenc.patch_model(tiny_model("llama"), method, **options).double()
+    monkeypatch.setattr(attention_module, "BLOCK_BYTES", 4 * 2 * 30 * 7)  # blocks of 7 rows
+    ids = random_ids(2, 30)
+    triangles = []
+
+    def run():
+        model.zero_grad()
+        logits = []
+        for splits in ((30,), (4, 30), (15, 30)):
+            cache, start = DynamicCache(config=model.config), 0
+            for stop in splits:
+                attention_module.last_paths.clear()
+                logits.append(model(ids[:, start:stop], past_key_values=cache, use_cache=True).logits)
+                triangles.append(attention_module.last_paths["scored far triangle"])
+                start = stop
+        sum(chunk.sin().sum() for chunk in logits).backward()
+        return logits + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    parts = run()
+    layers = model.config.num_hidden_layers
+    assert triangles == ([0] * 5 if method == "sinks" else [layers, 0, layers, layers, 0])  # 4 tokens: no far key
+    monkeypatch.setattr(type(hf_posenc.get_positional_module(model)), "block_near", lambda self, *args: None)
+    scored = run()
+    for a, b in zip(parts, scored, strict=True):
+        assert max_diff(a, b) <= 1e-5 * max(1.0, b.abs().max())  # block_scores are float32
+
+
 def test_near_far_plans_are_made_once_per_forward_and_keep_only_band_masks(monkeypatch):
     """Every layer of a forward attends with the same positions, mask and blocks: the first layer builds each block's
     masks and kernel calls (_near_far_plans), the other layers and the backward reuse them. Self-Extend's masked
@@ -407,12 +442,15 @@ def test_near_far_plans_are_made_once_per_forward_and_keep_only_band_masks(monke
         assert all(plans is plans_seen[0] for plans in plans_seen)
         return plans_seen[0]
 
-    plans = train_step(random_ids(1, 30))
-    assert len(plans) > 2 and len(built) == len(plans)  # once per block, for every layer, forward and backward
+    plans, far_rows = train_step(random_ids(1, 30))
+    assert far_rows == 6  # the far keys are one causal triangle: only the near calls are planned per block
+    # once per block and once for the last row (_far_triangle_start), for every layer, forward and backward
+    assert len(plans) > 2 and len(built) == len(plans) + 1
     kept = [arguments["attn_mask"] for calls in plans for *_, arguments in calls if "attn_mask" in arguments]
     assert kept and all(mask.shape[-1] <= 2 * block_rows[0] < 30 for mask in kept)
     padded, mask = left_pad([random_ids(1, 30, seed=3)[0], random_ids(1, 19, seed=4)[0]])
-    plans = train_step(padded, attention_mask=mask)
+    plans, far_rows = train_step(padded, attention_mask=mask)
+    assert far_rows is None and any(part == 1 for calls in plans for part, *_ in calls)
     wide = sum(arguments is None for calls in plans for *_, arguments in calls)
     assert wide and len(built) > len(plans) + 2 * model.config.num_hidden_layers
 

@@ -409,13 +409,14 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
                                         key_slots=key_slots, query_positions=query_positions,
                                         key_positions=key_positions)
         if separable_path_applies(query):  # the CPU kernel on each part's segments, one autograd node
-            plans = _near_far_plans(state, attention_mask, kv, blocks, block_masks, query.dtype)
+            plans, far_rows = _near_far_plans(state, attention_mask, kv, blocks, block_masks, query.dtype)
             if plans is not None:  # else an additive mask, or no near mask: block_scores serve
                 last_paths["scored parts"] += 1
+                last_paths["scored far triangle"] += far_rows is not None
                 (near_query, near_key), (far_query, far_key) = state.method.block_parts(
                     query, keys, query_positions, key_positions, True)
                 output = NearFarAttention.apply(near_query, far_query, near_key, far_key, value, blocks, plans,
-                                                block_masks, scaling)
+                                                far_rows, block_masks, scaling)
                 return output.transpose(1, 2).contiguous(), None
         elif (first := block_masks(*blocks[0])) is not None:
             last_paths["scored parts"] += 1
@@ -446,22 +447,50 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
     return output.transpose(1, 2).contiguous(), torch.cat(weights, dim=2) if eager else None
 
 
-def _near_far_plans(state, attention_mask, kv: int, blocks: list, block_masks, dtype) -> list | None:
-    """Each block's kernel calls for NearFarAttention (separable_attention.near_far_calls, with the masks they keep),
-    or None where block_scores serve (an additive mask, or no near mask). Made by the first layer of a forward and
-    reused by the others, which attend with the same positions, mask and blocks: building the masks and cutting them
-    cost Self-Extend about 4% of a layer's training step at 2048 tokens on the CPU."""
+def _near_far_plans(state, attention_mask, kv: int, blocks: list, block_masks, dtype) -> tuple[list | None, int | None]:
+    """(each block's kernel calls for NearFarAttention (separable_attention.near_far_calls, with the masks they keep),
+    far_rows (_far_triangle_rows): then only the near calls), or (None, None) where block_scores serve (an additive
+    mask, or no near mask). Made by the first layer of a forward and reused by the others, which attend with the same
+    positions, mask and blocks: building the masks and cutting them cost Self-Extend about 4% of a layer's training
+    step at 2048 tokens on the CPU."""
     call = state.call
     key = (state.method, attention_mask, dtype, kv, blocks)
-    for known, plans in call.near_far_plans:
+    for known, planned in call.near_far_plans:
         if all(a is b for a, b in zip(known[:3], key)) and known[3:] == key[3:]:
-            return plans
+            return planned
     first = block_masks(*blocks[0])
-    kept_width = 2 * (blocks[0][0].stop - blocks[0][0].start)  # a band's: the near keys of r rows, window < r
-    plans = None if first is None else [near_far_calls(first if index == 0 else block_masks(*block), dtype, kept_width)
-                                        for index, block in enumerate(blocks)]
-    call.near_far_plans.append((key, plans))
-    return plans
+    planned = None, None
+    if first is not None:
+        kept_width = 2 * (blocks[0][0].stop - blocks[0][0].start)  # a band's: the near keys of r rows, window < r
+        far_rows = _far_triangle_start(block_masks, blocks[-1][0].stop, kv)
+        plans = []
+        for index, (rows, columns) in enumerate(blocks):
+            masks = first if index == 0 else block_masks(rows, columns)
+            if far_rows is not None and not bool(masks[1].eq(_far_triangle(rows, columns, far_rows, masks[1])).all()):
+                far_rows = None
+            plans.append(near_far_calls(masks, dtype, kept_width))
+        if far_rows is not None:
+            plans = [[call for call in calls if call[0] == 0] for calls in plans]
+        planned = plans, far_rows
+    call.near_far_plans.append((key, planned))
+    return planned
+
+
+def _far_triangle_start(block_masks, q: int, kv: int) -> int | None:
+    """The row a from which the far keys of the call would be a causal triangle, row i >= a attending to keys
+    j <= i - a (read off the last row's far keys; _near_far_plans checks every block against it), or None where the
+    last row has no far key or the first row has one (a chunk after a cache longer than the window)."""
+    far = block_masks(slice(q - 1, q), slice(0, kv))[1].flatten(0, -2)[0]
+    if not bool(far.any()):
+        return None
+    start = q - 1 - int(far.nonzero().max())
+    return start if start > 0 else None
+
+
+def _far_triangle(rows: slice, columns: slice, start: int, like: torch.Tensor) -> torch.Tensor:
+    """[r, k] bool: key j <= row i - start, over a block's rows and columns."""
+    row = torch.arange(rows.start, rows.stop, device=like.device)[:, None]
+    return torch.arange(columns.start, columns.stop, device=like.device)[None] <= row - start
 
 
 def _near_far_masks(state, attention_mask, rows, columns, *, query_slots, key_slots, query_positions, key_positions):

@@ -144,14 +144,12 @@ def _mask_arguments(allowed, dtype: torch.dtype) -> dict:
     return {"attn_mask": torch.where(allowed, zero, torch.finfo(dtype).min)}  # the kernel takes no bool mask
 
 
-def mask_segments(allowed) -> list[tuple[slice, str | None]]:
+def mask_segments(allowed: torch.Tensor) -> list[tuple[slice, str | None]]:
     """A part's keys cut into column segments that the kernel runs at full speed where it can: [(columns, kind)] with
     kind None (every row allows every key: no mask), CAUSAL (the last r keys of r rows, exactly their lower triangle:
     the kernel's causal flag, no mask to build or read) or "mask" (the part's mask on those columns). With a
     mask the kernel computes and reads every key of the block: Self-Extend's far keys of a 256-row block at 4096
     tokens are all allowed but the last 256 (a band), and its near keys a band then the causal square."""
-    if allowed is None or isinstance(allowed, str):
-        return [(slice(0, None), allowed)]
     rows, keys = allowed.shape[-2:]
     square = 0
     if 2 <= rows <= keys and bool(allowed[..., keys - rows:].eq(
@@ -208,16 +206,20 @@ class NearFarAttention(torch.autograd.Function):
     segment's keys; it adds each block's gradients into whole-call tensors in place (one autograd node per layer call:
     with one per block, each block's key gradient was a zero-filled tensor of every key, summed by autograd, which
     cost Self-Extend's training step at 4096 tokens more than its masks did).
+    Where the far keys of the whole call are a causal triangle, query i >= far_rows attending to keys
+    j <= i - far_rows (Self-Extend's and ReRoPE's keys past the window, with no padding and no cache before the call:
+    attention.py _far_triangle_rows), the far part is one causal kernel call for the call instead of two per block
+    (an unmasked prefix and a masked band), merged with the near blocks once.
     near_query, far_query [B, H, q, D]: every query under each assignment; near_key, far_key, value [B, H, kv, D];
     blocks: (rows, columns) per query block; plans: each block's calls (near_far_calls, made once per forward for all
-    its layers); block_masks(rows, columns) -> (near allowed, far allowed) bool [B or 1, 1, r, k], called for a
-    masked segment whose mask the plan does not keep (wider than a band), in the forward and again in the backward
-    (never kept: a byte per query-key pair over a training step). Kept: the inputs, the output and the logsumexp,
-    O(q + kv), and the plans' band masks, O(q r)."""
+    its layers; only the near ones where far_rows is given); block_masks(rows, columns) -> (near allowed, far allowed)
+    bool [B or 1, 1, r, k], called for a masked segment whose mask the plan does not keep (wider than a band), in the
+    forward and again in the backward (never kept: a byte per query-key pair over a training step). Kept: the inputs,
+    the output and the logsumexp, O(q + kv), and the plans' band masks, O(q r)."""
 
     @staticmethod
-    def forward(ctx, near_query, far_query, near_key, far_key, value, blocks: list, plans: list, block_masks: Callable,
-                scaling: float):
+    def forward(ctx, near_query, far_query, near_key, far_key, value, blocks: list, plans: list, far_rows: int | None,
+                block_masks: Callable, scaling: float):
         queries, keys = (near_query, far_query), (near_key, far_key)
         outputs, lses = [], []
         for (rows, columns), calls in zip(blocks, plans):
@@ -232,15 +234,20 @@ class NearFarAttention(torch.autograd.Function):
                 if output is None:
                     output, lse = out, out_lse
                     continue
-                merged = torch.logaddexp(lse, out_lse)
-                output = output * (lse - merged).exp()[..., None] + out * (out_lse - merged).exp()[..., None]
-                lse = merged
+                output, lse = _merged(output, lse, out, out_lse)
             outputs.append(output)
             lses.append(lse)
         output = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
         lse = torch.cat(lses, dim=-1) if len(lses) > 1 else lses[0]
+        if far_rows is not None:
+            far_keys = near_query.shape[2] - far_rows
+            far_output, far_lse = FLASH(far_query[:, :, far_rows:], far_key[:, :, :far_keys],
+                                        value[:, :, :far_keys], is_causal=True, scale=scaling)
+            output[:, :, far_rows:], lse[:, :, far_rows:] = _merged(output[:, :, far_rows:], lse[:, :, far_rows:],
+                                                                    far_output, far_lse)
         ctx.save_for_backward(near_query, far_query, near_key, far_key, value, output, lse)
-        ctx.blocks, ctx.plans, ctx.block_masks, ctx.scaling = blocks, plans, block_masks, scaling
+        ctx.blocks, ctx.plans, ctx.far_rows = blocks, plans, far_rows
+        ctx.block_masks, ctx.scaling = block_masks, scaling
         return output
 
     @staticmethod
@@ -252,6 +259,13 @@ class NearFarAttention(torch.autograd.Function):
         grad_keys = (torch.zeros_like(near_key), torch.zeros_like(far_key))
         grad_value = torch.zeros_like(value)
         with torch.no_grad():
+            if (far_rows := ctx.far_rows) is not None:
+                far_keys = near_query.shape[2] - far_rows
+                (grad_queries[1][:, :, far_rows:], grad_keys[1][:, :, :far_keys],
+                 grad_value[:, :, :far_keys]) = FLASH_BACKWARD(
+                    grad_output[:, :, far_rows:], far_query[:, :, far_rows:], far_key[:, :, :far_keys],
+                    value[:, :, :far_keys], output[:, :, far_rows:], lse[:, :, far_rows:], 0.0, True,
+                    scale=ctx.scaling)
             for (rows, columns), calls in zip(ctx.blocks, ctx.plans):
                 masks = functools.cache(functools.partial(ctx.block_masks, rows, columns))
                 for part, segment, arguments in calls:
@@ -264,4 +278,11 @@ class NearFarAttention(torch.autograd.Function):
                     grad_queries[part][:, :, rows] += grad_query
                     grad_keys[part][:, :, key_columns] += grad_key
                     grad_value[:, :, key_columns] += grad_val
-        return grad_queries[0], grad_queries[1], grad_keys[0], grad_keys[1], grad_value, None, None, None, None
+        return (grad_queries[0], grad_queries[1], grad_keys[0], grad_keys[1], grad_value, None, None, None, None,
+                None)
+
+
+def _merged(output, lse, out, out_lse):
+    """Two softmaxes over disjoint keys (outputs [..., r, D], logsumexps [..., r]) as one over both."""
+    merged = torch.logaddexp(lse, out_lse)
+    return output * (lse - merged).exp()[..., None] + out * (out_lse - merged).exp()[..., None], merged

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import hf_posenc
+from hf_posenc.tools.finetune import enable_gradient_checkpointing
 from hf_posenc import attention as engine
 from helpers import left_pad, max_diff
 from tiny_models import random_ids, tiny_model
@@ -74,7 +75,7 @@ def test_compiled_blocks_under_gradient_checkpointing(several_blocks):
     model = patched("stick-breaking")
     ids, mask = padded_batch()
     want_logits, want_grads = outputs_and_gradients(model, ids, mask, "blocked")
-    model.gradient_checkpointing_enable()
+    enable_gradient_checkpointing(model)
     engine.last_paths.clear()
     got_logits, got_grads = outputs_and_gradients(model, ids, mask, "compiled")
     assert engine.last_paths["compiled content"] >= LAYERS

@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 import hf_posenc
+from hf_posenc.tools.finetune import enable_gradient_checkpointing
 from helpers import (CHECKS, CONTRACT, TOL, assert_same_fingerprint, contract_cases as cases, count_hooks,
                      decode_token_by_token, left_pad, max_diff, model_fingerprint, patch_for_contract,
                      positions_from_mask)
@@ -90,7 +91,7 @@ def test_gradients_reach_the_model_and_the_positional_parameters(method, model_t
     for checkpointing in (False, True):
         model = patch_for_contract(tiny_model(model_type), method)
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_gradient_checkpointing(model)
         model.train()
         model(ids, labels=ids).loss.backward()
         family = hf_posenc.registry.get_family(model.config)

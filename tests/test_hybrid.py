@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 import hf_posenc
+from hf_posenc.tools.finetune import enable_gradient_checkpointing
 from helpers import (MODEL_TYPES, TOL, assert_same_fingerprint, count_hooks, decode_token_by_token, left_pad,
                      load_without_hf_posenc, max_diff, model_fingerprint, perturb_positional_state,
                      positions_from_mask)
@@ -157,7 +158,7 @@ def test_gradients_reach_the_model_and_the_parts_parameters(name, model_type):
     for checkpointing in (False, True):
         model = patch_hybrid(tiny_model(model_type), name)
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_gradient_checkpointing(model)
         model.train()
         model(ids, labels=ids).loss.backward()
         projections = dict(model.named_modules())

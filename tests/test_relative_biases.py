@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache
 
 import hf_posenc
+from hf_posenc.tools.finetune import enable_gradient_checkpointing
 from hf_posenc import PosEncError
 from helpers import TOL, assert_same_fingerprint, decode_token_by_token, max_diff, model_fingerprint
 from tiny_models import FAMILIES, random_ids, tiny_model
@@ -280,7 +281,7 @@ def test_gradients_reach_the_parameters_of_option_variants(model_type, method, o
     """The contract suite covers the default options; these variants have parameters of other shapes or kinds."""
     model = hf_posenc.patch_model(tiny_model(model_type), method, **options)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_gradient_checkpointing(model)
     model.train()
     ids = random_ids(2, 10)
     model(ids, labels=ids).loss.backward()

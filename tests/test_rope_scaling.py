@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Static
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import hf_posenc
+from hf_posenc.tools.finetune import enable_gradient_checkpointing
 from hf_posenc import PosEncError
 from hf_posenc.engine.replay import replay_count
 from helpers import (CONTRACT, HALF, WINDOW, assert_same_fingerprint, decode_token_by_token, left_pad, max_diff,
@@ -208,7 +209,7 @@ def test_original_window_and_theta_are_read_from_the_config():
 
 def test_gradients_and_checkpointing_with_a_length_dependent_type():
     model = scaled_model("llama", "dynamic")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_gradient_checkpointing(model)
     model.train()
     ids = random_ids(2, 80)
     model(ids, labels=ids).loss.backward()

@@ -493,6 +493,19 @@ def training_data(args: argparse.Namespace, tokenizer, docs, world: int) -> Trai
                         positions[n_train:])
 
 
+def enable_gradient_checkpointing(model):
+    """Non-reentrant gradient checkpointing of every decoder layer of `model` (of a PEFT wrapper's base model, which
+    it returns), through `activation_checkpointing_enable` where transformers has it: 5.23 deprecates
+    `gradient_checkpointing_enable`, which warns on every call, for removal in v6."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    options = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+    return base
+
+
 def prepare_training(args: argparse.Namespace, accelerator, model, data: TrainingData, teacher=None) -> Training:
     """Choose what trains, check the memory it needs, and build the optimizer, schedule and data loaders."""
     import torch
@@ -506,13 +519,7 @@ def prepare_training(args: argparse.Namespace, accelerator, model, data: Trainin
                                              teacher),
                      f"training on {args.batch_size} x {args.max_length} tokens")
     if args.gradient_checkpointing:
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        checkpoint_options = {"use_reentrant": False}
-        if hasattr(base, "activation_checkpointing_enable"):  # its name in later 5.x releases; the old one warns
-            base.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_options)
-        else:
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_options)
-        base.config.use_cache = False
+        enable_gradient_checkpointing(model).config.use_cache = False
     groups = [{"params": [p for p in trainable if id(p) not in positional_ids], "lr": args.lr},
               {"params": [p for p in trainable if id(p) in positional_ids], "lr": args.positional_lr or args.lr}]
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, weight_decay=args.weight_decay)

@@ -1,7 +1,7 @@
 """Training-free context extension by remapped positions (Self-Extend, ReRoPE, attention sinks): the shared attention
 path against an independent float64 reference that materialises the whole score matrix, whole models against the
-unpatched model within the window, and the sinks' bounded cache. (The contract suite, test_contract.py, checks caches, padding, unpatch, gradients, low
-precision and checkpoints for both on every model type.)"""
+unpatched model within the window, and the sinks' bounded cache. (The contract suite, test_contract.py, checks
+caches, padding, unpatch, gradients, low precision and checkpoints for both on every model type.)"""
 
 from __future__ import annotations
 

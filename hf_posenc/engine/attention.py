@@ -449,7 +449,7 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
 
 def _near_far_plans(state, attention_mask, kv: int, blocks: list, block_masks, dtype) -> tuple[list | None, int | None]:
     """(each block's kernel calls for NearFarAttention (separable_attention.near_far_calls, with the masks they keep),
-    far_rows (_far_triangle_rows): then only the near calls), or (None, None) where block_scores serve (an additive
+    far_rows (_far_triangle_start): then only the near calls), or (None, None) where block_scores serve (an additive
     mask, or no near mask). Made by the first layer of a forward and reused by the others, which attend with the same
     positions, mask and blocks: building the masks and cutting them cost Self-Extend about 4% of a layer's training
     step at 2048 tokens on the CPU."""
@@ -470,7 +470,7 @@ def _near_far_plans(state, attention_mask, kv: int, blocks: list, block_masks, d
                 far_rows = None
             plans.append(near_far_calls(masks, dtype, kept_width))
         if far_rows is not None:
-            plans = [[call for call in calls if call[0] == 0] for calls in plans]
+            plans = [[near for near in calls if near[0] == 0] for calls in plans]
         planned = plans, far_rows
     call.near_far_plans.append((key, planned))
     return planned

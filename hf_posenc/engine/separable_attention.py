@@ -207,8 +207,8 @@ class NearFarAttention(torch.autograd.Function):
     with one per block, each block's key gradient was a zero-filled tensor of every key, summed by autograd, which
     cost Self-Extend's training step at 4096 tokens more than its masks did).
     Where the far keys of the whole call are a causal triangle, query i >= far_rows attending to keys
-    j <= i - far_rows (Self-Extend's and ReRoPE's keys past the window, with no padding and no cache before the call:
-    attention.py _far_triangle_rows), the far part is one causal kernel call for the call instead of two per block
+    j <= i - far_rows (Self-Extend's and ReRoPE's keys past the window, no padding, no cache longer than the window:
+    attention.py _far_triangle_start), the far part is one causal kernel call for the call instead of two per block
     (an unmasked prefix and a masked band), merged with the near blocks once.
     near_query, far_query [B, H, q, D]: every query under each assignment; near_key, far_key, value [B, H, kv, D];
     blocks: (rows, columns) per query block; plans: each block's calls (near_far_calls, made once per forward for all

@@ -422,6 +422,39 @@ def test_many_query_blocks_give_what_one_block_gives(method, monkeypatch):
         assert max_diff(a, b) <= 1e-5
 
 
+@pytest.mark.parametrize("method, options", [("stick-breaking", {}), ("cope", {"max_pos": 4}), ("cape", {}),
+                                             ("fox", {"base": "native", "key_shift": True})])
+def test_recomputed_blocks_give_the_gradients_of_plain_autograd(method, options, monkeypatch):
+    """Training through the blocked path recomputes each query block in the backward and adds its gradient into its
+    slice of one buffer per tensor (RecomputedBlocks): the queries' (and their state's) by the block's rows, the keys',
+    values' (and their state's) by its columns, the method's parameters summed over the blocks. Its logits and every
+    parameter's gradient equal plain autograd's through the eager blocks (nothing recomputed), over blocks of 3 rows,
+    a left-padded batch and a chunk after a cache, in a float64 model (the blocks' logits are float32). FoX is held
+    on its generic blocks (its separable form off), so that its per-token state takes part."""
+    from hf_posenc.engine import attention as engine
+
+    model = hf_posenc.patch_model(tiny_model("llama"), method, **options).double()
+    module = hf_posenc.get_positional_module(model)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.add_(0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(6)))
+    monkeypatch.setattr(type(module), "separable_terms", lambda self, query_state, key_state: None)
+    padded, mask = left_pad([random_ids(1, 20, seed=3)[0], random_ids(1, 13, seed=4)[0]])
+    ids = random_ids(2, 20)
+    monkeypatch.setattr(engine, "BLOCK_BYTES", int(4 * 2 * 4 * 20 * module.block_cost * 3))
+
+    engine.last_paths.clear()
+    recomputed = padded_and_cached_outputs_and_gradients(model, padded, mask, ids, 7)
+    assert engine.last_paths["content recomputed"] == 3 * model.config.num_hidden_layers
+    model.set_attn_implementation("eager")
+    engine.last_paths.clear()
+    plain = padded_and_cached_outputs_and_gradients(model, padded, mask, ids, 7)
+    assert engine.last_paths["content recomputed"] == 0 and engine.last_paths["content"] > 0
+    assert len(recomputed) == len(plain) > 2 + len(list(module.parameters()))
+    for a, b in zip(recomputed, plain):
+        assert max_diff(a, b) <= 1e-5 * max(1.0, b.abs().max())
+
+
 # --- FoX-Pro's token shift -------------------------------------------------------------------------------------------
 def test_fox_token_shift_is_not_the_identity_at_init():
     """Documented as such (a_t starts near 1/2): on top of the native RoPE, a value shift moves the logits at once."""

@@ -22,7 +22,7 @@ Ways to compute attention with a bias (and content methods' blocks), never mater
   installed, no padding mask, and a cache holding exactly the keys seen (not a StaticCache).
 - "compiled" (only when chosen): a content method's per-block chain (its logits or weights, the softmax, the
   values) under torch.compile with dynamic shapes, which fuses the chain's elementwise passes (`_compiled_content_call`;
-  blocks, and their recomputation in the backward, as in the eager path: `RecomputedBlock`). Not for eager mode,
+  blocks, and their recomputation in the backward, as in the eager path: `RecomputedBlocks`). Not for eager mode,
   dropout, or `mixes_state` methods (TAPE); every other call takes the blocked path.
 
 Methods that score each query block themselves (Self-Extend, ReRoPE, attention sinks: `_scored_blocks`) and content
@@ -606,14 +606,26 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
             last_paths["compiled content"] += 1
             output = method.finish_output(layer_idx, output.transpose(1, 2), layer_input)
             return output.transpose(1, 2).contiguous(), None
-    for rows, columns in causal_blocks(query_slots, key_slots, step, eager):
-        arguments = (state, layer_idx, scaling, query, key, value, attention_mask, rows, columns, query_slots,
-                     key_slots, query_positions, key_positions, query_state, key_state, dropout, module.training)
+    blocks = list(causal_blocks(query_slots, key_slots, step, eager))
+    fixed = (attention_mask, query_slots, key_slots, query_positions, key_positions)
+    if not eager and torch.is_grad_enabled() and dropout == 0.0 and not method.mixes_state:
+        # Recomputed in the backward pass (the blocks' masks too): otherwise every block's [B, H, rows, keys]
+        # temporaries would be kept for it, O(L^2) in all; this way a forward+backward holds one block at a time.
+        def block_output(rows, columns, *heads):
+            return _content_block(state, layer_idx, scaling, *heads, *fixed[:1], rows, columns, *fixed[1:], 0.0,
+                                  False)[0]
+
+        tensors = (query, key, value, query_state, key_state)
+        parameters = [parameter for parameter in method.parameters() if parameter.requires_grad]
+        outputs = [RecomputedBlocks.apply(block_output, blocks, len(tensors), *tensors, *parameters)]
+        last_paths["content recomputed"] += 1
+    for rows, columns in blocks if not outputs else ():
+        arguments = (state, layer_idx, scaling, *_cut_block(rows, columns, query, key, value, query_state, key_state),
+                     attention_mask, rows, columns, query_slots, key_slots, query_positions, key_positions, dropout,
+                     module.training)
         if eager or not torch.is_grad_enabled():
             output, probs, mixed_state = _content_block(*arguments)
-        else:
-            # Recomputed in the backward pass (the block's mask too): otherwise every block's [B, H, rows, keys]
-            # temporaries would be kept for it, O(L^2) in all; this way a forward+backward holds one block at a time.
+        else:  # dropout (its mask drawn again in the recomputation) or a method whose blocks also mix the keys' state
             output, mixed_state = torch.utils.checkpoint.checkpoint(lambda *a: _content_block(*a)[::2], *arguments,
                                                                     use_reentrant=False)
         outputs.append(output)
@@ -721,17 +733,21 @@ def _content_mask(state, layer_idx, attention_mask, rows, columns, query_slots, 
     return mask, bias
 
 
-def _content_block_inputs(state, layer_idx, scaling, query, key, value, attention_mask, rows, columns, query_slots,
-                          key_slots, query_positions, key_positions, query_state, key_state):
-    """(queries [B, H, r, D], keys and values [B, H, k, D], ContentBlock) of query rows `rows` against key columns
-    `columns` in `_content_blocks`."""
+def _cut_block(rows, columns, query, key, value, query_state, key_state) -> tuple:
+    """A block's queries [B, H, r, D], keys and values [B, H, k, D], and the per-token state of its queries and keys
+    (or None), cut from a content call's."""
+    return (query[:, :, rows], key[:, :, columns], value[:, :, columns],
+            query_state[:, :, rows] if query_state is not None else None,
+            key_state[:, :, columns] if key_state is not None else None)
+
+
+def _content_block_of(state, layer_idx, scaling, query_state, key_state, attention_mask, rows, columns, query_slots,
+                      key_slots, query_positions, key_positions) -> ContentBlock:
+    """The ContentBlock of query rows `rows` against key columns `columns` in `_content_blocks` (the states cut)."""
     mask, bias = _content_mask(state, layer_idx, attention_mask, rows, columns, query_slots, key_slots,
                                query_positions, key_positions)
-    block = ContentBlock(layer_idx, scaling, mask, bias, query_positions[:, rows], key_positions[:, columns],
-                         query_state[:, :, rows] if query_state is not None else None,
-                         key_state[:, :, columns] if key_state is not None else None, query_slots[rows],
-                         key_slots[columns])
-    return query[:, :, rows], key[:, :, columns], value[:, :, columns], block
+    return ContentBlock(layer_idx, scaling, mask, bias, query_positions[:, rows], key_positions[:, columns],
+                        query_state, key_state, query_slots[rows], key_slots[columns])
 
 
 def content_probabilities(method: ContentMethod, query, key, block: ContentBlock) -> torch.Tensor:
@@ -749,20 +765,18 @@ def content_block_output(method: ContentMethod, query, key, value, block: Conten
     return torch.matmul(content_probabilities(method, query, key, block).to(value.dtype), value)
 
 
-def _content_block(state, layer_idx, scaling, query, key, value, attention_mask, rows, columns, query_slots, key_slots,
-                   query_positions, key_positions, query_state, key_state, dropout, training):
-    """Query rows `rows` against key columns `columns` in `_content_blocks`: (output [B, H, r, D], attention weights
-    float32 [B, H, r, k], for `mixes_state` methods the same weights applied to the keys' state [B, H, r, ...] in
-    float32, else None)."""
+def _content_block(state, layer_idx, scaling, query, key, value, query_state, key_state, attention_mask, rows, columns,
+                   query_slots, key_slots, query_positions, key_positions, dropout, training):
+    """Query rows `rows` against key columns `columns` in `_content_blocks`, from the block's cut of the queries, keys,
+    values and states (`_cut_block`): (output [B, H, r, D], attention weights float32 [B, H, r, k], for `mixes_state`
+    methods the same weights applied to the keys' state [B, H, r, ...] in float32, else None)."""
     method = state.method
-    query, key, value, block = _content_block_inputs(state, layer_idx, scaling, query, key, value, attention_mask,
-                                                     rows, columns, query_slots, key_slots, query_positions,
-                                                     key_positions, query_state, key_state)
+    block = _content_block_of(state, layer_idx, scaling, query_state, key_state, attention_mask, rows, columns,
+                              query_slots, key_slots, query_positions, key_positions)
     probs = F.dropout(content_probabilities(method, query, key, block), p=dropout, training=training)
     mixed = None
     if method.mixes_state and key_state is not None:
-        keys = key_state[:, :, columns]
-        keys = keys.repeat_interleave(probs.shape[1] // keys.shape[1], dim=1).float()
+        keys = key_state.repeat_interleave(probs.shape[1] // key_state.shape[1], dim=1).float()
         mixed = torch.matmul(probs.float(), keys.flatten(3)).unflatten(-1, keys.shape[3:])
     return torch.matmul(probs.to(value.dtype), value), probs, mixed
 
@@ -786,8 +800,9 @@ def _compiled_content_call(state, layer_idx, scaling, query, key, value, attenti
 
     def reference(rows: slice) -> torch.Tensor:
         _, columns = next(causal_blocks(query_slots[rows], key_slots, rows.stop - rows.start, False))
-        return _content_block(state, layer_idx, scaling, query, key, value, attention_mask, rows, columns,
-                              query_slots, key_slots, query_positions, key_positions, query_state, key_state, 0.0,
+        return _content_block(state, layer_idx, scaling,
+                              *_cut_block(rows, columns, query, key, value, query_state, key_state), attention_mask,
+                              rows, columns, query_slots, key_slots, query_positions, key_positions, 0.0,
                               False)[0].transpose(1, 2)
 
     name, dtype, masked = method.config.method, str(query.dtype), attention_mask is not None
@@ -826,22 +841,22 @@ def _compiled_content_kernel(state, layer_idx, scaling, query, key, value, block
     attention_mask, query_slots, key_slots, query_positions, key_positions, _, _ = fixed
     parameters = [parameter for parameter in state.method.parameters() if parameter.requires_grad] \
         if needs_grad else []
-    outputs = []
-    for rows, columns in blocks:
-        def block_output(query, key, value, query_state, key_state, rows=rows, columns=columns):
-            *heads, block = _content_block_inputs(state, layer_idx, scaling, query, key, value, attention_mask, rows,
-                                                  columns, query_slots, key_slots, query_positions, key_positions,
-                                                  query_state, key_state)
-            # Fresh contiguous inputs: a block's slices have strides and storage offsets that differ from block to
-            # block, and dynamo guards on how those relate to sizes (each new relation would recompile).
-            block = ContentBlock(**{name: _fresh(value) if isinstance(value, torch.Tensor) else value
-                                    for name, value in vars(block).items()})
-            with _recompile_allowance(), _no_duck_sizing():  # the backward's recomputation included
-                return compiled(state.method, *(_fresh(tensor) for tensor in heads), block)
 
-        tensors = (query, key, value, *fixed[5:])
-        outputs.append(RecomputedBlock.apply(block_output, len(tensors), *tensors, *parameters) if needs_grad
-                       else block_output(*tensors))
+    def block_output(rows, columns, query, key, value, query_state, key_state):
+        block = _content_block_of(state, layer_idx, scaling, query_state, key_state, attention_mask, rows, columns,
+                                  query_slots, key_slots, query_positions, key_positions)
+        # Fresh contiguous inputs: a block's slices have strides and storage offsets that differ from block to
+        # block, and dynamo guards on how those relate to sizes (each new relation would recompile).
+        block = ContentBlock(**{name: _fresh(value) if isinstance(value, torch.Tensor) else value
+                                for name, value in vars(block).items()})
+        with _recompile_allowance(), _no_duck_sizing():  # the backward's recomputation included
+            return compiled(state.method, *(_fresh(tensor) for tensor in (query, key, value)), block)
+
+    tensors = (query, key, value, *fixed[5:])
+    if needs_grad:
+        outputs = [RecomputedBlocks.apply(block_output, blocks, len(tensors), *tensors, *parameters)]
+    else:
+        outputs = [block_output(rows, columns, *_cut_block(rows, columns, *tensors)) for rows, columns in blocks]
     output = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
     return output.transpose(1, 2).contiguous()
 
@@ -860,37 +875,55 @@ def _no_duck_sizing():
     return shape_config.patch(use_duck_shape=False)
 
 
-class RecomputedBlock(torch.autograd.Function):
-    """`block_output(*inputs)` without keeping anything for the backward but its inputs: the backward recomputes it
-    and differentiates that, w.r.t. the inputs and `parameters` (what it reads besides: a method's parameters).
-    torch.utils.checkpoint does the same, but checks that the recomputation saved as many tensors as the forward,
-    which fails for a compiled function whose recomputation dynamo serves with another graph of the same code (with
-    dynamic shapes it may: pytorch/pytorch#166926)."""
+class RecomputedBlocks(torch.autograd.Function):
+    """The query blocks of a content call, output = cat(block_output(rows, columns, *cut)) over the queries (cut: the
+    block's cut of the tensors, `_cut_block`), keeping nothing for the backward but the tensors: the backward
+    recomputes one block at a time and differentiates it w.r.t. that cut, made leaves of their own, and `parameters`
+    (what it reads besides: a method's parameters). So a block's gradient is added into its slice of one buffer per
+    tensor, where differentiating through the cut (as torch.utils.checkpoint per block does) would give every block
+    a zero-filled gradient of the whole call's size to add (O(L) per block, O(L^2 / rows) per call). And a compiled
+    block_output may be served by another graph of the same code in the recomputation, which torch.utils.checkpoint
+    refuses (it checks that as many tensors were saved; with dynamic shapes that can differ: pytorch/pytorch#166926)."""
 
     @staticmethod
-    def forward(ctx, block_output, count: int, *tensors):
-        ctx.block_output = block_output
+    def forward(ctx, block_output, blocks, count: int, *tensors):
+        ctx.block_output, ctx.blocks = block_output, blocks
         ctx.parameters = tensors[count:]
         ctx.save_for_backward(*tensors[:count])
-        with torch.no_grad():  # on detached inputs, as the compiled graph saw them in the first call
-            return block_output(*(tensor.detach() if tensor is not None else None for tensor in tensors[:count]))
+        inputs = [tensor.detach() if tensor is not None else None for tensor in tensors[:count]]
+        with torch.no_grad():  # on detached inputs, as a compiled graph saw them in the first call
+            outputs = [block_output(rows, columns, *_cut_block(rows, columns, *inputs)) for rows, columns in blocks]
+        return torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
-        needs = ctx.needs_input_grad[2:]
-        inputs = [tensor.detach().requires_grad_(need) if tensor is not None else None
-                  for tensor, need in zip(ctx.saved_tensors, needs)]
-        candidates = [*inputs, *ctx.parameters]
+        saved = ctx.saved_tensors
+        needs = ctx.needs_input_grad[3:]
+        grads = [torch.zeros_like(tensor) if need and tensor is not None else None
+                 for tensor, need in zip(saved, needs)]
+        parameter_grads = [None] * len(ctx.parameters)
         wanted = [index for index, need in enumerate(needs) if need]
-        with torch.enable_grad():
-            output = ctx.block_output(*inputs)
-        grads = torch.autograd.grad(output, [candidates[index] for index in wanted], grad_output, allow_unused=True) \
-            if wanted and output.requires_grad else [None] * len(wanted)
-        result = [None] * len(candidates)
-        for index, grad in zip(wanted, grads):
-            result[index] = grad
-        return (None, None, *result)
+        detached = [tensor.detach() if tensor is not None else None for tensor in saved]
+        for rows, columns in ctx.blocks:
+            cut = [tensor.requires_grad_(need) if tensor is not None else None
+                   for tensor, need in zip(_cut_block(rows, columns, *detached), needs)]
+            candidates = [*cut, *ctx.parameters]
+            with torch.enable_grad():
+                output = ctx.block_output(rows, columns, *cut)
+            if not wanted or not output.requires_grad:
+                continue
+            block_grads = torch.autograd.grad(output, [candidates[index] for index in wanted],
+                                              grad_output[:, :, rows], allow_unused=True)
+            for index, grad in zip(wanted, block_grads):
+                if grad is None:
+                    continue
+                if index >= len(saved):
+                    slot = index - len(saved)
+                    parameter_grads[slot] = grad if parameter_grads[slot] is None else parameter_grads[slot] + grad
+                else:  # the queries and their state are cut by rows, the keys, values and their state by columns
+                    grads[index][:, :, rows if index in (0, 3) else columns] += grad
+        return (None, None, None, *grads, *parameter_grads)
 
 
 def _content_gradient_probe(state, layer_idx, scaling, query, key, value, fixed) -> GradientProbe:
@@ -913,8 +946,8 @@ def _content_gradient_probe(state, layer_idx, scaling, query, key, value, fixed)
         return _compiled_content_kernel(state, layer_idx, scaling, query, key, value, [block], cut, True)
 
     def reference(query, key, value):
-        return _content_block(state, layer_idx, scaling, query, key, value, cut[0], *block, *cut[1:], 0.0,
-                              False)[0].transpose(1, 2)
+        return _content_block(state, layer_idx, scaling, *_cut_block(*block, query, key, value, *cut[5:]), cut[0],
+                              *block, *cut[1:5], 0.0, False)[0].transpose(1, 2)
 
     parameters = {name: parameter for name, parameter in state.method.named_parameters() if parameter.requires_grad}
     inputs = {"query": query[batch, :, rows], "key": key[batch, :, keys], "value": value[batch, :, keys]}

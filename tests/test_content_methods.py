@@ -252,6 +252,38 @@ def test_stick_breaking_matches_a_float64_reference(attend_current):
         assert max_diff(record["out"], stick_breaking_reference(module, layer, record)) <= 1e-5
 
 
+@pytest.mark.parametrize("attend_current", [False, True])
+def test_stick_breaking_weights_backward_equals_autograd_of_the_chain_in_float64(attend_current):
+    """Stick-breaking's block weights have a hand-written backward (StickBreakingWeights): its weights and the
+    logits' gradient equal autograd's through the paper's chain in float64 (log-sigmoids, the reverse cumulative sum
+    of log(1 - beta) shifted by one, the remainder on the row's own key), for a block of rows at the end of a causal
+    square with a padded row, the own key breaking or not."""
+    from hf_posenc.methods.stick_breaking import StickBreakingWeights
+
+    generator = torch.Generator().manual_seed(7)
+    logits = 3 * torch.randn(2, 3, 5, 9, dtype=torch.float64, generator=generator)
+    allowed = torch.arange(9)[None, None, None, :] <= torch.arange(4, 9)[None, None, :, None]
+    allowed = allowed & torch.tensor([[[[True] * 9]], [[[False] * 2 + [True] * 7]]])
+    own = torch.arange(9)[None, :] == torch.arange(4, 9)[:, None]
+    breaks = allowed if attend_current else allowed & ~own
+    upstream = torch.randn(2, 3, 5, 9, dtype=torch.float64, generator=generator)
+
+    def chain(logits, breaks, own):
+        log_keep = F.logsigmoid(-logits).masked_fill(~breaks, 0.0)
+        after = F.pad(log_keep.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1))
+        weights = torch.exp(F.logsigmoid(logits) + after).masked_fill(~breaks, 0.0)
+        return weights + torch.exp(log_keep.sum(-1, keepdim=True)) * own.to(weights.dtype)
+
+    results = []
+    for function, dtype in ((chain, torch.float64), (StickBreakingWeights.apply, torch.float32)):
+        inputs = logits.detach().to(dtype).requires_grad_()
+        weights = function(inputs, breaks, own)
+        (weights * upstream.to(dtype)).sum().backward()
+        results.append((weights, inputs.grad))
+    for ours, reference in zip(*results[::-1]):
+        assert max_diff(ours, reference) <= 1e-5 * max(1.0, reference.abs().max())
+
+
 def test_stick_breaking_weights_sum_to_one_and_favour_recent_keys_in_eager_mode():
     model = hf_posenc.patch_model(tiny_model("llama", attn_implementation="eager"), "stick-breaking")
     with torch.no_grad():
@@ -289,6 +321,42 @@ def test_cope_matches_a_float64_reference(max_pos):
     ids = random_ids(2, 10)
     for layer, record in enumerate(capture_llama_layers(model, ids)):
         assert max_diff(record["out"], cope_reference(module, layer, record)) <= 1e-5
+
+
+@pytest.mark.parametrize("max_pos", [3, 64])
+def test_cope_scores_backward_equals_autograd_of_the_chain_in_float64(max_pos):
+    """CoPE's block logits have a hand-written backward (ContextualScores): its logits and the gradients of the
+    queries, keys and embeddings equal autograd's through the paper's chain in float64 (gates, reverse cumulative sum,
+    clamp, the embeddings' scalars at floor p and ceil p interpolated), for a block of rows at the end of a causal
+    square with a padded row, positions clamped (max_pos=3) and not."""
+    from hf_posenc.methods.cope import ContextualScores
+
+    generator = torch.Generator().manual_seed(5)
+    query, key = (2 * torch.randn(2, 3, n, 8, dtype=torch.float64, generator=generator) for n in (5, 9))
+    embeddings = torch.randn(8, max_pos + 1, dtype=torch.float64, generator=generator)
+    allowed = torch.arange(9)[None, None, None, :] <= torch.arange(4, 9)[None, None, :, None]
+    allowed = allowed & torch.tensor([[[[True] * 9]], [[[False] * 2 + [True] * 7]]])
+    upstream = torch.randn(2, 3, 5, 9, dtype=torch.float64, generator=generator) * allowed
+    scaling = 8 ** -0.5
+
+    def chain(query, key, embeddings):
+        logits = query @ key.transpose(2, 3) * scaling
+        gates = torch.sigmoid(logits).masked_fill(~allowed, 0.0)
+        positions = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=float(max_pos))
+        integer = query @ embeddings
+        weight = positions - positions.floor()
+        below, above = (integer.gather(-1, index.long()) for index in (positions.floor(), positions.ceil()))
+        return logits + below * (1 - weight) + above * weight
+
+    results = []
+    for function, dtype in ((chain, torch.float64), (lambda *heads: ContextualScores.apply(
+            *heads, allowed, scaling, float(max_pos)), torch.float32)):
+        inputs = [x.detach().to(dtype).requires_grad_() for x in (query, key, embeddings)]
+        scores = function(*inputs)
+        (scores * upstream.to(dtype)).sum().backward()
+        results.append([scores.masked_fill(~allowed, 0.0)] + [x.grad for x in inputs])
+    for ours, reference in zip(results[1], results[0]):
+        assert max_diff(ours, reference) <= 1e-5 * max(1.0, reference.abs().max())
 
 
 # --- Transformer-XL -------------------------------------------------------------------------------------------------

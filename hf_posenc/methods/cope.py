@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..model_info import ModelInfo
@@ -46,18 +47,53 @@ class ContextualPositions(ContentAttention):
         super().__init__(config, info)
         self.position_embeddings = nn.Parameter(torch.zeros(info.num_layers, info.head_dim, config.max_pos + 1))
 
-    def contextual_positions(self, logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        """p_ij = min(sum_{k=j..i} sigmoid(z_ik), max_pos) over allowed keys, float32 [B, H, r, k]."""
-        gates = torch.sigmoid(logits).masked_fill(~allowed, 0.0)
-        return gates.flip(-1).cumsum(-1).flip(-1).clamp(max=float(self.config.max_pos))
-
     def content_scores(self, query, key, block):
-        logits = torch.matmul(query, key.transpose(2, 3)).float() * block.scaling
-        positions = self.contextual_positions(logits, block.allowed)
-        integer = query.float() @ self.position_embeddings[block.layer_idx].float()  # [B, H, r, max_pos + 1]
-        floor = positions.floor()
-        weight = positions - floor
-        below = integer.gather(-1, floor.long())
-        above = integer.gather(-1, positions.ceil().long())
-        scores = logits + below * (1 - weight) + above * weight
+        scores = ContextualScores.apply(query, key, self.position_embeddings[block.layer_idx], block.allowed,
+                                        block.scaling, float(self.config.max_pos))
         return scores if block.bias is None else scores + block.bias
+
+
+class ContextualScores(torch.autograd.Function):
+    """A block's CoPE logits float32 [B, H, r, k] from its queries [B, H, r, D], keys [B, H, k, D], the layer's
+    embeddings e [D, max_pos + 1] and the allowed keys (bool, broadcast), with the backward written out: autograd
+    through the same chain runs about twice as many full passes over the block (a zero-filled [r, max_pos + 1]
+    gradient per gather, the flips of the cumulative sum, the masks), and the content methods' training step is
+    made of such passes. With the integers' scalars I_n = q . e[n] and their rises R_n = I_{n+1} - I_n (R_max_pos =
+    0), the interpolated term is I[floor p] + (p - floor p) R[floor p]. Backward, for dL/dlogits = G:
+    dI[floor p] += G, dR[floor p] += (p - floor p) G; dp = G R[floor p] (0 where p was clamped, as the clamp's
+    gradient is: there floor p = max_pos); the reverse cumulative sum's adjoint is the forward one,
+    dg_ij = sum_{k<=j} dp_ik; dz = G + dg g (1 - g)."""
+
+    @staticmethod
+    def forward(ctx, query, key, embeddings, allowed, scaling: float, max_pos: float):
+        logits = torch.matmul(query, key.transpose(2, 3)).float().mul_(scaling)
+        gates = torch.sigmoid(logits).masked_fill_(~allowed, 0.0)
+        positions = gates.flip(-1).cumsum(-1).flip(-1)
+        floor = positions.clamp_(max=max_pos).floor()
+        weight = positions.sub_(floor)
+        index = floor.long()
+        integer = query.float() @ embeddings.float()  # [B, H, r, max_pos + 1]
+        rise = F.pad(integer.diff(dim=-1), (0, 1))
+        rise_at = rise.gather(-1, index)
+        ctx.save_for_backward(query, key, embeddings, gates, weight, index, rise_at)
+        ctx.scaling = scaling
+        return torch.addcmul(logits, weight, rise_at).add_(integer.gather(-1, index))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        query, key, embeddings, gates, weight, index, rise_at = ctx.saved_tensors
+        grad = grad.float()
+        grad_integer = torch.zeros(*grad.shape[:-1], embeddings.shape[-1], dtype=grad.dtype, device=grad.device)
+        grad_integer.scatter_add_(-1, index, grad)
+        grad_rise = torch.zeros_like(grad_integer).scatter_add_(-1, index, grad * weight)[..., :-1]
+        grad_integer[..., 1:] += grad_rise
+        grad_integer[..., :-1] -= grad_rise
+        grad_gates = (grad * rise_at).cumsum(-1)
+        grad_logits = grad_gates.mul_(torch.addcmul(gates, gates, gates, value=-1.0)).add_(grad)
+        grad_logits = grad_logits.to(query.dtype)
+        grad_query = torch.matmul(grad_logits, key).mul_(ctx.scaling) \
+            + (grad_integer @ embeddings.float().T).to(query.dtype)
+        grad_key = torch.matmul(grad_logits.transpose(2, 3), query).mul_(ctx.scaling)
+        grad_embeddings = torch.einsum("bhrd,bhrn->dn", query.float(), grad_integer).to(embeddings.dtype)
+        return grad_query, grad_key, grad_embeddings, None, None, None

@@ -33,6 +33,9 @@ from ..registry import register_method
 from .content import ContentAttention, ContentConfig
 
 
+LOG_WEIGHT_FLOOR = -80.0
+
+
 @dataclass
 class StickBreakingConfig(ContentConfig):
     attend_current: bool = False  # the query's own key takes part in the stick-breaking (False: the paper's default)
@@ -53,9 +56,36 @@ class StickBreakingAttention(ContentAttention):
             logits = logits + block.bias
         own = block.key_slots[None, :] == block.query_slots[:, None]  # [r, k]: the row's own token
         breaks = block.allowed if self.config.attend_current else block.allowed & ~own
-        log_keep = F.logsigmoid(-logits).masked_fill(~breaks, 0.0)  # log(1 - beta), 0 where nothing breaks
+        return StickBreakingWeights.apply(logits, breaks, own)
+
+
+class StickBreakingWeights(torch.autograd.Function):
+    """A block's stick-breaking weights float32 [B, H, r, k] (the left-over mass on each row's own key `own` [r, k])
+    from its logits z [B, H, r, k] and the keys that break the stick (`breaks`, bool, broadcast), with the backward
+    written out: autograd through the same chain runs about twice as many full passes over the block. With
+    A_ij = exp(L_ij), L_ij = logsigmoid(z_ij) + sum_{j<k} log(1 - sigmoid(z_ik)), and the remainder R_i =
+    exp(sum_k log(1 - sigmoid(z_ik))), for upstream gradients G: dL = G A, dR_i = G_i,own R_i, and dz_ij =
+    dL_ij - sigmoid(z_ij) (sum_{k<=j} dL_ik + dR_i) where key j breaks, else 0."""
+
+    @staticmethod
+    def forward(ctx, logits, breaks, own):
+        kept = F.logsigmoid(-logits).masked_fill_(~breaks, 0.0)  # log(1 - beta), 0 where nothing breaks
         # sum_{k > j} log(1 - beta_ik): the reverse cumulative sum from the row's nearest key, shifted by one.
-        after = F.pad(log_keep.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1))
-        weights = torch.exp(F.logsigmoid(logits) + after).masked_fill(~breaks, 0.0)
-        remainder = torch.exp(log_keep.sum(-1, keepdim=True))  # prod_k (1 - beta_ik): what no key took
+        after = F.pad(kept.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1))
+        # The clamp: exp of an argument under about -88 (where float32 underflows) takes a path about 10x slower in
+        # the CPU kernel, and most of a long row's keys are that far down the stick. A weight floored at exp(-80)
+        # (2e-35) changes nothing at float32's precision of weights that sum to 1.
+        weights = F.logsigmoid(logits).add_(after).clamp_(min=LOG_WEIGHT_FLOOR).exp_().masked_fill_(~breaks, 0.0)
+        remainder = kept.sum(-1, keepdim=True).exp_()  # prod_k (1 - beta_ik): what no key took
+        ctx.save_for_backward(logits, breaks, own, weights, remainder)
         return weights + remainder * own.to(weights.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        logits, breaks, own, weights, remainder = ctx.saved_tensors
+        grad_log = grad * weights
+        grad_remainder = (grad * own).sum(-1, keepdim=True).mul_(remainder)
+        through = grad_log.cumsum(-1).add_(grad_remainder)
+        grad_logits = torch.addcmul(grad_log, torch.sigmoid(logits), through, value=-1.0)
+        return grad_logits.masked_fill_(~breaks, 0.0), None, None

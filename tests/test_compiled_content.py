@@ -22,7 +22,7 @@ LAYERS = 2  # the tiny LLaMA's
 @pytest.fixture
 def several_blocks(monkeypatch):
     """Blocks of a few query rows at these lengths, so that the compiled path runs more than one block per call."""
-    monkeypatch.setattr(engine, "BLOCK_BYTES", 4 * 2 * 4 * 48 * 16 * 6)
+    monkeypatch.setattr(engine, "CONTENT_BLOCK_BYTES", 4 * 2 * 4 * 48 * 16 * 6)
     monkeypatch.setattr(engine, "COMPILED_BLOCK_BYTES", 4 * 2 * 4 * 48 * 16)
     engine.reset_kernel_status()
     yield

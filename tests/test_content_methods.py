@@ -462,8 +462,8 @@ def test_beam_search_reorders_the_carried_state(method):
 
 @pytest.mark.parametrize("method", ["fox", "stick-breaking", "cope", "transformer-xl", "cape"])
 def test_many_query_blocks_give_what_one_block_gives(method, monkeypatch):
-    """The references above run one block; with BLOCK_BYTES shrunk each block holds a few rows (and sees only the keys
-    causality allows it), for a prompt, a left-padded batch and a chunk after a cache."""
+    """The references above run one block; with CONTENT_BLOCK_BYTES shrunk each block holds a few rows (and sees only
+    the keys causality allows it), for a prompt, a left-padded batch and a chunk after a cache."""
     from hf_posenc.engine import attention as engine
 
     model = hf_posenc.patch_model(tiny_model("llama"), method)
@@ -484,8 +484,8 @@ def test_many_query_blocks_give_what_one_block_gives(method, monkeypatch):
     one = run()
     rows = 3
     cost = hf_posenc.get_positional_module(model).block_cost
-    monkeypatch.setattr(engine, "BLOCK_BYTES", int(4 * 2 * 4 * 20 * cost * rows))
-    assert engine.block_rows(2, 4, 20, cost) == rows
+    monkeypatch.setattr(engine, "CONTENT_BLOCK_BYTES", int(4 * 2 * 4 * 20 * cost * rows))
+    assert engine.block_rows(2, 4, 20, cost, budget=engine.CONTENT_BLOCK_BYTES) == rows
     for a, b in zip(one, run()):
         assert max_diff(a, b) <= 1e-5
 
@@ -509,7 +509,7 @@ def test_recomputed_blocks_give_the_gradients_of_plain_autograd(method, options,
     monkeypatch.setattr(type(module), "separable_terms", lambda self, query_state, key_state: None)
     padded, mask = left_pad([random_ids(1, 20, seed=3)[0], random_ids(1, 13, seed=4)[0]])
     ids = random_ids(2, 20)
-    monkeypatch.setattr(engine, "BLOCK_BYTES", int(4 * 2 * 4 * 20 * module.block_cost * 3))
+    monkeypatch.setattr(engine, "CONTENT_BLOCK_BYTES", int(4 * 2 * 4 * 20 * module.block_cost * 3))
 
     engine.last_paths.clear()
     recomputed = padded_and_cached_outputs_and_gradients(model, padded, mask, ids, 7)
@@ -574,7 +574,8 @@ def test_fox_kernel_path_equals_the_generic_path_in_float64(options, model_type,
             param.add_(0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(6)))
     padded, mask = left_pad([random_ids(1, 20, seed=3)[0], random_ids(1, 13, seed=4)[0]])
     ids = random_ids(2, 20)
-    monkeypatch.setattr(engine, "BLOCK_BYTES", 4 * 2 * 4 * 20 * 6)  # blocks of 6 rows
+    for budget in ("BLOCK_BYTES", "CONTENT_BLOCK_BYTES"):  # the kernel's blocks and the generic path's
+        monkeypatch.setattr(engine, budget, 4 * 2 * 4 * 20 * 6)  # blocks of 6 rows
 
     def run():
         return padded_and_cached_outputs_and_gradients(model, padded, mask, ids, 7)
@@ -648,7 +649,8 @@ def test_kernel_heads_path_equals_the_generic_path(method, options, model_type, 
     model, module = _perturbed(method, options, model_type)
     padded, mask = left_pad([random_ids(1, 20, seed=3)[0], random_ids(1, 13, seed=4)[0]])
     ids = random_ids(2, 20)
-    monkeypatch.setattr(engine, "BLOCK_BYTES", 4 * 2 * 4 * 20 * 6)  # blocks of a few rows
+    for budget in ("BLOCK_BYTES", "CONTENT_BLOCK_BYTES"):  # the kernel's blocks and the generic path's
+        monkeypatch.setattr(engine, budget, 4 * 2 * 4 * 20 * 6)  # blocks of a few rows
 
     def run():
         logits = padded_and_cached_outputs_and_gradients(model, padded, mask, ids, 7)
@@ -683,7 +685,8 @@ def test_transformer_xl_keeps_the_generic_path_where_positions_go_back(attention
     kernel_calls = []
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: kernel_calls.append(1) or sdpa(*a, **k))
-    monkeypatch.setattr(engine, "BLOCK_BYTES", 4 * 4 * 12)  # block_rows: 4 query rows of 12 keys
+    for budget in ("BLOCK_BYTES", "CONTENT_BLOCK_BYTES"):
+        monkeypatch.setattr(engine, budget, 4 * 4 * 12)  # block_rows: 4 query rows of 12 keys
     engine.last_paths.clear()
     with torch.no_grad():
         logits = model(ids, position_ids=positions, attention_mask=mask).logits

@@ -612,31 +612,31 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
             output = method.finish_output(layer_idx, output.transpose(1, 2), layer_input)
             return output.transpose(1, 2).contiguous(), None
     blocks = list(causal_blocks(query_slots, key_slots, step, eager))
-    fixed = (attention_mask, query_slots, key_slots, query_positions, key_positions)
     if not eager and torch.is_grad_enabled() and dropout == 0.0 and not method.mixes_state:
         # Recomputed in the backward pass (the blocks' masks too): otherwise every block's [B, H, rows, keys]
         # temporaries would be kept for it, O(L^2) in all; this way a forward+backward holds one block at a time.
         def block_output(rows, columns, *heads):
-            return _content_block(state, layer_idx, scaling, *heads, *fixed[:1], rows, columns, *fixed[1:], 0.0,
-                                  False)[0]
+            return _content_block(state, layer_idx, scaling, *heads, attention_mask, rows, columns, query_slots,
+                                  key_slots, query_positions, key_positions, 0.0, False)[0]
 
         tensors = (query, key, value, query_state, key_state)
         parameters = [parameter for parameter in method.parameters() if parameter.requires_grad]
-        outputs = [RecomputedBlocks.apply(block_output, blocks, len(tensors), *tensors, *parameters)]
+        outputs.append(RecomputedBlocks.apply(block_output, blocks, len(tensors), *tensors, *parameters))
         last_paths["content recomputed"] += 1
-    for rows, columns in blocks if not outputs else ():
-        arguments = (state, layer_idx, scaling, *_cut_block(rows, columns, query, key, value, query_state, key_state),
-                     attention_mask, rows, columns, query_slots, key_slots, query_positions, key_positions, dropout,
-                     module.training)
-        if eager or not torch.is_grad_enabled():
-            output, probs, mixed_state = _content_block(*arguments)
-        else:  # dropout (its mask drawn again in the recomputation) or a method whose blocks also mix the keys' state
-            output, mixed_state = torch.utils.checkpoint.checkpoint(lambda *a: _content_block(*a)[::2], *arguments,
-                                                                    use_reentrant=False)
-        outputs.append(output)
-        mixed.append(mixed_state)
-        if eager:
-            weights.append(probs.to(value.dtype))
+    else:
+        for rows, columns in blocks:
+            arguments = (state, layer_idx, scaling,
+                         *_cut_block(rows, columns, query, key, value, query_state, key_state), attention_mask, rows,
+                         columns, query_slots, key_slots, query_positions, key_positions, dropout, module.training)
+            if eager or not torch.is_grad_enabled():
+                output, probs, mixed_state = _content_block(*arguments)
+            else:  # dropout (its mask drawn again in the recomputation), or blocks that also mix the keys' state
+                output, mixed_state = torch.utils.checkpoint.checkpoint(lambda *a: _content_block(*a)[::2],
+                                                                        *arguments, use_reentrant=False)
+            outputs.append(output)
+            mixed.append(mixed_state)
+            if eager:
+                weights.append(probs.to(value.dtype))
     if method.mixes_state:  # the attention-weighted state of the keys, for the next layer (engine/content.py)
         state.call.content.mixed[layer_idx] = torch.cat(mixed, dim=2) if len(mixed) > 1 else mixed[0]
     output = method.finish_output(layer_idx, torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0],
@@ -738,9 +738,12 @@ def _content_mask(state, layer_idx, attention_mask, rows, columns, query_slots, 
     return mask, bias
 
 
+CUT_BY_ROWS = (0, 3)  # _cut_block's queries and their state
+
+
 def _cut_block(rows, columns, query, key, value, query_state, key_state) -> tuple:
     """A block's queries [B, H, r, D], keys and values [B, H, k, D], and the per-token state of its queries and keys
-    (or None), cut from a content call's."""
+    (or None), cut from a content call's: the ones at CUT_BY_ROWS by the block's rows, the others by its columns."""
     return (query[:, :, rows], key[:, :, columns], value[:, :, columns],
             query_state[:, :, rows] if query_state is not None else None,
             key_state[:, :, columns] if key_state is not None else None)
@@ -916,7 +919,7 @@ class RecomputedBlocks(torch.autograd.Function):
             candidates = [*cut, *ctx.parameters]
             with torch.enable_grad():
                 output = ctx.block_output(rows, columns, *cut)
-            if not wanted or not output.requires_grad:
+            if not output.requires_grad:  # the inputs that want a gradient do not reach this block
                 continue
             block_grads = torch.autograd.grad(output, [candidates[index] for index in wanted],
                                               grad_output[:, :, rows], allow_unused=True)
@@ -926,8 +929,8 @@ class RecomputedBlocks(torch.autograd.Function):
                 if index >= len(saved):
                     slot = index - len(saved)
                     parameter_grads[slot] = grad if parameter_grads[slot] is None else parameter_grads[slot] + grad
-                else:  # the queries and their state are cut by rows, the keys, values and their state by columns
-                    grads[index][:, :, rows if index in (0, 3) else columns] += grad
+                else:
+                    grads[index][:, :, rows if index in CUT_BY_ROWS else columns] += grad
         return (None, None, None, *grads, *parameter_grads)
 
 

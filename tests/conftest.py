@@ -17,6 +17,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download anything
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu",
+                     help="where the tests that take the `device` fixture run (the hand-written backwards and the "
+                          "paths that differ off the CPU): e.g. `--device cuda` on a GPU machine; default cpu")
+
+
+@pytest.fixture
+def device(request) -> torch.device:
+    """The device of `--device`. Tests build their inputs on the CPU (seeded CPU generators) and move them here."""
+    device = torch.device(request.config.getoption("--device"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError("--device cuda: torch sees no CUDA device on this machine")
+    return device
+
+
 @dataclass
 class SavedCheckpoint:
     directory: Path

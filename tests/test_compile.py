@@ -155,6 +155,27 @@ def test_content_methods_refuse_a_fullgraph_compile_by_name(method, options):
     assert "run the model uncompiled" in str(raised.value)
 
 
+def test_the_fine_tune_names_a_content_methods_refusal_when_dynamo_drops_its_message():
+    """dynamo before torch 2.13 reports a refusal raised in traced code, at the root of its error chain, without the
+    refusal's message (seen with torch 2.11 on an H200: the fine-tune's warning said only that a PosEncError was
+    raised). The fine-tune's verdict still says which method refused and why; other errors pass as they are."""
+    from hf_posenc.tools.finetune import compile_error_text
+
+    opaque = RuntimeError("ObservedPosEncErrorError: raised exception UserDefinedExceptionObjectVariable(PosEncError)")
+    fox = hf_posenc.patch_model(tiny_model("llama"), "fox")
+    text = compile_error_text(opaque, fox)
+    assert text.startswith("PosEncError: 'fox' carries per-token state on the KV cache")
+    assert "Variable(PosEncError)" in text
+    failure = RuntimeError("InductorError: no C compiler")
+    assert compile_error_text(failure, fox) == "RuntimeError: InductorError: no C compiler"
+    alibi = hf_posenc.patch_model(tiny_model("llama"), "alibi")  # not a content method: nothing to add
+    assert compile_error_text(opaque, alibi) == f"RuntimeError: {opaque}"
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(Exception) as raised:  # the refusal as this torch reports it: said once
+        torch.compile(fox, fullgraph=True, backend="eager")(random_ids(1, 8))
+    assert compile_error_text(raised.value, fox).count("carries per-token state") == 1
+
+
 @pytest.mark.slow
 def test_content_method_compiled_with_graph_breaks_matches_eager_forward_and_cached_decoding():
     """Without fullgraph, dynamo breaks the graph at the content hooks and runs them uncompiled: the numbers are

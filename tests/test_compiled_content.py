@@ -23,16 +23,17 @@ LAYERS = 2  # the tiny LLaMA's
 def several_blocks(monkeypatch):
     """Blocks of a few query rows at these lengths, so that the compiled path runs more than one block per call."""
     monkeypatch.setattr(engine, "CONTENT_BLOCK_BYTES", 4 * 2 * 4 * 48 * 16 * 6)
+    monkeypatch.setattr(engine, "ACCELERATOR_BLOCK_BYTES", 4 * 2 * 4 * 48 * 16 * 6)  # the eager blocks off the CPU
     monkeypatch.setattr(engine, "COMPILED_BLOCK_BYTES", 4 * 2 * 4 * 48 * 16)
     engine.reset_kernel_status()
     yield
     engine.reset_kernel_status()
 
 
-def patched(method: str):
+def patched(method: str, device: torch.device | str = "cpu"):
     model = tiny_model("llama")
     hf_posenc.patch_model(model, method)
-    return model.train()
+    return model.to(device).train()
 
 
 def outputs_and_gradients(model, ids, mask, path: str):
@@ -52,9 +53,9 @@ def padded_batch():
 
 
 @pytest.mark.parametrize("method", ["cope", "stick-breaking"])
-def test_compiled_blocks_train_like_the_eager_blocks(method, several_blocks):
-    model = patched(method)
-    ids, mask = padded_batch()
+def test_compiled_blocks_train_like_the_eager_blocks(method, several_blocks, device):
+    model = patched(method, device)
+    ids, mask = (x.to(device) for x in padded_batch())
     want_logits, want_grads = outputs_and_gradients(model, ids, mask, "blocked")
     engine.last_paths.clear()
     got_logits, got_grads = outputs_and_gradients(model, ids, mask, "compiled")

@@ -253,7 +253,7 @@ def test_stick_breaking_matches_a_float64_reference(attend_current):
 
 
 @pytest.mark.parametrize("attend_current", [False, True])
-def test_stick_breaking_weights_backward_equals_autograd_of_the_chain_in_float64(attend_current):
+def test_stick_breaking_weights_backward_equals_autograd_of_the_chain_in_float64(attend_current, device):
     """Stick-breaking's block weights have a hand-written backward (StickBreakingWeights): its weights and the
     logits' gradient equal autograd's through the paper's chain in float64 (log-sigmoids, the reverse cumulative sum
     of log(1 - beta) shifted by one, the remainder on the row's own key), for a block of rows at the end of a causal
@@ -267,6 +267,7 @@ def test_stick_breaking_weights_backward_equals_autograd_of_the_chain_in_float64
     own = torch.arange(9)[None, :] == torch.arange(4, 9)[:, None]
     breaks = allowed if attend_current else allowed & ~own
     upstream = torch.randn(2, 3, 5, 9, dtype=torch.float64, generator=generator)
+    logits, breaks, own, upstream = (x.to(device) for x in (logits, breaks, own, upstream))
 
     def chain(logits, breaks, own):
         log_keep = F.logsigmoid(-logits).masked_fill(~breaks, 0.0)
@@ -324,7 +325,7 @@ def test_cope_matches_a_float64_reference(max_pos):
 
 
 @pytest.mark.parametrize("max_pos", [3, 64])
-def test_cope_scores_backward_equals_autograd_of_the_chain_in_float64(max_pos):
+def test_cope_scores_backward_equals_autograd_of_the_chain_in_float64(max_pos, device):
     """CoPE's block logits have a hand-written backward (ContextualScores): its logits and the gradients of the
     queries, keys and embeddings equal autograd's through the paper's chain in float64 (gates, reverse cumulative sum,
     clamp, the embeddings' scalars at floor p and ceil p interpolated), for a block of rows at the end of a causal
@@ -337,6 +338,7 @@ def test_cope_scores_backward_equals_autograd_of_the_chain_in_float64(max_pos):
     allowed = torch.arange(9)[None, None, None, :] <= torch.arange(4, 9)[None, None, :, None]
     allowed = allowed & torch.tensor([[[[True] * 9]], [[[False] * 2 + [True] * 7]]])
     upstream = torch.randn(2, 3, 5, 9, dtype=torch.float64, generator=generator) * allowed
+    query, key, embeddings, allowed, upstream = (x.to(device) for x in (query, key, embeddings, allowed, upstream))
     scaling = 8 ** -0.5
 
     def chain(query, key, embeddings):
@@ -492,7 +494,7 @@ def test_many_query_blocks_give_what_one_block_gives(method, monkeypatch):
 
 @pytest.mark.parametrize("method, options", [("stick-breaking", {}), ("cope", {"max_pos": 4}), ("cape", {}),
                                              ("fox", {"base": "native", "key_shift": True})])
-def test_recomputed_blocks_give_the_gradients_of_plain_autograd(method, options, monkeypatch):
+def test_recomputed_blocks_give_the_gradients_of_plain_autograd(method, options, monkeypatch, device):
     """Training through the blocked path recomputes each query block in the backward and adds its gradient into its
     slice of one buffer per tensor (RecomputedBlocks): the queries' (and their state's) by the block's rows, the keys',
     values' (and their state's) by its columns, the method's parameters summed over the blocks. Its logits and every
@@ -506,10 +508,12 @@ def test_recomputed_blocks_give_the_gradients_of_plain_autograd(method, options,
     with torch.no_grad():
         for param in module.parameters():
             param.add_(0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(6)))
+    model.to(device)
     monkeypatch.setattr(type(module), "separable_terms", lambda self, query_state, key_state: None)
-    padded, mask = left_pad([random_ids(1, 20, seed=3)[0], random_ids(1, 13, seed=4)[0]])
-    ids = random_ids(2, 20)
-    monkeypatch.setattr(engine, "CONTENT_BLOCK_BYTES", int(4 * 2 * 4 * 20 * module.block_cost * 3))
+    padded, mask = (x.to(device) for x in left_pad([random_ids(1, 20, seed=3)[0], random_ids(1, 13, seed=4)[0]]))
+    ids = random_ids(2, 20).to(device)
+    for budget in ("CONTENT_BLOCK_BYTES", "ACCELERATOR_BLOCK_BYTES"):  # the CPU's content blocks and a GPU's
+        monkeypatch.setattr(engine, budget, int(4 * 2 * 4 * 20 * module.block_cost * 3))
 
     engine.last_paths.clear()
     recomputed = padded_and_cached_outputs_and_gradients(model, padded, mask, ids, 7)

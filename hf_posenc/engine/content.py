@@ -56,6 +56,12 @@ class ContentCall:
     mixed: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
+def compile_refusal(method: str) -> str:
+    """Why a content method's model cannot be traced by torch.compile (what ContentCapture raises there)."""
+    return (f"{method!r} carries per-token state on the KV cache, which torch.compile cannot trace here; run the "
+            "model uncompiled.")
+
+
 class ContentCapture:
     """Forward pre-hook (with kwargs) on the base model: starts the forward's ContentCall."""
 
@@ -65,9 +71,7 @@ class ContentCapture:
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
         if torch.compiler.is_compiling():
-            raise PosEncError(
-                f"{self.state.method.config.method!r} carries per-token state on the KV cache, which torch.compile "
-                "cannot trace here; run the model uncompiled.")
+            raise PosEncError(compile_refusal(self.state.method.config.method))
         arguments = dict(zip(self.parameter_names, args))
         arguments.update(kwargs)
         cache = cache_argument(arguments)

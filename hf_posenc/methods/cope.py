@@ -77,7 +77,9 @@ class ContextualScores(torch.autograd.Function):
         rise_at = rise.gather(-1, index)
         ctx.save_for_backward(query, key, embeddings, gates, weight, index, rise_at)
         ctx.scaling = scaling
-        return torch.addcmul(logits, weight, rise_at).add_(integer.gather(-1, index))
+        # Not the returned tensor in place: under torch.compile with torch 2.11, a forward's output modified in place
+        # came back with zero gradients (fixed by 2.13; the kernel check refused the compiled path for it on an H200).
+        return torch.addcmul(logits.add_(integer.gather(-1, index)), weight, rise_at)
 
     @staticmethod
     @torch.autograd.function.once_differentiable

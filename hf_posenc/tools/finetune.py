@@ -651,7 +651,7 @@ def checked_compiled_loss(args: argparse.Namespace, training: Training, batch, p
         try:
             return step_loss(args, training, batch, positions, step)
         except Exception as error:
-            verdict["error"] = _first_lines(error)
+            verdict["error"] = compile_error_text(error, eager)
             return None
 
     # The uncompiled model first: state a method builds at its first forward is then built uncompiled, and a wrong
@@ -702,6 +702,22 @@ def _loss_twice(args, training, batch, positions, step, model, device) -> float 
             torch.manual_seed(seed)
             losses.append(float(step_loss(args, training, batch, positions, step, model=model)))
     return losses[0] if losses[0] == losses[1] else None
+
+
+def compile_error_text(error: Exception, model) -> str:
+    """`_first_lines(error)`, led by hf_posenc's reason where a content method refused to be traced: dynamo before
+    torch 2.13 reports a refusal raised in traced code as "ObservedPosEncErrorError: raised exception
+    UserDefinedExceptionObjectVariable(PosEncError)", without its message."""
+    from ..engine.content import compile_refusal
+    from ..methods.base import ContentMethod
+    from ..patching import get_positional_module
+
+    text = _first_lines(error)
+    method = get_positional_module(model)
+    if "PosEncError" in text and isinstance(method, ContentMethod):
+        reason = compile_refusal(method.config.method)
+        return text if reason in text else f"PosEncError: {reason} (dynamo: {text})"
+    return text
 
 
 def _first_lines(error: Exception, limit: int = 300) -> str:

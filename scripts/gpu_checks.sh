@@ -7,7 +7,8 @@
 #     bash scripts/gpu_checks.sh [OUT]
 #
 # It uses the python3 it finds (the GPU machine's own torch), with this checkout on PYTHONPATH; wheels in .whl/
-# (transformers 5.23.0, say, where the machine has an older one) are installed first into a private folder.
+# (transformers 5.23.0, say, where the machine has an older one) are installed first into a private folder:
+#     python3 -m pip download --no-deps --only-binary=:all: -d .whl transformers==5.23.0
 # What it printed on 2026-11-27 (H200, torch 2.11): docs/benchmarks.md, "On an H200 (CUDA), 2026-11-27".
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,4 +48,6 @@ bench compiled_path 150 --layers 4 --lengths 2048 --methods "cope;stick-breaking
 bench compile_fullgraph 120 --layers 4 --lengths 2048 --methods "t5;sandwich" --compile inductor --compile-fullgraph
 bench compile_reduce_overhead 120 --layers 4 --lengths 512 --methods "alibi;sandwich" --compile inductor \
   --compile-fullgraph --compile-mode reduce-overhead
+# The device tool brings back at most 8 files: the log, four JSON and the 30-layer plot.
+find "$OUT" -name '*.png' ! -path '*content_30_layers*' -delete
 stage done

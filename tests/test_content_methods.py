@@ -759,3 +759,30 @@ def exact_position_logits(module, query, distances):
     coefficients = torch.einsum("bhqd,hdr->bhqr", (query + module.position_bias[0][None, :, None, :]).double(),
                                 module.relative_projection[0].double())
     return (coefficients[:, :, :, None, :] * table).sum(-1)
+
+
+FRESH_SCORES = [name for name in hf_posenc.registry.available_methods()
+                if getattr(hf_posenc.registry.get_method(name).module_class, "fresh_scores", False)]
+
+
+@pytest.mark.parametrize("method", FRESH_SCORES)
+def test_scores_masked_in_place_train_like_scores_masked_in_a_copy(method, monkeypatch):
+    """A method that declares `fresh_scores` has the attention path mask its logits in place: autograd must not have
+    saved them (else the backward raises) and nothing else may read them. On the generic blocks (kernel forms off),
+    a left-padded batch and a chunk after a cache give the same logits and gradients either way, bit for bit."""
+    model = hf_posenc.patch_model(tiny_model("llama"), method).double()
+    module = hf_posenc.get_positional_module(model)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.add_(0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(6)))
+    monkeypatch.setattr(type(module), "separable_terms", lambda self, query_state, key_state: None)
+    monkeypatch.setattr(type(module), "kernel_heads", lambda self, *args: None)
+    padded, mask = left_pad([random_ids(1, 20, seed=3)[0], random_ids(1, 13, seed=4)[0]])
+    ids = random_ids(2, 20)
+    results = {}
+    for fresh in (True, False):
+        monkeypatch.setattr(type(module), "fresh_scores", fresh)
+        results[fresh] = padded_and_cached_outputs_and_gradients(model, padded, mask, ids, 7)
+    assert len(results[True]) > 2 + len(list(module.parameters())) - 1
+    for a, b in zip(results[True], results[False]):
+        assert torch.equal(a, b)

@@ -764,7 +764,9 @@ def content_probabilities(method: ContentMethod, query, key, block: ContentBlock
     if method.replaces_softmax:
         return method.content_weights(query, key, block)
     low = torch.finfo(torch.float32).min
-    return F.softmax(method.content_scores(query, key, block).masked_fill(~block.allowed, low), dim=-1)
+    scores, disallowed = method.content_scores(query, key, block), ~block.allowed
+    scores = scores.masked_fill_(disallowed, low) if method.fresh_scores else scores.masked_fill(disallowed, low)
+    return F.softmax(scores, dim=-1)
 
 
 def content_block_output(method: ContentMethod, query, key, value, block: ContentBlock) -> torch.Tensor:

@@ -61,6 +61,8 @@ class CapeConfig(ContentConfig):
 
 @register_method("cape", CapeConfig)
 class ContextAdaptivePositions(ContentAttention):
+    fresh_scores = True
+
     def __init__(self, config: CapeConfig, info: ModelInfo):
         super().__init__(config, info)
         spec = get_method(config.bias)

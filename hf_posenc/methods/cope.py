@@ -42,6 +42,7 @@ class CopeConfig(ContentConfig):
 @register_method("cope", CopeConfig)
 class ContextualPositions(ContentAttention):
     block_cost = 6.0
+    fresh_scores = True
 
     def __init__(self, config: CopeConfig, info: ModelInfo):
         super().__init__(config, info)

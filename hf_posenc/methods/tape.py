@@ -82,6 +82,7 @@ class Tape(ContentAttention):
     reads_layer_input = True
     mixes_state = True
     block_cost = 3.0
+    fresh_scores = True
 
     def __init__(self, config: TapeConfig, info: ModelInfo):
         super().__init__(config, info)

@@ -82,6 +82,7 @@ def position_sin_cos(positions: torch.Tensor, dim: int) -> tuple[torch.Tensor, t
 @register_method("transformer-xl", TransformerXlConfig)
 class TransformerXlAttention(ContentAttention):
     block_cost = 5.0
+    fresh_scores = True
 
     def __init__(self, config: TransformerXlConfig, info: ModelInfo):
         super().__init__(config, info)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, StaticCache
 
 import hf_posenc
+from hf_posenc.methods.base import unmasked_columns
 from helpers import (TOL, decode_token_by_token, left_pad, max_diff, padded_and_cached_outputs_and_gradients,
                      positions_from_mask)
 from tiny_models import FAMILIES, random_ids, tiny_model
@@ -252,8 +253,9 @@ def test_stick_breaking_matches_a_float64_reference(attend_current):
         assert max_diff(record["out"], stick_breaking_reference(module, layer, record)) <= 1e-5
 
 
+@pytest.mark.parametrize("padded", [True, False])  # False: the first 4 columns need no mask (unmasked_columns)
 @pytest.mark.parametrize("attend_current", [False, True])
-def test_stick_breaking_weights_backward_equals_autograd_of_the_chain_in_float64(attend_current, device):
+def test_stick_breaking_weights_backward_equals_autograd_of_the_chain_in_float64(attend_current, padded, device):
     """Stick-breaking's block weights have a hand-written backward (StickBreakingWeights): its weights and the
     logits' gradient equal autograd's through the paper's chain in float64 (log-sigmoids, the reverse cumulative sum
     of log(1 - beta) shifted by one, the remainder on the row's own key), for a block of rows at the end of a causal
@@ -263,9 +265,11 @@ def test_stick_breaking_weights_backward_equals_autograd_of_the_chain_in_float64
     generator = torch.Generator().manual_seed(7)
     logits = 3 * torch.randn(2, 3, 5, 9, dtype=torch.float64, generator=generator)
     allowed = torch.arange(9)[None, None, None, :] <= torch.arange(4, 9)[None, None, :, None]
-    allowed = allowed & torch.tensor([[[[True] * 9]], [[[False] * 2 + [True] * 7]]])
+    if padded:
+        allowed = allowed & torch.tensor([[[[True] * 9]], [[[False] * 2 + [True] * 7]]])
     own = torch.arange(9)[None, :] == torch.arange(4, 9)[:, None]
     breaks = allowed if attend_current else allowed & ~own
+    assert unmasked_columns(breaks) == (0 if padded else 4 + attend_current)
     upstream = torch.randn(2, 3, 5, 9, dtype=torch.float64, generator=generator)
     logits, breaks, own, upstream = (x.to(device) for x in (logits, breaks, own, upstream))
 
@@ -324,8 +328,9 @@ def test_cope_matches_a_float64_reference(max_pos):
         assert max_diff(record["out"], cope_reference(module, layer, record)) <= 1e-5
 
 
+@pytest.mark.parametrize("padded", [True, False])  # False: the first 5 columns need no mask (unmasked_columns)
 @pytest.mark.parametrize("max_pos", [3, 64])
-def test_cope_scores_backward_equals_autograd_of_the_chain_in_float64(max_pos, device):
+def test_cope_scores_backward_equals_autograd_of_the_chain_in_float64(max_pos, padded, device):
     """CoPE's block logits have a hand-written backward (ContextualScores): its logits and the gradients of the
     queries, keys and embeddings equal autograd's through the paper's chain in float64 (gates, reverse cumulative sum,
     clamp, the embeddings' scalars at floor p and ceil p interpolated), for a block of rows at the end of a causal
@@ -336,7 +341,9 @@ def test_cope_scores_backward_equals_autograd_of_the_chain_in_float64(max_pos, d
     query, key = (2 * torch.randn(2, 3, n, 8, dtype=torch.float64, generator=generator) for n in (5, 9))
     embeddings = torch.randn(8, max_pos + 1, dtype=torch.float64, generator=generator)
     allowed = torch.arange(9)[None, None, None, :] <= torch.arange(4, 9)[None, None, :, None]
-    allowed = allowed & torch.tensor([[[[True] * 9]], [[[False] * 2 + [True] * 7]]])
+    if padded:
+        allowed = allowed & torch.tensor([[[[True] * 9]], [[[False] * 2 + [True] * 7]]])
+    assert unmasked_columns(allowed) == (0 if padded else 5)
     upstream = torch.randn(2, 3, 5, 9, dtype=torch.float64, generator=generator) * allowed
     query, key, embeddings, allowed, upstream = (x.to(device) for x in (query, key, embeddings, allowed, upstream))
     scaling = 8 ** -0.5

@@ -70,7 +70,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kernel_check import (PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, KernelCheckWarning,  # noqa: F401
                            kernel_status, reset_kernel_status, serve as serve_checked, table_attention_reference)
-from ..methods.base import AttentionBiasMethod, ContentBlock, ContentMethod, PositionalMethod, RotaryMethod
+from ..methods.base import (AttentionBiasMethod, ContentBlock, ContentMethod, PositionalMethod, RotaryMethod,
+                           unmasked_columns)
 from .content import layer_state
 from .state import STATE_ATTR, PositionState
 from .separable_attention import NearFarAttention, SeparableBiasAttention, near_far_calls, near_far_columns
@@ -764,8 +765,11 @@ def content_probabilities(method: ContentMethod, query, key, block: ContentBlock
     if method.replaces_softmax:
         return method.content_weights(query, key, block)
     low = torch.finfo(torch.float32).min
-    scores, disallowed = method.content_scores(query, key, block), ~block.allowed
-    scores = scores.masked_fill_(disallowed, low) if method.fresh_scores else scores.masked_fill(disallowed, low)
+    scores = method.content_scores(query, key, block)
+    if not method.fresh_scores:
+        return F.softmax(scores.masked_fill(~block.allowed, low), dim=-1)
+    unmasked = unmasked_columns(block.allowed)
+    scores[..., unmasked:].masked_fill_(~block.allowed[..., unmasked:], low)
     return F.softmax(scores, dim=-1)
 
 

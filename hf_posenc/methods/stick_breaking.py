@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..registry import register_method
+from .base import unmasked_columns
 from .content import ContentAttention, ContentConfig
 
 
@@ -75,13 +76,17 @@ class StickBreakingWeights(torch.autograd.Function):
         # 10x slower in the CPU kernel, and most of a long row's keys are that far down the stick. A weight floored
         # at exp(-80) (2e-35) changes nothing at float32's precision of weights that sum to 1.
         shared = logits.abs().clamp_(max=-LOG_WEIGHT_FLOOR).neg_().exp_().log1p_()
-        kept = logits.clamp(min=0.0).neg_().sub_(shared).masked_fill_(~breaks, 0.0)  # log(1 - beta), 0: no break
+        unmasked = unmasked_columns(breaks)  # the columns every row breaks at need no mask
+        idle = ~breaks[..., unmasked:]
+        kept = logits.clamp(min=0.0).neg_().sub_(shared)  # log(1 - beta), 0 where the key does not break
+        kept[..., unmasked:].masked_fill_(idle, 0.0)
         # sum_{k > j} log(1 - beta_ik): the reverse cumulative sum from the row's nearest key, shifted by one.
         after = F.pad(kept.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1))
         weights = logits.clamp(max=0.0).sub_(shared).add_(after).clamp_(min=LOG_WEIGHT_FLOOR).exp_()
-        weights.masked_fill_(~breaks, 0.0)
+        weights[..., unmasked:].masked_fill_(idle, 0.0)
         remainder = kept.sum(-1, keepdim=True).exp_()  # prod_k (1 - beta_ik): what no key took
         ctx.save_for_backward(logits, breaks, own, weights, remainder)
+        ctx.unmasked = unmasked
         return weights + remainder * own.to(weights.dtype)
 
     @staticmethod
@@ -92,4 +97,5 @@ class StickBreakingWeights(torch.autograd.Function):
         grad_remainder = (grad * own).sum(-1, keepdim=True).mul_(remainder)
         through = grad_log.cumsum(-1).add_(grad_remainder)
         grad_logits = torch.addcmul(grad_log, torch.sigmoid(logits), through, value=-1.0)
-        return grad_logits.masked_fill_(~breaks, 0.0), None, None
+        grad_logits[..., ctx.unmasked:].masked_fill_(~breaks[..., ctx.unmasked:], 0.0)
+        return grad_logits, None, None

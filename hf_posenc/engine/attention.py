@@ -71,7 +71,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .kernel_check import (PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, KernelCheckWarning,  # noqa: F401
                            kernel_status, reset_kernel_status, serve as serve_checked, table_attention_reference)
 from ..methods.base import (AttentionBiasMethod, ContentBlock, ContentMethod, PositionalMethod, RotaryMethod,
-                           unmasked_columns)
+                           fill_disallowed_)
 from .content import layer_state
 from .state import STATE_ATTR, PositionState
 from .separable_attention import NearFarAttention, SeparableBiasAttention, near_far_calls, near_far_columns
@@ -768,9 +768,7 @@ def content_probabilities(method: ContentMethod, query, key, block: ContentBlock
     scores = method.content_scores(query, key, block)
     if not method.fresh_scores:
         return F.softmax(scores.masked_fill(~block.allowed, low), dim=-1)
-    unmasked = unmasked_columns(block.allowed)
-    scores[..., unmasked:].masked_fill_(~block.allowed[..., unmasked:], low)
-    return F.softmax(scores, dim=-1)
+    return F.softmax(fill_disallowed_(scores, block.allowed, low), dim=-1)
 
 
 def content_block_output(method: ContentMethod, query, key, value, block: ContentBlock) -> torch.Tensor:

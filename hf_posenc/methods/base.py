@@ -237,6 +237,15 @@ def unmasked_columns(mask: torch.Tensor) -> int:
     return int(blocked.byte().argmax()) if bool(blocked.any()) else mask.shape[-1]
 
 
+def fill_disallowed_(tensor: torch.Tensor, allowed: torch.Tensor, value: float, unmasked: int | None = None):
+    """`tensor.masked_fill_(~allowed, value)` over the columns after `unmasked` (by default unmasked_columns(allowed))
+    alone: the leading ones every row allows keep their values either way. Returns `tensor`."""
+    if unmasked is None:
+        unmasked = unmasked_columns(allowed)
+    tensor[..., unmasked:].masked_fill_(~allowed[..., unmasked:], value)
+    return tensor
+
+
 @dataclass
 class ContentBlock:
     """What the shared attention path hands a content method for one query block (rows r of the call's queries,

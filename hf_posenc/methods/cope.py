@@ -27,7 +27,7 @@ from torch import nn
 
 from ..model_info import ModelInfo
 from ..registry import register_method
-from .base import unmasked_columns
+from .base import fill_disallowed_
 from .content import ContentAttention, ContentConfig
 
 
@@ -69,9 +69,7 @@ class ContextualScores(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, embeddings, allowed, scaling: float, max_pos: float):
         logits = torch.matmul(query, key.transpose(2, 3)).float().mul_(scaling)
-        gates = torch.sigmoid(logits)
-        unmasked = unmasked_columns(allowed)
-        gates[..., unmasked:].masked_fill_(~allowed[..., unmasked:], 0.0)
+        gates = fill_disallowed_(torch.sigmoid(logits), allowed, 0.0)
         positions = gates.flip(-1).cumsum(-1).flip(-1)
         floor = positions.clamp_(max=max_pos).floor()
         weight = positions.sub_(floor)

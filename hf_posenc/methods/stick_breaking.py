@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..registry import register_method
-from .base import unmasked_columns
+from .base import fill_disallowed_, unmasked_columns
 from .content import ContentAttention, ContentConfig
 
 
@@ -77,13 +77,12 @@ class StickBreakingWeights(torch.autograd.Function):
         # at exp(-80) (2e-35) changes nothing at float32's precision of weights that sum to 1.
         shared = logits.abs().clamp_(max=-LOG_WEIGHT_FLOOR).neg_().exp_().log1p_()
         unmasked = unmasked_columns(breaks)  # the columns every row breaks at need no mask
-        idle = ~breaks[..., unmasked:]
-        kept = logits.clamp(min=0.0).neg_().sub_(shared)  # log(1 - beta), 0 where the key does not break
-        kept[..., unmasked:].masked_fill_(idle, 0.0)
+        # log(1 - beta), 0 where the key does not break
+        kept = fill_disallowed_(logits.clamp(min=0.0).neg_().sub_(shared), breaks, 0.0, unmasked)
         # sum_{k > j} log(1 - beta_ik): the reverse cumulative sum from the row's nearest key, shifted by one.
         after = F.pad(kept.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1))
         weights = logits.clamp(max=0.0).sub_(shared).add_(after).clamp_(min=LOG_WEIGHT_FLOOR).exp_()
-        weights[..., unmasked:].masked_fill_(idle, 0.0)
+        fill_disallowed_(weights, breaks, 0.0, unmasked)
         remainder = kept.sum(-1, keepdim=True).exp_()  # prod_k (1 - beta_ik): what no key took
         ctx.save_for_backward(logits, breaks, own, weights, remainder)
         ctx.unmasked = unmasked
@@ -97,5 +96,4 @@ class StickBreakingWeights(torch.autograd.Function):
         grad_remainder = (grad * own).sum(-1, keepdim=True).mul_(remainder)
         through = grad_log.cumsum(-1).add_(grad_remainder)
         grad_logits = torch.addcmul(grad_log, torch.sigmoid(logits), through, value=-1.0)
-        grad_logits[..., ctx.unmasked:].masked_fill_(~breaks[..., ctx.unmasked:], 0.0)
-        return grad_logits, None, None
+        return fill_disallowed_(grad_logits, breaks, 0.0, ctx.unmasked), None, None

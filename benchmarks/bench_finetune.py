@@ -34,6 +34,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -204,6 +205,7 @@ def _run_benchmark(lengths, methods, layers, steps, checkpointing, threads, memo
         except Exception as error:  # noqa: BLE001 (the row records it; native's failure ends the run)
             if method == "native":
                 raise
+            traceback.print_exc()  # the row keeps the message; where it came from goes to stderr
             row = Row(method, length, gc, float("nan"), float("nan"), error=f"{type(error).__name__}: {error}"[:500],
                       compiled=compiled)
         step = None

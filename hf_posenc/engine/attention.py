@@ -1059,6 +1059,11 @@ def _key_validity(attention_mask, batch: int, kv: int):
 
 
 FLEX_BACKWARD_DEVICES = ("cuda",)  # flex_attention has no CPU backward in torch 2.13
+# Triton options for compiled flex on CUDA. With a captured distance table, inductor's default tiles (num_stages 3 or
+# more) ask for more shared memory than an H100 or H200 has (245760-311296 bytes against 232448; "No valid triton
+# configs. OutOfMemoryError"), for the forward in bfloat16 and the backward with GQA in float32. One stage fits, and
+# was also 2.5x faster than the default in float32 at 2048 tokens (H100, torch 2.11; docs/benchmarks.md).
+FLEX_CUDA_KERNEL_OPTIONS = {"num_stages": 1}
 
 
 def _flex_call(module, state, layer_idx, query, key, value, attention_mask, scaling, query_slots, key_slots,
@@ -1129,7 +1134,8 @@ def _flex_kernel(query, key, value, table, offset: int, valid, scaling) -> torch
     blocks = create_block_mask(mask_mod, batch, None, q, kv, device=query.device)
     with _recompile_allowance():
         output = _compiled_flex[device](query, key, value, score_mod=score_mod, block_mask=blocks, scale=scaling,
-                                        enable_gqa=heads != key.shape[1])
+                                        enable_gqa=heads != key.shape[1],
+                                        kernel_options=FLEX_CUDA_KERNEL_OPTIONS if device == "cuda" else None)
     return output.transpose(1, 2).contiguous()
 
 

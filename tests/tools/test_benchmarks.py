@@ -271,3 +271,19 @@ def test_recipe_benchmark_appends_a_row_with_its_curve_and_plots_it(tmp_path):
     [start] = rows[1]["curve"]
     assert (start["step"], start["tokens"]) == (0, 0) and start["perplexity"] > 1
     assert (tmp_path / "bench_recipes.png").stat().st_size > 1000
+
+
+def test_flex_options_benchmark_times_compiled_flex_against_causal_sdpa(tmp_path):
+    """The CPU has no flex backward: the row times the forward of the real compiled flex (one compile) against causal
+    SDPA, with no table gradient to compare; an unknown option set is an error naming the known ones."""
+    bench = load_script("benchmarks/bench_flex_options.py")
+    rows = bench.run("cpu", lengths=[64], dtypes=["float32"], options=["default"], heads=4, kv_heads=2, head_dim=16,
+                     repeats=1, progress=False)
+    assert len(rows) == 1 and not rows[0].error, rows[0].error
+    assert rows[0].seconds > 0 and rows[0].x_native == rows[0].seconds / rows[0].native_s
+    assert rows[0].table_gradient_error is None
+    assert "| default | float32 | 64 |" in bench.format_table(rows)
+    written = bench.save(rows, tmp_path)
+    assert json.loads(written["json"].read_text())[0]["options"] == "default" and written["png"].stat().st_size > 0
+    with pytest.raises(SystemExit):
+        bench.main(["--options", "fastest", "--device", "cpu"])

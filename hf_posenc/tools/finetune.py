@@ -353,9 +353,25 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
 
     summary = run_summary(args, training, progress, request, posenc, data, started)
     save_output(args, training, tokenizer, posenc, summary, progress.log)
+    release_prepared(training)
     # Always: it also destroys the process group, without which a rank can abort at exit under DDP.
     accelerator.end_training()
     return summary
+
+
+def release_prepared(training: Training) -> None:
+    """Drop the prepared objects (the DDP-wrapped model first of all) while the process group still exists.
+    Otherwise DDP's reducer outlives the group, and when it goes (at return) it destroys the group holding the GIL,
+    while gloo's worker thread may still be releasing a finished collective's tensors, which needs the GIL: a
+    deadlock at exit (py-spy: ~ProcessGroupGloo under ~Reducer in the main thread, ~AsyncBarrierWork waiting for
+    the GIL in runLoop). Seen in about one `accelerate launch --cpu` (mpirun) run in 10-25 on 2 busy cores. Dropped
+    here, the group's last reference goes in `destroy_process_group`, which releases the GIL."""
+    import gc
+
+    training.model = training.optimizer = training.scheduler = None
+    training.loader = training.eval_loader = training.teacher = None
+    training.accelerator.free_memory()
+    gc.collect()
 
 
 def position_options(args: argparse.Namespace, model) -> bool:

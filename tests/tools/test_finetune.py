@@ -396,3 +396,29 @@ def test_gradient_checkpointing_is_enabled_without_a_deprecation_warning():
     assert not [w for w in caught if "checkpointing_enable" in str(w.message)], [str(w.message) for w in caught]
     unwrapped = prepared.accelerator.unwrap_model(prepared.model)
     assert getattr(unwrapped, "is_activation_checkpointing", None) or unwrapped.is_gradient_checkpointing
+
+
+def test_the_wrapped_model_goes_before_the_process_group(tmp_path):
+    """`release_prepared` drops every reference to DDP's wrapper (so its reducer) while the process group still
+    exists. Dropped after the group, the reducer destroyed the group holding the GIL while gloo's worker thread
+    waited for the GIL: a deadlock at exit, about one mpirun run in 10-25 on two busy cores."""
+    import weakref
+
+    from accelerate import Accelerator
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        accelerator = Accelerator(cpu=True)
+        wrapped = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        wrapped(torch.ones(1, 2)).sum().backward()
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+        accelerator._models.append(wrapped)  # as accelerator.prepare keeps it
+        training = finetune.Training(accelerator, wrapped, list(wrapped.parameters()), optimizer, None, None, None,
+                                     0)
+        gone = weakref.ref(wrapped)
+        del wrapped, optimizer
+        finetune.release_prepared(training)
+        assert gone() is None, "something still holds the DDP-wrapped model"
+        assert torch.distributed.is_initialized()
+    finally:
+        torch.distributed.destroy_process_group()

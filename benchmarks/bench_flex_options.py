@@ -8,7 +8,7 @@ was measured (docs/benchmarks.md, "On an H100 (CUDA), 2026-11-27").
 The problem is SmolLM2-135M's attention by default (9 query and 3 key-value heads of 64, batch 1), one T5-style
 table [heads, length] captured by the score_mod, causal block mask. Each row: options, dtype, length, the median
 time, its ratio to causal SDPA, the first call's time (compilation) and the table gradient's largest error relative
-to a materialised float32 reference; or the error that stopped it (inductor's "No valid triton configs.
+to the materialised reference in float64; or the error that stopped it (inductor's "No valid triton configs.
 OutOfMemoryError" where the tiles ask for more shared memory than the GPU has). The CPU has no flex backward: there
 rows time the forward only, and the options are ignored. Prints a table, writes bench_flex_options.json and .png.
 """
@@ -28,6 +28,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import device_name, synchronize  # noqa: E402
+
+from hf_posenc.engine.kernel_check import table_attention_reference  # noqa: E402
 
 OPTIONS = {  # name -> kernel_options for flex_attention (None: inductor's defaults)
     "default": None,
@@ -64,16 +66,12 @@ def _timed(function, repeats: int, device) -> float:
 
 
 def _reference_table_gradient(query, key, value, table, grad_output) -> torch.Tensor:
-    """The table's gradient from the materialised float32 computation (a [heads, L, L] bias)."""
-    length, groups = query.shape[2], query.shape[1] // key.shape[1]
-    positions = torch.arange(length, device=query.device)
-    distance = (positions[:, None] - positions[None, :]).clamp(min=0)
-    future = positions[None, :] > positions[:, None]
+    """The table's gradient through hf_posenc's own materialised reference (kernel_check.table_attention_reference:
+    float64, a [B, H, L, L] bias; some tens of GiB at 8192 tokens, which a GPU that runs this holds)."""
     table = table.detach().clone().requires_grad_()
-    bias = table[:, distance].masked_fill(future[None], float("-inf"))[None]
-    output = F.scaled_dot_product_attention(query.detach().float(), key.detach().float().repeat_interleave(groups, 1),
-                                            value.detach().float().repeat_interleave(groups, 1), attn_mask=bias)
-    output.backward(grad_output.float())
+    output = table_attention_reference(query.detach(), key.detach(), value.detach(), table, 0, None,
+                                       query.shape[-1] ** -0.5)
+    output.backward(grad_output.transpose(1, 2))
     return table.grad
 
 

@@ -507,7 +507,8 @@ def test_recomputed_blocks_give_the_gradients_of_plain_autograd(method, options,
     values' (and their state's) by its columns, the method's parameters summed over the blocks. Its logits and every
     parameter's gradient equal plain autograd's through the eager blocks (nothing recomputed), over blocks of 3 rows,
     a left-padded batch and a chunk after a cache, in a float64 model (the blocks' logits are float32). FoX is held
-    on its generic blocks (its separable form off), so that its per-token state takes part."""
+    on its generic blocks (its separable form off), so that its per-token state takes part, and stick-breaking's full
+    batch on them too (its fused CPU kernel off)."""
     from hf_posenc.engine import attention as engine
 
     model = hf_posenc.patch_model(tiny_model("llama"), method, **options).double()
@@ -517,6 +518,7 @@ def test_recomputed_blocks_give_the_gradients_of_plain_autograd(method, options,
             param.add_(0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(6)))
     model.to(device)
     monkeypatch.setattr(type(module), "separable_terms", lambda self, query_state, key_state: None)
+    monkeypatch.setattr(type(module), "has_fused_causal", False)
     padded, mask = (x.to(device) for x in left_pad([random_ids(1, 20, seed=3)[0], random_ids(1, 13, seed=4)[0]]))
     ids = random_ids(2, 20).to(device)
     for budget in ("CONTENT_BLOCK_BYTES", "ACCELERATOR_BLOCK_BYTES"):  # the CPU's content blocks and a GPU's

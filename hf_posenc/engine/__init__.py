@@ -5,6 +5,7 @@
 - state.py: the positions of each forward, read once per forward by a pre-hook on the base model.
 - attention.py: the one attention path of methods that act inside attention (blocked, flex, flash).
 - kernel_check.py: compiled and external kernels serve only kinds of call checked on this machine.
+- fused_cpu.py: fused CPU kernels (cpu_kernels/*.cpp, built on first use) for content methods with no SDPA form.
 - replay.py: exact KV caching for length-dependent RoPE scalings (replays the text when the scale changes).
 
 The engine imports nothing from hf_posenc.checkpoints or the tools (tests/test_layout.py checks it).

@@ -25,6 +25,10 @@ Ways to compute attention with a bias (and content methods' blocks), never mater
   blocks, and their recomputation in the backward, as in the eager path: `RecomputedBlocks`). Not for eager mode,
   dropout, or `mixes_state` methods (TAPE); every other call takes the blocked path.
 
+- "fused" (a content method's fused CPU kernel, under "auto"): stick-breaking on a causal square (query i is key i,
+  nothing else masked, no dropout or attention weights) by one C++ kernel call per layer call, forward and backward,
+  its per-pair chain in cache-sized tiles (engine/fused_cpu.py; built on first use, checked like the others).
+
 Methods that score each query block themselves (Self-Extend, ReRoPE, attention sinks: `_scored_blocks`) and content
 methods (`_content_blocks`) compute the block's logits in eager code where they must (attention weights to return,
 dropout, or a method with no kernel form); otherwise one SDPA call per block serves: on the method's near and far parts
@@ -72,6 +76,7 @@ from .kernel_check import (PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, K
                            kernel_status, reset_kernel_status, serve as serve_checked, table_attention_reference)
 from ..methods.base import (AttentionBiasMethod, ContentBlock, ContentMethod, PositionalMethod, RotaryMethod,
                            fill_disallowed_)
+from .fused_cpu import fused_kernels_enabled
 from .content import layer_state
 from .state import STATE_ATTR, PositionState
 from .separable_attention import NearFarAttention, SeparableBiasAttention, near_far_calls, near_far_columns
@@ -603,6 +608,16 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
         if method.mixes_state:
             state.call.content.mixed[layer_idx] = mixed_state
         return method.finish_output(layer_idx, output, layer_input).transpose(1, 2).contiguous(), None
+    if _path == "auto" and method.has_fused_causal and query.device.type == "cpu" and fused_kernels_enabled() \
+            and not eager and dropout == 0.0 and query_state is None and key_state is None \
+            and _plain_causal(method, layer_idx, attention_mask, q, kv, query_slots, key_slots, query_positions,
+                              key_positions):
+        output = serve_checked(_fused_content_call(state, layer_idx, scaling, query, key, value, attention_mask,
+                                                   query_slots, key_slots, query_positions, key_positions))
+        if output is not None:
+            last_paths["fused content"] += 1
+            output = method.finish_output(layer_idx, output.transpose(1, 2), layer_input)
+            return output.transpose(1, 2).contiguous(), None
     if _path == "compiled" and not eager and dropout == 0.0 and not method.mixes_state:
         rows = max(step, block_rows(batch, heads, kv, budget=COMPILED_BLOCK_BYTES))
         call = _compiled_content_call(state, layer_idx, scaling, query, key, value, attention_mask, rows, query_slots,
@@ -831,6 +846,34 @@ def _compiled_content_call(state, layer_idx, scaling, query, key, value, attenti
         gradient_probe=lambda: _content_gradient_probe(state, layer_idx, scaling, query, key, value, fixed))
 
 
+def _fused_content_call(state, layer_idx, scaling, query, key, value, attention_mask, query_slots, key_slots,
+                        query_positions, key_positions) -> KernelCall:
+    """A content call of a causal square (`_plain_causal`, no per-token state) by the method's fused CPU kernel
+    (engine/fused_cpu.py), checked against the eager blocks like any kernel; its kind: the method, dtype, grad mode and
+    the length's size class (one compiled kernel serves every shape; its tiles split differently by length)."""
+    method = state.method
+    needs_grad = _needs_grad(state, query, key, value)
+    fixed = (attention_mask, query_slots, key_slots, query_positions, key_positions, None, None)
+
+    def kernel(query, key, value):
+        return method.fused_causal(query, key, value, scaling).transpose(1, 2)
+
+    def reference(rows: slice) -> torch.Tensor:
+        _, columns = next(causal_blocks(query_slots[rows], key_slots, rows.stop - rows.start, False))
+        return _content_block(state, layer_idx, scaling, *_cut_block(rows, columns, query, key, value, None, None),
+                              attention_mask, rows, columns, query_slots, key_slots, query_positions, key_positions,
+                              0.0, False)[0].transpose(1, 2)
+
+    name, dtype = method.config.method, str(query.dtype)
+    return KernelCall(
+        kernel=f"fused cpu ({name})", device=query.device,
+        kind=(name, dtype, "grad" if needs_grad else "no grad", size_class(query.shape[2])),
+        function=kernel, inputs={"query": query, "key": key, "value": value}, reference=reference,
+        gradient_kind=(name, dtype) if needs_grad else None,
+        gradient_probe=lambda: _content_gradient_probe(state, layer_idx, scaling, query, key, value, fixed,
+                                                       kernel=kernel))
+
+
 def _content_rows_defined(state, layer_idx, batch, blocks, attention_mask, query_slots, key_slots, query_positions,
                           key_positions) -> torch.Tensor:
     """bool [B, q]: the query rows that may attend to at least one key (the others' outputs are undefined: a
@@ -938,10 +981,11 @@ class RecomputedBlocks(torch.autograd.Function):
         return (None, None, None, *grads, *parameter_grads)
 
 
-def _content_gradient_probe(state, layer_idx, scaling, query, key, value, fixed) -> GradientProbe:
-    """A small problem cut from a content call, for checking the compiled blocks' gradients w.r.t. queries, keys,
-    values and the method's parameters against the eager block: the last PROBE_ROWS queries of the first PROBE_BATCH
-    rows, with the keys that end at the last query's slot."""
+def _content_gradient_probe(state, layer_idx, scaling, query, key, value, fixed, kernel=None) -> GradientProbe:
+    """A small problem cut from a content call, for checking a kernel's gradients (by default the compiled blocks')
+    w.r.t. queries, keys, values and the method's parameters against the eager block: the last PROBE_ROWS queries of
+    the first PROBE_BATCH rows, with the keys that end at the last query's slot (in a causal square, a causal square
+    again)."""
     attention_mask, query_slots, key_slots, query_positions, key_positions, query_state, key_state = fixed
     q = query.shape[2]
     end = min(key.shape[2], int(query_slots[-1]) - int(key_slots[0]) + 1)
@@ -954,7 +998,7 @@ def _content_gradient_probe(state, layer_idx, scaling, query, key, value, fixed)
            key_state[batch][:, :, keys] if key_state is not None else None)
     block = (slice(0, size), slice(0, size))
 
-    def kernel(query, key, value):
+    def compiled(query, key, value):
         return _compiled_content_kernel(state, layer_idx, scaling, query, key, value, [block], cut, True)
 
     def reference(query, key, value):
@@ -964,7 +1008,8 @@ def _content_gradient_probe(state, layer_idx, scaling, query, key, value, fixed)
     parameters = {name: parameter for name, parameter in state.method.named_parameters() if parameter.requires_grad}
     inputs = {"query": query[batch, :, rows], "key": key[batch, :, keys], "value": value[batch, :, keys]}
     defined = _content_rows_defined(state, layer_idx, inputs["query"].shape[0], [block], *cut[:5])
-    return GradientProbe(inputs, kernel=kernel, reference=reference, defined=defined, parameters=parameters)
+    return GradientProbe(inputs, kernel=kernel or compiled, reference=reference, defined=defined,
+                         parameters=parameters)
 
 
 def _traced(module, state, layer_idx, query, key, value, attention_mask, scaling, dropout, eager, query_slots,

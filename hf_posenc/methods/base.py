@@ -356,6 +356,16 @@ class ContentMethod(PositionalMethod):
         [B, H, r, k] (zero where `block.allowed` is False), which the attention path applies to the values."""
         raise NotImplementedError
 
+    # `fused_causal` computes a whole call of a causal square on the CPU with a fused kernel (engine/fused_cpu.py).
+    has_fused_causal: ClassVar[bool] = False
+
+    def fused_causal(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+                     ) -> torch.Tensor:
+        """For `has_fused_causal` methods: query, key [B, H, L, D] and value [B, H, L, E] (heads matched) of a call in
+        which query i is key i and nothing but causality masks (no padding, cache, native bias or state) -> output
+        [B, H, L, E] in value's dtype: what the blocks would give, served after the kernel check."""
+        raise NotImplementedError
+
     def finish_output(self, layer_idx: int, output: torch.Tensor, layer_input: torch.Tensor | None) -> torch.Tensor:
         """The attention output [B, H, q, D] before the output projection -> what the projection gets (an output
         gate, say); by default unchanged."""

@@ -1,9 +1,11 @@
-"""Fused CPU kernels (engine/fused_cpu.py, engine/cpu_kernels/*.cpp): stick-breaking's forward and backward of a
-causal square against autograd of the paper's chain (the blocked path's StickBreakingWeights) in float64, across
-tile edges and thread splits; float32 within rounding of float64 at a length where the backward's suffix sums cancel;
-in a model, served under "auto" after the kernel check and training like the blocked path; never where the call is
-not a causal square; a build that fails is a refusal (one warning, the blocked path serves). The kernel is compiled
-for real on the machine running the tests (about 20 s once; torch's extension cache keeps it)."""
+"""Fused CPU kernels (engine/fused_cpu.py, engine/cpu_kernels/*.cpp): stick-breaking's and CoPE's forward and
+backward of a causal square against autograd of the papers' chains in float64 (stick-breaking's through the blocked
+path's StickBreakingWeights, itself checked against the chain in test_content_methods.py; CoPE's written out here,
+materialised), across tile edges and thread splits; float32 within rounding of float64 at a length where
+stick-breaking's backward sums cancel; in a model, served under "auto" after the kernel check and training like the
+blocked path; never where the call is not a causal square; a build that fails is a refusal (one warning, the
+blocked path serves). The kernels are compiled for real on the machine running the tests (about 40 s once; torch's
+extension cache keeps them)."""
 
 from __future__ import annotations
 
@@ -45,6 +47,31 @@ def chain(query, key, value, scaling, attend_current):
     return torch.matmul(weights, value)
 
 
+def cope_chain(query, key, value, embeddings, scaling, max_pos):
+    """CoPE's formula materialised, autograd throughout: gates, positions as the reverse cumulative sum clamped to
+    max_pos, the embeddings' scalars interpolated between floor and ceiling, a causal softmax."""
+    length = query.shape[-2]
+    position = torch.arange(length)
+    allowed = position[None, :] <= position[:, None]
+    logits = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    positions = torch.sigmoid(logits).masked_fill(~allowed, 0.0).flip(-1).cumsum(-1).flip(-1).clamp(max=max_pos)
+    floor = positions.detach().floor().long()
+    integer = query @ embeddings
+    rise = torch.nn.functional.pad(integer.diff(dim=-1), (0, 1))
+    logits = logits + integer.gather(-1, floor) + (positions - floor) * rise.gather(-1, floor)
+    return torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1) @ value
+
+
+def kernel_and_chain(method, attend_current, max_pos, generator):
+    """(fused kernel, reference chain, extra inputs) for one method's options."""
+    if method == "stick-breaking":
+        return (lambda q, k, v: fused_cpu.stick_breaking_causal(q, k, v, 0.3, attend_current),
+                lambda q, k, v: chain(q, k, v, 0.3, attend_current), ())
+    embeddings = torch.randn(16, max_pos + 1, dtype=torch.float64, generator=generator)
+    return (lambda q, k, v, e: fused_cpu.cope_causal(q, k, v, e, 0.3, max_pos),
+            lambda q, k, v, e: cope_chain(q, k, v, e, 0.3, max_pos), (embeddings,))
+
+
 def outputs_and_gradients(function, inputs, upstream, dtype):
     leaves = [x.detach().to(dtype).requires_grad_() for x in inputs]
     output = function(*leaves)
@@ -52,12 +79,17 @@ def outputs_and_gradients(function, inputs, upstream, dtype):
     return [output] + [leaf.grad for leaf in leaves]
 
 
-@pytest.mark.parametrize("attend_current", [False, True])
+KERNEL_CASES = [("stick-breaking", False, 0), ("stick-breaking", True, 0),
+                ("cope", False, 3),  # most keys' positions clamped at max_pos
+                ("cope", False, 64)]  # none
+
+
+@pytest.mark.parametrize("method, attend_current, max_pos", KERNEL_CASES)
 @pytest.mark.parametrize("thread_count", [1, 2])  # 2 threads, 3 heads: each head's query tiles in two runs
-def test_stick_breaking_kernel_equals_the_chain_in_float64(attend_current, thread_count, monkeypatch, threads):
+def test_kernel_equals_the_chain_in_float64(method, attend_current, max_pos, thread_count, monkeypatch, threads):
     """Tiles of 8 rows and 16 keys over 37 tokens (partial tiles at both ends, rows whose keys start mid-tile), value
-    width unlike the heads': output and the gradients of queries, keys and values equal autograd of the chain to
-    float64 rounding."""
+    width unlike the heads': output and the gradients of queries, keys, values (and CoPE's embeddings) equal autograd
+    of the chain to float64 rounding."""
     monkeypatch.setattr(fused_cpu, "TILE_ROWS", 8)
     monkeypatch.setattr(fused_cpu, "TILE_KEYS", 16)
     threads(thread_count)
@@ -65,11 +97,11 @@ def test_stick_breaking_kernel_equals_the_chain_in_float64(attend_current, threa
     query, key = (2 * torch.randn(2, 3, 37, 16, dtype=torch.float64, generator=generator) for _ in range(2))
     value = torch.randn(2, 3, 37, 5, dtype=torch.float64, generator=generator)
     upstream = torch.randn(2, 3, 37, 5, dtype=torch.float64, generator=generator)
-    fused = outputs_and_gradients(lambda q, k, v: fused_cpu.stick_breaking_causal(q, k, v, 0.3, attend_current),
-                                  (query, key, value), upstream, torch.float64)
-    reference = outputs_and_gradients(lambda q, k, v: chain(q, k, v, 0.3, attend_current), (query, key, value),
-                                      upstream, torch.float64)
-    for ours, theirs in zip(fused, reference):
+    kernel, reference, extra = kernel_and_chain(method, attend_current, max_pos, generator)
+    fused = outputs_and_gradients(kernel, (query, key, value, *extra), upstream, torch.float64)
+    expected = outputs_and_gradients(reference, (query, key, value, *extra), upstream, torch.float64)
+    assert len(fused) == 4 + len(extra)
+    for ours, theirs in zip(fused, expected):
         assert max_diff(ours, theirs) <= 1e-12 * theirs.abs().max()
 
 
@@ -97,19 +129,26 @@ def train_step(model, ids, attention_mask=None):
     return [logits.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
+MODEL_CASES = [("stick-breaking", {}), ("stick-breaking", {"attend_current": True, "base": "native"}),
+               ("cope", {"max_pos": 4}), ("cope", {"base": "native"})]
+
+
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])
-@pytest.mark.parametrize("options", [{}, {"attend_current": True, "base": "native"}])
-def test_a_model_trains_on_the_fused_kernel_as_on_the_blocks(model_type, options, fresh_checks):
+@pytest.mark.parametrize("method, options", MODEL_CASES)
+def test_a_model_trains_on_the_fused_kernel_as_on_the_blocks(method, options, model_type, fresh_checks):
     """Under "auto" a full batch's layers are served by the fused kernel once it passed its check (forward and
-    gradients), and the logits and every parameter's gradient equal the blocked path's; a left-padded batch is not a
-    causal square, so the blocks serve it."""
-    model = hf_posenc.patch_model(tiny_model(model_type), "stick-breaking", **options)
+    gradients), and the logits and every parameter's gradient (CoPE's embeddings, made non-zero, included) equal the
+    blocked path's; a left-padded batch is not a causal square, so the blocks serve it."""
+    model = hf_posenc.patch_model(tiny_model(model_type), method, **options)
+    with torch.no_grad():
+        for parameter in hf_posenc.get_positional_module(model).parameters():
+            parameter.normal_(generator=torch.Generator().manual_seed(6))
     layers = model.config.num_hidden_layers
     ids = random_ids(2, 24)  # within tiny GPT-2's learned positions
     engine.last_paths.clear()
     fused = train_step(model, ids)
     assert engine.last_paths["fused content"] == layers
-    verdicts = [v for v in engine.kernel_status() if v.kernel == "fused cpu (stick-breaking)"]
+    verdicts = [v for v in engine.kernel_status() if v.kernel == f"fused cpu ({method})"]
     assert [v.passed for v in verdicts] == [True, True] and verdicts[1].kind[0] == "gradients"
     with engine.attention_path("blocked"):
         engine.last_paths.clear()

@@ -25,9 +25,9 @@ Ways to compute attention with a bias (and content methods' blocks), never mater
   blocks, and their recomputation in the backward, as in the eager path: `RecomputedBlocks`). Not for eager mode,
   dropout, or `mixes_state` methods (TAPE); every other call takes the blocked path.
 
-- "fused" (a content method's fused CPU kernel, under "auto"): stick-breaking on a causal square (query i is key i,
-  nothing else masked, no dropout or attention weights) by one C++ kernel call per layer call, forward and backward,
-  its per-pair chain in cache-sized tiles (engine/fused_cpu.py; built on first use, checked like the others).
+- "fused" (a content method's fused CPU kernel, under "auto"): stick-breaking and CoPE on a causal square (query i is
+  key i, nothing else masked, no dropout or attention weights) by one C++ kernel call per layer call, forward and
+  backward, the per-pair chain in cache-sized tiles (engine/fused_cpu.py; built on first use, checked like the others).
 
 Methods that score each query block themselves (Self-Extend, ReRoPE, attention sinks: `_scored_blocks`) and content
 methods (`_content_blocks`) compute the block's logits in eager code where they must (attention weights to return,
@@ -856,7 +856,7 @@ def _fused_content_call(state, layer_idx, scaling, query, key, value, attention_
     fixed = (attention_mask, query_slots, key_slots, query_positions, key_positions, None, None)
 
     def kernel(query, key, value):
-        return method.fused_causal(query, key, value, scaling).transpose(1, 2)
+        return method.fused_causal(layer_idx, query, key, value, scaling).transpose(1, 2)
 
     def reference(rows: slice) -> torch.Tensor:
         _, columns = next(causal_blocks(query_slots[rows], key_slots, rows.stop - rows.start, False))

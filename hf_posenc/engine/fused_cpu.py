@@ -15,13 +15,15 @@ the blocked path it serves only after kernel_check compared it on this machine (
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from pathlib import Path
 
 import torch
 
-SOURCES = (Path(__file__).parent / "cpu_kernels" / "stick_breaking.cpp",)
+KERNELS = Path(__file__).parent / "cpu_kernels"
+SOURCES = (KERNELS / "stick_breaking.cpp", KERNELS / "cope.cpp")
 # Query rows and keys per tile: the tile's temporaries (a few float32 [rows, keys]) stay in a core's L2. Forward and
 # backward of 9 heads of 64 at 2048 tokens, 2 threads: 64 x 256 to 128 x 512 within 2% (1.19-1.21x causal SDPA);
 # 32 x 128 1.38x. At 4096: 128 x 512 1.30x, 64 x 256 1.43x.
@@ -55,8 +57,11 @@ def load() -> None:
         from torch.utils.cpp_extension import load as load_extension
 
         capability = torch.backends.cpu.get_cpu_capability()
+        # torch rebuilds when the sources or the flags change, not a header they include: the flags name them all.
+        digest = hashlib.sha256(b"".join(path.read_bytes() for path in sorted(KERNELS.iterdir()))).hexdigest()[:16]
         load_extension(name=f"hf_posenc_cpu_{capability.lower()}", sources=[str(source) for source in SOURCES],
-                       extra_cflags=[*COMPILER_FLAGS, *CAPABILITY_FLAGS.get(capability, ())],
+                       extra_cflags=[*COMPILER_FLAGS, *CAPABILITY_FLAGS.get(capability, ()),
+                                     f"-DHF_POSENC_KERNELS={digest}"],
                        extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         _loaded = True
 
@@ -95,4 +100,43 @@ def stick_breaking_causal(query: torch.Tensor, key: torch.Tensor, value: torch.T
         return x.to(compute).reshape(batch * heads, length, x.shape[-1]).contiguous()
 
     output = StickBreakingCausal.apply(flat(query), flat(key), flat(value), float(scaling), bool(attend_current))
+    return output.reshape(batch, heads, length, -1).to(value.dtype)
+
+
+class CopeCausal(torch.autograd.Function):
+    """CoPE attention of a causal square, [N, L, D] queries and keys, [N, L, E] values and the layer's embeddings
+    [D, max_pos + 1] (float32 or float64, contiguous): output [N, L, E]; the backward recomputes each tile from the
+    queries and keys, keeping the output, each row's logsumexp and its sum of gates."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, embeddings, scaling: float, max_pos: float):
+        output, log_sum, gate_total = torch.ops.hf_posenc_cpu.cope_forward(
+            query, key, value, embeddings, scaling, max_pos, TILE_ROWS, TILE_KEYS)
+        ctx.save_for_backward(query, key, value, embeddings, output, log_sum, gate_total)
+        ctx.options = (scaling, max_pos)
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        query, key, value, embeddings, output, log_sum, gate_total = ctx.saved_tensors
+        grads = torch.ops.hf_posenc_cpu.cope_backward(query, key, value, embeddings, output, log_sum, gate_total,
+                                                      grad_output.contiguous(), *ctx.options, TILE_ROWS, TILE_KEYS)
+        return (*grads, None, None)
+
+
+def cope_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, embeddings: torch.Tensor,
+                scaling: float, max_pos: int) -> torch.Tensor:
+    """query, key [B, H, L, D], value [B, H, L, E] (heads matched, query i is key i, no other mask) and the layer's
+    position embeddings [D, max_pos + 1] -> CoPE's output [B, H, L, E] in value's dtype, computed in float32 (float64
+    for float64 inputs)."""
+    load()
+    batch, heads, length, _ = query.shape
+    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+
+    def flat(x):
+        return x.to(compute).reshape(batch * heads, length, x.shape[-1]).contiguous()
+
+    output = CopeCausal.apply(flat(query), flat(key), flat(value), embeddings.to(compute).contiguous(),
+                              float(scaling), float(max_pos))
     return output.reshape(batch, heads, length, -1).to(value.dtype)

@@ -359,8 +359,8 @@ class ContentMethod(PositionalMethod):
     # `fused_causal` computes a whole call of a causal square on the CPU with a fused kernel (engine/fused_cpu.py).
     has_fused_causal: ClassVar[bool] = False
 
-    def fused_causal(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
-                     ) -> torch.Tensor:
+    def fused_causal(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     scaling: float) -> torch.Tensor:
         """For `has_fused_causal` methods: query, key [B, H, L, D] and value [B, H, L, E] (heads matched) of a call in
         which query i is key i and nothing but causality masks (no padding, cache, native bias or state) -> output
         [B, H, L, E] in value's dtype: what the blocks would give, served after the kernel check."""

@@ -10,55 +10,15 @@
 // log(1 - beta) over the keys already seen (to its right), as flash attention carries its running maximum.
 // Backward, the same order: with dL = (dO . v) A, dR_i = (dO_i . v_i) R_i and
 // T_i = sum_j dL_ij = dO_i . (o_i - R_i v_i),   dz_ij = dL_ij - sigmoid(z_ij) (T_i + dR_i - sum_{k>j} dL_ik),
-// the suffix sum carried like the forward's. Tile products go to the BLAS that torch links (sgemm_/dgemm_).
+// the suffix sum carried like the forward's. Tile products go to the BLAS that torch links (tiles.h).
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-
-#include <algorithm>
-#include <cmath>
-#include <numeric>
-#include <vector>
-
-extern "C" {
-void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
-            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
-            const int* ldc);
-void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const double* alpha,
-            const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
-            const int* ldc);
-}
+#include "tiles.h"
 
 namespace {
 
-constexpr double kLogWeightFloor = -80.0;
+using namespace hf_posenc_cpu;
 
-// Column-major BLAS on row-major data: every call below is written as the column-major product of the transposes.
-inline void gemm(char ta, char tb, int m, int n, int k, float alpha, const float* a, int lda, const float* b, int ldb,
-                 float beta, float* c, int ldc) {
-  sgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
-}
-inline void gemm(char ta, char tb, int m, int n, int k, double alpha, const double* a, int lda, const double* b,
-                 int ldb, double beta, double* c, int ldc) {
-  dgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
-}
-
-// row-major C[r x c] (+)= A[r x d] . B[c x d]^T
-template <typename T>
-inline void times_transposed(const T* a, const T* b, T* c, int rows, int cols, int depth, T alpha, T beta) {
-  gemm('T', 'N', cols, rows, depth, alpha, b, depth, a, depth, beta, c, cols);
-}
-// row-major C[r x d] (+)= A[r x c] . B[c x d]   (A's rows `lda` apart)
-template <typename T>
-inline void times(const T* a, int lda, const T* b, T* c, int rows, int cols, int depth, T beta) {
-  gemm('N', 'N', depth, rows, cols, T(1), b, depth, a, lda, beta, c, depth);
-}
-// row-major C[c x d] += A[r x c]^T . B[r x d]
-template <typename T>
-inline void transposed_times(const T* a, int lda, const T* b, T* c, int rows, int cols, int depth) {
-  gemm('N', 'T', depth, cols, rows, T(1), b, depth, a, lda, T(1), c, depth);
-}
+constexpr double kLogWeightFloor = kExpFloor;
 
 // log(beta) and log(1 - beta) of z, exact for any z: with t = log(1 + exp(-|z|)), min(z, 0) - t and -max(z, 0) - t.
 template <typename T>
@@ -71,18 +31,6 @@ inline void log_betas(const T* z, T* log_beta, T* log_rest, int n) {
     log_beta[c] = std::min(x, T(0)) - t;
     log_rest[c] = -std::max(x, T(0)) - t;
   }
-}
-
-// Query tiles of a head in an order whose every contiguous run costs about the same (a tile's cost grows with its
-// row): 0, last, 1, last - 1, ...
-inline std::vector<int64_t> balanced_order(int64_t tiles) {
-  std::vector<int64_t> order;
-  order.reserve(tiles);
-  for (int64_t lo = 0, hi = tiles - 1; lo <= hi; ++lo, --hi) {
-    order.push_back(lo);
-    if (hi != lo) order.push_back(hi);
-  }
-  return order;
 }
 
 template <typename T>
@@ -179,10 +127,7 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& query, const at::Tensor&
   Tiles<T> tiles{heads, length, dim, value_dim, rows, keys, T(scaling), attend_current ? 1 : 0};
   const int64_t row_tiles = (length + rows - 1) / rows;
   const auto order = balanced_order(row_tiles);
-  // Each head's query tiles in `parts` runs, so that heads * parts divides evenly among the threads; every run adds
-  // its key and value gradients into a buffer of its own (summed at the end), the query gradients into their rows.
-  const int64_t threads = at::get_num_threads();
-  const int64_t parts = std::min<int64_t>(row_tiles, threads / std::gcd(heads, threads));
+  const int64_t parts = runs_per_head(heads, row_tiles);
   auto grad_query = at::zeros_like(query);
   auto grad_key = at::zeros({parts, heads, length, dim}, query.options());
   auto grad_value = at::zeros({parts, heads, length, value_dim}, query.options());
@@ -280,22 +225,11 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& query, const at::Tensor&
           parts > 1 ? grad_value.sum(0) : grad_value.squeeze(0)};
 }
 
-void check_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value) {
-  TORCH_CHECK(query.device().is_cpu(), "stick_breaking_forward: CPU tensors only");
-  TORCH_CHECK(query.dim() == 3 && key.sizes() == query.sizes() && value.dim() == 3 &&
-                  value.size(0) == query.size(0) && value.size(1) == query.size(1),
-              "stick_breaking: query and key [N, L, D], value [N, L, E]");
-  TORCH_CHECK(query.is_contiguous() && key.is_contiguous() && value.is_contiguous(), "stick_breaking: contiguous");
-  TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
-              "stick_breaking: one dtype");
-}
-
 std::vector<at::Tensor> stick_breaking_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                                double scaling, bool attend_current, int64_t rows, int64_t keys) {
-  check_inputs(query, key, value);
+  check_square("stick_breaking_forward", query, key, value);
   if (query.scalar_type() == at::kDouble)
     return forward_impl<double>(query, key, value, scaling, attend_current, rows, keys);
-  TORCH_CHECK(query.scalar_type() == at::kFloat, "stick_breaking: float32 or float64");
   return forward_impl<float>(query, key, value, scaling, attend_current, rows, keys);
 }
 
@@ -303,7 +237,7 @@ std::vector<at::Tensor> stick_breaking_backward(const at::Tensor& query, const a
                                                 const at::Tensor& output, const at::Tensor& log_remainder,
                                                 const at::Tensor& grad_output, double scaling, bool attend_current,
                                                 int64_t rows, int64_t keys) {
-  check_inputs(query, key, value);
+  check_square("stick_breaking_backward", query, key, value);
   TORCH_CHECK(output.is_contiguous() && grad_output.is_contiguous() && log_remainder.is_contiguous(),
               "stick_breaking_backward: contiguous");
   if (query.scalar_type() == at::kDouble)
@@ -315,7 +249,7 @@ std::vector<at::Tensor> stick_breaking_backward(const at::Tensor& query, const a
 
 }  // namespace
 
-TORCH_LIBRARY(hf_posenc_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(hf_posenc_cpu, m) {
   m.def("stick_breaking_forward(Tensor query, Tensor key, Tensor value, float scaling, bool attend_current, "
         "int rows, int keys) -> Tensor[]");
   m.def("stick_breaking_backward(Tensor query, Tensor key, Tensor value, Tensor output, Tensor log_remainder, "

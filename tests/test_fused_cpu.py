@@ -80,8 +80,9 @@ def outputs_and_gradients(function, inputs, upstream, dtype):
 
 
 KERNEL_CASES = [("stick-breaking", False, 0), ("stick-breaking", True, 0),
-                ("cope", False, 3),  # most keys' positions clamped at max_pos
-                ("cope", False, 64)]  # none
+                ("cope", False, 3),  # most keys' positions clamped at max_pos: a window of a few keys per row
+                ("cope", False, 12),  # windows across tile edges
+                ("cope", False, 64)]  # none clamped
 
 
 @pytest.mark.parametrize("method, attend_current, max_pos", KERNEL_CASES)

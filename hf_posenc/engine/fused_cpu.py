@@ -106,21 +106,22 @@ def stick_breaking_causal(query: torch.Tensor, key: torch.Tensor, value: torch.T
 class CopeCausal(torch.autograd.Function):
     """CoPE attention of a causal square, [N, L, D] queries and keys, [N, L, E] values and the layer's embeddings
     [D, max_pos + 1] (float32 or float64, contiguous): output [N, L, E]; the backward recomputes each tile from the
-    queries and keys, keeping the output, each row's logsumexp and its sum of gates."""
+    queries and keys, keeping the output, each row's logsumexp and the window of its keys whose positions are not
+    clamped (cpu_kernels/cope.cpp)."""
 
     @staticmethod
     def forward(ctx, query, key, value, embeddings, scaling: float, max_pos: float):
-        output, log_sum, gate_total = torch.ops.hf_posenc_cpu.cope_forward(
+        output, log_sum, window = torch.ops.hf_posenc_cpu.cope_forward(
             query, key, value, embeddings, scaling, max_pos, TILE_ROWS, TILE_KEYS)
-        ctx.save_for_backward(query, key, value, embeddings, output, log_sum, gate_total)
+        ctx.save_for_backward(query, key, value, embeddings, output, log_sum, window)
         ctx.options = (scaling, max_pos)
         return output
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
-        query, key, value, embeddings, output, log_sum, gate_total = ctx.saved_tensors
-        grads = torch.ops.hf_posenc_cpu.cope_backward(query, key, value, embeddings, output, log_sum, gate_total,
+        query, key, value, embeddings, output, log_sum, window = ctx.saved_tensors
+        grads = torch.ops.hf_posenc_cpu.cope_backward(query, key, value, embeddings, output, log_sum, window,
                                                       grad_output.contiguous(), *ctx.options, TILE_ROWS, TILE_KEYS)
         return (*grads, None, None)
 

@@ -7,11 +7,15 @@
 //   l_ij = z_ij + I_i[f] + w R_i[f],   f = floor p_ij, w = p_ij - f,   I_i[n] = q_i . e[n], R_i[n] = I_i[n+1] - I_i[n]
 // (R_i[max_pos] = 0), and the output the softmax of l over keys j <= i applied to the values.
 // Forward, per tile of query rows: key tiles from the diagonal leftwards, each row carrying its running sum of gates
-// (double) and, as flash attention, its running maximum and sum of exponentials. Saved: each row's logsumexp and its
-// sum of all gates G_i. Backward, key tiles from the left, so that the reverse cumulative sum's adjoint (a running sum
-// from the left) is carried as it is: positions p_ij = G_i - sum_{k<j} g_ik (double, so that they equal the forward's
-// to far below float32's rounding), P = exp(l - lse), dl = P (dO . v - dO_i . o_i), dI[f] += (1 - w) dl,
-// dI[f + 1] += w dl, dp = dl R[f], dg_ij = sum_{k<=j} dp_ik, dz = dl + dg g (1 - g).
+// (double) and, as flash attention, its running maximum and sum of exponentials. Positions only grow leftwards: once
+// a row's reaches max_pos, every key further left is clamped (l = z + I[max_pos], no gate needed), so only a window
+// of keys next to the diagonal takes the whole chain (about 2 max_pos keys with gates near 1/2; the whole row where
+// the gates are small). Saved: each row's logsumexp, its last clamped key b_i and its window's sum of gates
+// W_i = sum_{b_i<k<=i} g_ik. Backward, key tiles from the left, so that the reverse cumulative sum's adjoint (a running
+// sum from the left) is carried as it is: in the window, positions p_ij = W_i - sum_{b_i<k<j} g_ik (double, so that
+// they equal the forward's to far below float32's rounding); P = exp(l - lse), dl = P (dO . v - dO_i . o_i),
+// dI[f] += (1 - w) dl, dI[f + 1] += w dl, dp = dl R[f] (0 where clamped), dg_ij = sum_{k<=j} dp_ik,
+// dz = dl + dg g (1 - g).
 
 #include "tiles.h"
 
@@ -68,7 +72,7 @@ std::vector<at::Tensor> forward_impl(const at::Tensor& query, const at::Tensor& 
   Cope<T> cope{length, dim, value_dim, positions, T(scaling), T(max_pos), embeddings.data_ptr<T>()};
   auto output = at::empty({heads, length, value_dim}, value.options());
   auto log_sum = at::empty({heads, length}, value.options());
-  auto gate_total = at::empty({heads, length}, value.options().dtype(at::kDouble));
+  auto window = at::empty({heads, length, 2}, value.options().dtype(at::kDouble));
   const int64_t row_tiles = (length + rows - 1) / rows;
   const auto order = balanced_order(row_tiles);
   const T* q_all = query.data_ptr<T>();
@@ -76,11 +80,12 @@ std::vector<at::Tensor> forward_impl(const at::Tensor& query, const at::Tensor& 
   const T* v_all = value.data_ptr<T>();
   T* o_all = output.data_ptr<T>();
   T* lse_all = log_sum.data_ptr<T>();
-  double* total_all = gate_total.data_ptr<double>();
+  double* window_all = window.data_ptr<double>();
   at::parallel_for(0, heads * row_tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> z(rows * keys), gate(rows * keys), integer(rows * positions), rise(rows * positions), most(rows),
         sum(rows);
     std::vector<double> carry(rows);
+    std::vector<int64_t> clamped(rows);  // each row's last key whose position is clamped (-1: none so far)
     const T floor = T(kExpFloor);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / row_tiles, r0 = order[item % row_tiles] * rows;
@@ -93,6 +98,7 @@ std::vector<at::Tensor> forward_impl(const at::Tensor& query, const at::Tensor& 
       std::fill(most.begin(), most.end(), T(-1e30));
       std::fill(sum.begin(), sum.end(), T(0));
       std::fill(carry.begin(), carry.end(), 0.0);
+      std::fill(clamped.begin(), clamped.end(), int64_t(-1));
       std::fill(o, o + nr * value_dim, T(0));
       for (int64_t c1 = r1; c1 > 0; c1 -= keys) {
         const int64_t c0 = std::max<int64_t>(0, c1 - keys), nk = c1 - c0;
@@ -102,14 +108,28 @@ std::vector<at::Tensor> forward_impl(const at::Tensor& query, const at::Tensor& 
           T* zr = z.data() + r * nk;
           T* g = gate.data() + r * nk;
           if (n > 0) {
-            Cope<T>::gates(zr, g, n);
-            double run = carry[r];
-            for (int c = n - 1; c >= 0; --c) {  // the gates' suffix sum: key c's position
-              run += g[c];
-              g[c] = T(run);
+            const T* in = integer.data() + r * positions;
+            if (clamped[r] >= 0) {  // every key of the tile is clamped: l = z + I[max_pos]
+              const T last = in[positions - 1];
+#pragma omp simd
+              for (int c = 0; c < n; ++c) zr[c] += last;
+            } else {
+              Cope<T>::gates(zr, g, n);
+              double run = carry[r];
+              for (int c = n - 1; c >= 0; --c) {  // the gates' suffix sum: key c's position
+                const double before = run;
+                run += g[c];
+                g[c] = T(run);
+                if (run >= double(cope.max_pos)) {  // positions only grow leftwards: the rest are clamped too
+                  clamped[r] = c0 + c;
+                  run = before;  // the window's sum: the gates of the keys right of the clamped ones
+                  std::fill(g, g + c, cope.max_pos);
+                  break;
+                }
+              }
+              carry[r] = run;
+              cope.logits(zr, g, in, rise.data() + r * positions, n);
             }
-            carry[r] = run;
-            cope.logits(zr, g, integer.data() + r * positions, rise.data() + r * positions, n);
             T top = most[r];
             for (int c = 0; c < n; ++c) top = std::max(top, zr[c]);
             if (top > most[r]) {
@@ -133,17 +153,18 @@ std::vector<at::Tensor> forward_impl(const at::Tensor& query, const at::Tensor& 
       for (int64_t r = 0; r < nr; ++r) {
         for (int64_t d = 0; d < value_dim; ++d) o[r * value_dim + d] /= sum[r];
         lse_all[h * length + r0 + r] = most[r] + std::log(sum[r]);
-        total_all[h * length + r0 + r] = carry[r];
+        window_all[(h * length + r0 + r) * 2] = carry[r];
+        window_all[(h * length + r0 + r) * 2 + 1] = double(clamped[r]);
       }
     }
   });
-  return {output, log_sum, gate_total};
+  return {output, log_sum, window};
 }
 
 template <typename T>
 std::vector<at::Tensor> backward_impl(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                       const at::Tensor& embeddings, const at::Tensor& output,
-                                      const at::Tensor& log_sum, const at::Tensor& gate_total,
+                                      const at::Tensor& log_sum, const at::Tensor& window,
                                       const at::Tensor& grad_output, double scaling, double max_pos, int64_t rows,
                                       int64_t keys) {
   const int64_t heads = query.size(0), length = query.size(1), dim = query.size(2), value_dim = value.size(2);
@@ -161,7 +182,7 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& query, const at::Tensor&
   const T* v_all = value.data_ptr<T>();
   const T* o_all = output.data_ptr<T>();
   const T* lse_all = log_sum.data_ptr<T>();
-  const double* total_all = gate_total.data_ptr<double>();
+  const double* window_all = window.data_ptr<double>();
   const T* do_all = grad_output.data_ptr<T>();
   T* dq_all = grad_query.data_ptr<T>();
   T* dk_all = grad_key.data_ptr<T>();
@@ -202,55 +223,70 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& query, const at::Tensor&
           for (int64_t r = 0; r < nr; ++r) {
             const int64_t i = r0 + r;
             const int n = std::clamp<int64_t>(i + 1 - c0, 0, nk);
+            // keys [0, m) of the tile are clamped (l = z + I[max_pos]); the window's [m, n) take the whole chain
+            const int m = std::clamp<int64_t>(int64_t(window_all[2 * (h * length + i) + 1]) + 1 - c0, 0, n);
+            const T* in = integer.data() + r * positions;
+            const T lse = lse_all[h * length + i], last = in[positions - 1];
             T* p = prob.data() + r * nk;
-            T* g = gate.data() + r * nk;
-            T* position = grad.data() + r * nk;  // the positions, until dP overwrites them below
-            if (n > 0) {
-              Cope<T>::gates(p, g, n);
-              const double whole = total_all[h * length + i];
+#pragma omp simd
+            for (int c = 0; c < m; ++c) p[c] = std::exp(std::max(p[c] + last - lse, floor));
+            if (n > m) {
+              T* pw = p + m;
+              T* g = gate.data() + r * nk + m;
+              T* position = grad.data() + r * nk + m;  // the positions, until dP overwrites them below
+              Cope<T>::gates(pw, g, n - m);
+              const double whole = window_all[2 * (h * length + i)];
               double before = carry[r];
-              for (int c = 0; c < n; ++c) {  // key c's position: the gates from c to the row's own key
+              for (int c = 0; c < n - m; ++c) {  // key c's position: the gates from c to the row's own key
                 position[c] = T(whole - before);
                 before += g[c];
               }
               carry[r] = before;
-              cope.logits(p, position, integer.data() + r * positions, rise.data() + r * positions, n,
-                          floors.data() + r * nk, weight.data() + r * nk);
-              const T lse = lse_all[h * length + i];
+              cope.logits(pw, position, in, rise.data() + r * positions, n - m, floors.data() + r * nk + m,
+                          weight.data() + r * nk + m);
 #pragma omp simd
-              for (int c = 0; c < n; ++c) p[c] = std::exp(std::max(p[c] - lse, floor));
+              for (int c = 0; c < n - m; ++c) pw[c] = std::exp(std::max(pw[c] - lse, floor));
             }
             std::fill(p + n, p + nk, T(0));
           }
           times_transposed<T>(go, v + c0 * value_dim, grad.data(), nr, nk, value_dim, T(1), T(0));  // dO . v
           transposed_times<T>(prob.data(), nk, go, dv + c0 * value_dim, nr, nk, value_dim);  // dV += P^T dO
           for (int64_t r = 0; r < nr; ++r) {
-            const int n = std::clamp<int64_t>(r0 + r + 1 - c0, 0, nk);
+            const int64_t i = r0 + r;
+            const int n = std::clamp<int64_t>(i + 1 - c0, 0, nk);
+            const int m = std::clamp<int64_t>(int64_t(window_all[2 * (h * length + i) + 1]) + 1 - c0, 0, n);
             const T* p = prob.data() + r * nk;
-            const T* g = gate.data() + r * nk;
             T* dl = grad.data() + r * nk;
+            T* di = grad_integer.data() + r * positions;
+            const T centre = delta[r], scale = cope.scaling;
+            T to_last = 0;  // the clamped keys' share of dI[max_pos]; their dp is 0 (R[max_pos] = 0), so is their dg
+#pragma omp simd reduction(+ : to_last)
+            for (int c = 0; c < m; ++c) {
+              dl[c] = p[c] * (dl[c] - centre);
+              to_last += dl[c];
+              dl[c] *= scale;
+            }
+            di[positions - 1] += to_last;
+            const T* g = gate.data() + r * nk;
             T* w = weight.data() + r * nk;
             const int32_t* f = floors.data() + r * nk;
-            T* di = grad_integer.data() + r * positions;
             const T* up = rise.data() + r * positions;
-            const T centre = delta[r];
 #pragma omp simd
-            for (int c = 0; c < n; ++c) dl[c] = p[c] * (dl[c] - centre);
-            for (int c = 0; c < n; ++c) {  // the interpolation's adjoint; then w holds dp = dl R[f]
+            for (int c = m; c < n; ++c) dl[c] = p[c] * (dl[c] - centre);
+            for (int c = m; c < n; ++c) {  // the interpolation's adjoint; then w holds dp = dl R[f]
               const T share = dl[c] * w[c];
               di[f[c]] += dl[c] - share;
               if (f[c] + 1 < positions) di[f[c] + 1] += share;
               w[c] = dl[c] * up[f[c]];
             }
             T run = carry_grad[r];
-            for (int c = 0; c < n; ++c) {  // dg_ij = sum_{k<=j} dp_ik
+            for (int c = m; c < n; ++c) {  // dg_ij = sum_{k<=j} dp_ik (0 over the clamped keys)
               run += w[c];
               w[c] = run;
             }
             carry_grad[r] = run;
-            const T scale = cope.scaling;
 #pragma omp simd
-            for (int c = 0; c < n; ++c) dl[c] = scale * (dl[c] + w[c] * g[c] * (T(1) - g[c]));
+            for (int c = m; c < n; ++c) dl[c] = scale * (dl[c] + w[c] * g[c] * (T(1) - g[c]));
             std::fill(dl + n, dl + nk, T(0));
           }
           times<T>(grad.data(), nk, k + c0 * dim, dq + r0 * dim, nr, nk, dim, T(1));  // dQ += dZ K
@@ -283,18 +319,18 @@ std::vector<at::Tensor> cope_forward(const at::Tensor& query, const at::Tensor& 
 
 std::vector<at::Tensor> cope_backward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                       const at::Tensor& embeddings, const at::Tensor& output,
-                                      const at::Tensor& log_sum, const at::Tensor& gate_total,
+                                      const at::Tensor& log_sum, const at::Tensor& window,
                                       const at::Tensor& grad_output, double scaling, double max_pos, int64_t rows,
                                       int64_t keys) {
   check_square("cope_backward", query, key, value);
   check_embeddings(query, embeddings);
   TORCH_CHECK(output.is_contiguous() && grad_output.is_contiguous() && log_sum.is_contiguous() &&
-                  gate_total.is_contiguous() && gate_total.scalar_type() == at::kDouble,
-              "cope_backward: contiguous saved tensors, gate totals in float64");
+                  window.is_contiguous() && window.scalar_type() == at::kDouble,
+              "cope_backward: contiguous saved tensors, the windows in float64");
   if (query.scalar_type() == at::kDouble)
-    return backward_impl<double>(query, key, value, embeddings, output, log_sum, gate_total, grad_output, scaling,
+    return backward_impl<double>(query, key, value, embeddings, output, log_sum, window, grad_output, scaling,
                                  max_pos, rows, keys);
-  return backward_impl<float>(query, key, value, embeddings, output, log_sum, gate_total, grad_output, scaling,
+  return backward_impl<float>(query, key, value, embeddings, output, log_sum, window, grad_output, scaling,
                               max_pos, rows, keys);
 }
 
@@ -304,7 +340,7 @@ TORCH_LIBRARY_FRAGMENT(hf_posenc_cpu, m) {
   m.def("cope_forward(Tensor query, Tensor key, Tensor value, Tensor embeddings, float scaling, float max_pos, "
         "int rows, int keys) -> Tensor[]");
   m.def("cope_backward(Tensor query, Tensor key, Tensor value, Tensor embeddings, Tensor output, Tensor log_sum, "
-        "Tensor gate_total, Tensor grad_output, float scaling, float max_pos, int rows, int keys) -> Tensor[]");
+        "Tensor window, Tensor grad_output, float scaling, float max_pos, int rows, int keys) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(hf_posenc_cpu, CPU, m) {

@@ -287,3 +287,18 @@ def test_flex_options_benchmark_times_compiled_flex_against_causal_sdpa(tmp_path
     assert json.loads(written["json"].read_text())[0]["options"] == "default" and written["png"].stat().st_size > 0
     with pytest.raises(SystemExit):
         bench.main(["--options", "fastest", "--device", "cpu"])
+
+
+def test_fused_cpu_benchmark_times_the_kernels_beside_the_blocks_and_native(tmp_path):
+    """One round at 32 tokens: every row was served by the fused kernel (its calls counted) and carries the per-layer
+    times of native, fused and blocked, their ratios and the kernel's time against causal SDPA."""
+    bench = load_script("benchmarks/bench_fused_cpu.py")
+    rows = bench.run(["stick-breaking", "cope:max_pos=8"], lengths=[32], rounds=1, progress=False)
+    assert [row.method for row in rows] == ["stick-breaking", "cope:max_pos=8"]
+    for row in rows:
+        assert row.fused_calls == 1  # one layer, one timed round
+        assert row.fused_x_native == row.native_s / row.fused_s and row.blocked_x_native == row.native_s / row.blocked_s
+        assert row.kernel_s > 0 and row.kernel_x_sdpa == row.kernel_s / row.sdpa_s
+    assert "| cope:max_pos=8 | 32 |" in bench.format_table(rows)
+    written = bench.save(rows, tmp_path)
+    assert json.loads(written["json"].read_text())[1]["method"] == "cope:max_pos=8" and written["png"].stat().st_size

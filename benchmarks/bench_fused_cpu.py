@@ -1,12 +1,13 @@
-"""The fused CPU kernels (engine/fused_cpu.py: stick-breaking, CoPE) against the blocked path they replace and against
-native RoPE with causal SDPA, all in one process, on the CPU:
+"""The fused CPU kernels (engine/fused_cpu.py: stick-breaking, CoPE, Self-Extend and ReRoPE) against the blocked path
+they replace and against native RoPE with causal SDPA, all in one process, on the CPU:
 
 - per layer step: SmolLM2-135M's shapes (9 query and 3 key-value heads of 64, hidden 576; `--layers` decoder layers,
   a 512-word output layer so that the layers dominate), one sequence, forward, a loss over every position, backward.
   Each timed round runs native, the method under "auto" (the fused kernel) and the method on the blocked path, one
   step each, interleaved; the medians over the rounds, and tokens/s over native's;
 - the kernel alone: the fused call's forward and backward against causal SDPA's on the same queries, keys and values
-  (the key-value heads repeated), median over the rounds.
+  (the key-value heads repeated; Self-Extend's and ReRoPE's kernel with its far keys past the window), median over the
+  rounds.
 
     python benchmarks/bench_fused_cpu.py --lengths 2048,4096 --threads 2 --output-dir runs/bench_fused_cpu
 
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-METHODS = ("stick-breaking", "cope", "cope:max_pos=4096")
+METHODS = ("stick-breaking", "cope", "cope:max_pos=4096", "self-extend:window=256,group=4", "rerope:window=256")
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
 
@@ -75,6 +76,7 @@ def _step(model, ids, path: str) -> float:
 def _kernel_times(method: str, model, length: int, rounds: int) -> tuple[float, float]:
     """(fused forward + backward, causal SDPA's) on random queries, keys and values of the model's shapes."""
     from hf_posenc import get_positional_module
+    from hf_posenc.engine.fused_cpu import near_far_causal
 
     module = get_positional_module(model)
     generator = torch.Generator().manual_seed(1)
@@ -82,7 +84,12 @@ def _kernel_times(method: str, model, length: int, rounds: int) -> tuple[float, 
 
     def fused():
         inputs = [x.clone().requires_grad_() for x in (query, key, value)]
-        module.fused_causal(0, *inputs, HEAD_DIM ** -0.5).backward(grad)
+        if getattr(module, "fused_near_far", False):  # both pairs the same tensors: the kernel's cost is the same
+            output = near_far_causal(inputs[0], inputs[1], inputs[0], inputs[1], inputs[2], module.window,
+                                     HEAD_DIM ** -0.5)
+        else:
+            output = module.fused_causal(0, *inputs, HEAD_DIM ** -0.5)
+        output.backward(grad)
 
     def sdpa():
         inputs = [x.clone().requires_grad_() for x in (query, key, value)]

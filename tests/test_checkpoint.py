@@ -72,9 +72,9 @@ def test_standalone_code_is_the_library_code_with_a_versioned_header(contract_ch
     # per-block paths of Self-Extend / ReRoPE / sinks and FoX (engine/separable_attention.py), 4,703 with the one-call
     # kernel forms of Transformer-XL and TAPE and the masks rebuilt in the backward, 4,979 with the compiled content
     # blocks (the "compiled" path and its checks), 5,146 with the near/far plans per forward and the far keys' causal
-    # triangle as one call, 5,381 with the fused CPU kernels' loader (engine/fused_cpu.py; a standalone checkpoint
-    # ships no C++ source, so its models take the blocked path)
-    assert sum(len(p.read_text().splitlines()) for p in directory.glob("*.py")) < 5500
+    # triangle as one call, 5,521 with the fused CPU kernels' loader and calls (engine/fused_cpu.py; a standalone
+    # checkpoint ships no C++ source, so its models take the blocked path)
+    assert sum(len(p.read_text().splitlines()) for p in directory.glob("*.py")) < 5700
 
 
 def test_export_command_writes_what_save_pretrained_standalone_writes(contract_checkpoints, tmp_path):

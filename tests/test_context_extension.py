@@ -387,8 +387,10 @@ def test_far_keys_that_form_a_causal_triangle_are_one_kernel_call(method, option
     one causal triangle, key j <= query i - window: one kernel call for the layer call (NearFarAttention's far_rows),
     merged with the per-block near calls. Its logits and gradients equal block_scores', in float64, for a whole
     sequence and for chunks after caches shorter and longer than the window (the latter per block), with a window that
-    ends inside a block. Sinks' far keys (the sinks) are no triangle and go per block."""
+    ends inside a block. Sinks' far keys (the sinks) are no triangle and go per block. (The fused CPU kernel, which
+    serves a whole sequence's triangle under "auto", is held off: tests/test_fused_cpu.py has it.)"""
     model = hf_posenc.patch_model(tiny_model("llama"), method, **options).double()
+    monkeypatch.setattr(type(hf_posenc.get_positional_module(model)), "fused_near_far", False)
     monkeypatch.setattr(attention_module, "BLOCK_BYTES", 4 * 2 * 30 * 7)  # blocks of 7 rows
     ids = random_ids(2, 30)
     triangles = []
@@ -472,13 +474,15 @@ def test_training_memory_of_the_near_far_parts_grows_linearly(method, options, t
     """The parts' masks are rebuilt in the backward (a checkpoint off the CPU kernel), or kept only where they are
     bands (NearFarAttention's plans, at most twice a block's rows wide): what a training forward holds for the
     backward doubles with the length (with each block's masks kept, a byte or more per query-key pair, it grew 2.5x
-    from 1024 to 2048 tokens on this model)."""
+    from 1024 to 2048 tokens on this model). The fused CPU kernel, held off here, keeps only its inputs, output and
+    one logsumexp per row."""
     if not two_calls:
         monkeypatch.setattr(attention_module, "separable_path_applies", lambda query: False)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                          num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0)
     model = hf_posenc.patch_model(AutoModelForCausalLM.from_config(config), method, **options).train()
+    monkeypatch.setattr(type(hf_posenc.get_positional_module(model)), "fused_near_far", False)
     attention_module.last_paths.clear()
     short, long = held_for_backward(model, 1024), held_for_backward(model, 2048)
     assert attention_module.last_paths["scored parts"] == 2

@@ -1,7 +1,8 @@
-"""Fused CPU kernels (engine/fused_cpu.py, engine/cpu_kernels/*.cpp): stick-breaking's and CoPE's forward and
-backward of a causal square against autograd of the papers' chains in float64 (stick-breaking's through the blocked
-path's StickBreakingWeights, itself checked against the chain in test_content_methods.py; CoPE's written out here,
-materialised), across tile edges and thread splits; float32 within rounding of float64 at a length where
+"""Fused CPU kernels (engine/fused_cpu.py, engine/cpu_kernels/*.cpp): stick-breaking's, CoPE's and the near/far
+kernel's (Self-Extend, ReRoPE) forward and backward of a causal square against autograd of the chains in float64
+(stick-breaking's through the blocked path's StickBreakingWeights, itself checked against the chain in
+test_content_methods.py; CoPE's and the merged near/far scores written out here, materialised), across tile edges and
+thread splits; float32 within rounding of float64 at a length where
 stick-breaking's backward sums cancel; in a model, served under "auto" after the kernel check and training like the
 blocked path; never where the call is not a causal square; a build that fails is a refusal (one warning, the
 blocked path serves). The kernels are compiled for real on the machine running the tests (about 40 s once; torch's
@@ -62,14 +63,29 @@ def cope_chain(query, key, value, embeddings, scaling, max_pos):
     return torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1) @ value
 
 
-def kernel_and_chain(method, attend_current, max_pos, generator):
-    """(fused kernel, reference chain, extra inputs) for one method's options."""
+def near_far_chain(near_query, near_key, value, far_query, far_key, far_from, scaling):
+    """Self-Extend's and ReRoPE's merged scores materialised: the far pair's where key j <= i - far_from, the near
+    pair's elsewhere, one causal softmax."""
+    position = torch.arange(near_query.shape[-2])
+    far = position[None, :] <= position[:, None] - far_from
+    logits = torch.where(far, far_query @ far_key.transpose(-1, -2), near_query @ near_key.transpose(-1, -2))
+    logits = (logits * scaling).masked_fill(position[None, :] > position[:, None], float("-inf"))
+    return torch.softmax(logits, dim=-1) @ value
+
+
+def kernel_and_chain(method, attend_current, option, generator):
+    """(fused kernel, reference chain, extra inputs) for one method's options (option: CoPE's max_pos, the near/far
+    kernel's far_from)."""
     if method == "stick-breaking":
         return (lambda q, k, v: fused_cpu.stick_breaking_causal(q, k, v, 0.3, attend_current),
                 lambda q, k, v: chain(q, k, v, 0.3, attend_current), ())
-    embeddings = torch.randn(16, max_pos + 1, dtype=torch.float64, generator=generator)
-    return (lambda q, k, v, e: fused_cpu.cope_causal(q, k, v, e, 0.3, max_pos),
-            lambda q, k, v, e: cope_chain(q, k, v, e, 0.3, max_pos), (embeddings,))
+    if method == "near-far":
+        far_pair = tuple(torch.randn(2, 3, 37, 16, dtype=torch.float64, generator=generator) for _ in range(2))
+        return (lambda q, k, v, fq, fk: fused_cpu.near_far_causal(q, k, fq, fk, v, option, 0.3),
+                lambda q, k, v, fq, fk: near_far_chain(q, k, v, fq, fk, option, 0.3), far_pair)
+    embeddings = torch.randn(16, option + 1, dtype=torch.float64, generator=generator)
+    return (lambda q, k, v, e: fused_cpu.cope_causal(q, k, v, e, 0.3, option),
+            lambda q, k, v, e: cope_chain(q, k, v, e, 0.3, option), (embeddings,))
 
 
 def outputs_and_gradients(function, inputs, upstream, dtype):
@@ -82,15 +98,17 @@ def outputs_and_gradients(function, inputs, upstream, dtype):
 KERNEL_CASES = [("stick-breaking", False, 0), ("stick-breaking", True, 0),
                 ("cope", False, 3),  # most keys' positions clamped at max_pos: a window of a few keys per row
                 ("cope", False, 12),  # windows across tile edges
-                ("cope", False, 64)]  # none clamped
+                ("cope", False, 64),  # none clamped
+                ("near-far", False, 1), ("near-far", False, 5), ("near-far", False, 20),  # far from ...
+                ("near-far", False, 40)]  # no key far
 
 
-@pytest.mark.parametrize("method, attend_current, max_pos", KERNEL_CASES)
+@pytest.mark.parametrize("method, attend_current, option", KERNEL_CASES)
 @pytest.mark.parametrize("thread_count", [1, 2])  # 2 threads, 3 heads: each head's query tiles in two runs
-def test_kernel_equals_the_chain_in_float64(method, attend_current, max_pos, thread_count, monkeypatch, threads):
-    """Tiles of 8 rows and 16 keys over 37 tokens (partial tiles at both ends, rows whose keys start mid-tile), value
-    width unlike the heads': output and the gradients of queries, keys, values (and CoPE's embeddings) equal autograd
-    of the chain to float64 rounding."""
+def test_kernel_equals_the_chain_in_float64(method, attend_current, option, thread_count, monkeypatch, threads):
+    """Tiles of 8 rows and 16 keys over 37 tokens (partial tiles at both ends, rows whose keys start mid-tile, tiles
+    wholly near, wholly far and crossed by the boundary), value width unlike the heads': output and the gradients of
+    queries, keys, values (CoPE's embeddings, the far pair) equal autograd of the chain to float64 rounding."""
     monkeypatch.setattr(fused_cpu, "TILE_ROWS", 8)
     monkeypatch.setattr(fused_cpu, "TILE_KEYS", 16)
     threads(thread_count)
@@ -98,12 +116,12 @@ def test_kernel_equals_the_chain_in_float64(method, attend_current, max_pos, thr
     query, key = (2 * torch.randn(2, 3, 37, 16, dtype=torch.float64, generator=generator) for _ in range(2))
     value = torch.randn(2, 3, 37, 5, dtype=torch.float64, generator=generator)
     upstream = torch.randn(2, 3, 37, 5, dtype=torch.float64, generator=generator)
-    kernel, reference, extra = kernel_and_chain(method, attend_current, max_pos, generator)
+    kernel, reference, extra = kernel_and_chain(method, attend_current, option, generator)
     fused = outputs_and_gradients(kernel, (query, key, value, *extra), upstream, torch.float64)
     expected = outputs_and_gradients(reference, (query, key, value, *extra), upstream, torch.float64)
     assert len(fused) == 4 + len(extra)
     for ours, theirs in zip(fused, expected):
-        assert max_diff(ours, theirs) <= 1e-12 * theirs.abs().max()
+        assert max_diff(ours, theirs) <= 1e-12 * max(theirs.abs().max(), 1e-300)  # the far pair's: 0 past 37
 
 
 def test_stick_breaking_kernel_in_float32_is_float64_within_rounding():
@@ -130,16 +148,24 @@ def train_step(model, ids, attention_mask=None):
     return [logits.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-MODEL_CASES = [("stick-breaking", {}), ("stick-breaking", {"attend_current": True, "base": "native"}),
-               ("cope", {"max_pos": 4}), ("cope", {"base": "native"})]
+MODEL_CASES = [("stick-breaking", {}, "llama"), ("stick-breaking", {}, "gpt2"),
+               ("stick-breaking", {"attend_current": True, "base": "native"}, "llama"),
+               ("stick-breaking", {"attend_current": True, "base": "native"}, "gpt2"),
+               ("cope", {"max_pos": 4}, "llama"), ("cope", {"max_pos": 4}, "gpt2"),
+               ("cope", {"base": "native"}, "llama"), ("cope", {"base": "native"}, "gpt2"),
+               ("self-extend", {"window": 6, "group": 2}, "llama"), ("self-extend", {"window": 6, "group": 3}, "qwen2"),
+               ("rerope", {"window": 6}, "llama"),
+               ("rerope", {"window": 5, "log_scaling": True, "original_max_position_embeddings": 8}, "qwen2")]
+FUSED_PATH = {"stick-breaking": "fused content", "cope": "fused content", "self-extend": "fused near far",
+              "rerope": "fused near far"}
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
-@pytest.mark.parametrize("method, options", MODEL_CASES)
+@pytest.mark.parametrize("method, options, model_type", MODEL_CASES)
 def test_a_model_trains_on_the_fused_kernel_as_on_the_blocks(method, options, model_type, fresh_checks):
     """Under "auto" a full batch's layers are served by the fused kernel once it passed its check (forward and
     gradients), and the logits and every parameter's gradient (CoPE's embeddings, made non-zero, included) equal the
-    blocked path's; a left-padded batch is not a causal square, so the blocks serve it."""
+    blocked path's (for Self-Extend and ReRoPE, their near and far kernel calls); a left-padded batch is not a causal
+    square, so the blocks serve it."""
     model = hf_posenc.patch_model(tiny_model(model_type), method, **options)
     with torch.no_grad():
         for parameter in hf_posenc.get_positional_module(model).parameters():
@@ -148,20 +174,23 @@ def test_a_model_trains_on_the_fused_kernel_as_on_the_blocks(method, options, mo
     ids = random_ids(2, 24)  # within tiny GPT-2's learned positions
     engine.last_paths.clear()
     fused = train_step(model, ids)
-    assert engine.last_paths["fused content"] == layers
+    assert engine.last_paths[FUSED_PATH[method]] == layers
     verdicts = [v for v in engine.kernel_status() if v.kernel == f"fused cpu ({method})"]
     assert [v.passed for v in verdicts] == [True, True] and verdicts[1].kind[0] == "gradients"
     with engine.attention_path("blocked"):
         engine.last_paths.clear()
         blocked = train_step(model, ids)
-        assert engine.last_paths["fused content"] == 0 and engine.last_paths["content recomputed"] == layers
+        assert engine.last_paths[FUSED_PATH[method]] == 0
+        assert engine.last_paths["content recomputed" if method in ("stick-breaking", "cope") else "scored parts"] \
+            == layers
     assert len(fused) == len(blocked) > 2
     for ours, theirs in zip(fused, blocked):
         assert max_diff(ours, theirs) <= 1e-5 * max(1.0, theirs.abs().max())
     padded, mask = left_pad([random_ids(1, 12, seed=3)[0], random_ids(1, 7, seed=4)[0]])
     engine.last_paths.clear()
     train_step(model, padded, mask)
-    assert engine.last_paths["fused content"] == 0 and engine.last_paths["content recomputed"] == layers
+    assert engine.last_paths[FUSED_PATH[method]] == 0 and engine.last_paths["content"] + engine.last_paths["scored"] \
+        == layers
 
 
 def test_a_failed_build_is_a_refusal_and_the_blocks_serve(monkeypatch, fresh_checks):

@@ -1,10 +1,11 @@
-"""Fused CPU kernels for content methods whose per-pair chain has no SDPA form (cpu_kernels/*.cpp), built on first use.
+"""Fused CPU kernels for attention whose per-pair chain has no single SDPA call (cpu_kernels/*.cpp), built on first use.
 
 The blocked path writes each block's [B, H, rows, keys] logits to memory and passes over them several times (the
 chain, then its recomputation and backward); a fused kernel keeps them in cache-sized tiles, as SDPA's flash kernel
-does. Stick-breaking (methods/stick_breaking.py) has one: forward and backward of a causal square (query i is key i,
-nothing else masked), about 1.2x causal SDPA's forward+backward at 2048 tokens on the CPU (9 heads of 64, 2 threads),
-where the blocked path takes about 2.7x.
+does. Forward and backward of a causal square (query i is key i, nothing else masked): stick-breaking
+(stick_breaking.cpp, 1.3-1.4x causal SDPA's forward+backward at 2048-4096 tokens on the CPU, 9 heads of 64, 2
+threads), CoPE (cope.cpp, about SDPA's time with max_pos 64), and the near/far scores of Self-Extend and ReRoPE where
+the far keys are the triangle j <= i - a (near_far.cpp): docs/attention-paths.md, "Fused CPU kernels".
 
 The source is compiled with `torch.utils.cpp_extension` (a C++ compiler and ninja, a dependency) the first time a
 process needs it, into torch's extension cache (later processes load it in about a second). Like any kernel outside
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 KERNELS = Path(__file__).parent / "cpu_kernels"
-SOURCES = (KERNELS / "stick_breaking.cpp", KERNELS / "cope.cpp")
+SOURCES = (KERNELS / "stick_breaking.cpp", KERNELS / "cope.cpp", KERNELS / "near_far.cpp")
 # Query rows and keys per tile: the tile's temporaries (a few float32 [rows, keys]) stay in a core's L2. Forward and
 # backward of 9 heads of 64 at 2048 tokens, 2 threads: 64 x 256 to 128 x 512 within 2% (1.19-1.21x causal SDPA);
 # 32 x 128 1.38x. At 4096: 128 x 512 1.30x, 64 x 256 1.43x.
@@ -140,4 +141,42 @@ def cope_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, emb
 
     output = CopeCausal.apply(flat(query), flat(key), flat(value), embeddings.to(compute).contiguous(),
                               float(scaling), float(max_pos))
+    return output.reshape(batch, heads, length, -1).to(value.dtype)
+
+
+class NearFarCausal(torch.autograd.Function):
+    """Softmax attention of a causal square over two position assignments, [N, L, D] near and far queries and keys,
+    [N, L, E] values (float32 or float64, contiguous): key j scores with the far pair where j <= i - far_from, else
+    with the near pair (cpu_kernels/near_far.cpp). Output [N, L, E]; the backward recomputes from the logsumexp."""
+
+    @staticmethod
+    def forward(ctx, near_query, near_key, far_query, far_key, value, far_from: int, scaling: float):
+        output, log_sum = torch.ops.hf_posenc_cpu.near_far_forward(near_query, near_key, far_query, far_key, value,
+                                                                    far_from, scaling, TILE_ROWS, TILE_KEYS)
+        ctx.save_for_backward(near_query, near_key, far_query, far_key, value, output, log_sum)
+        ctx.options = (far_from, scaling)
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        grads = torch.ops.hf_posenc_cpu.near_far_backward(*ctx.saved_tensors, grad_output.contiguous(), *ctx.options,
+                                                          TILE_ROWS, TILE_KEYS)
+        return (*grads, None, None)
+
+
+def near_far_causal(near_query: torch.Tensor, near_key: torch.Tensor, far_query: torch.Tensor, far_key: torch.Tensor,
+                    value: torch.Tensor, far_from: int, scaling: float) -> torch.Tensor:
+    """Queries and keys [B, H, L, D] of both assignments and values [B, H, L, E] (heads matched, query i is key i, no
+    other mask; key j far for query i where j <= i - far_from) -> output [B, H, L, E] in value's dtype, computed in
+    float32 (float64 for float64 inputs)."""
+    load()
+    batch, heads, length, _ = near_query.shape
+    compute = torch.float64 if near_query.dtype == torch.float64 else torch.float32
+
+    def flat(x):
+        return x.to(compute).reshape(batch * heads, length, x.shape[-1]).contiguous()
+
+    output = NearFarCausal.apply(flat(near_query), flat(near_key), flat(far_query), flat(far_key), flat(value),
+                                 int(far_from), float(scaling))
     return output.reshape(batch, heads, length, -1).to(value.dtype)

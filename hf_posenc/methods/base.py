@@ -215,6 +215,10 @@ class RotaryMethod(PositionalMethod):
         own position alone: on the CPU the attention path calls this once for every query of the call."""
         raise NotImplementedError
 
+    # The method's block_parts are all there is to its scores (no other term, no other key mask), so where a call's far
+    # keys are a causal triangle the fused CPU kernel may serve it (engine/fused_cpu.py near_far_causal).
+    fused_near_far: ClassVar[bool] = False
+
     def window_holds(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> bool:
         """For `scores_per_query_block` methods, a call whose query i is key i (positions [B or 1, L] each): whether
         every causal pair takes one plain rotation (`window_heads`), so that one causal SDPA call serves the call.

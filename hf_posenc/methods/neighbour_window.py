@@ -45,6 +45,7 @@ class NeighbourWindowRope(RotaryMethod):
 
     rotates_in_attention = True
     scores_per_query_block = True
+    fused_near_far = True
     block_cost = 5.0  # near scores, far scores, the merged scores, the mask, the probabilities
 
     def __init__(self, config: NeighbourWindowConfig, info: ModelInfo):

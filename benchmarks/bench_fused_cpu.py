@@ -127,7 +127,7 @@ def run(methods=METHODS, lengths=(2048, 4096), layers: int = 1, rounds: int = 5,
         for _ in range(rounds):
             for name, (model, path) in cases.items():
                 times[name].append(_step(model, ids, path) / layers)
-        fused_calls = attention.last_paths["fused content"]
+        fused_calls = attention.last_paths["fused content"] + attention.last_paths["fused near far"]
         kernel_s, sdpa_s = _kernel_times(method, patched, length, rounds)
         median = {name: statistics.median(kept) for name, kept in times.items()}
         rows.append(Row(method, length, median["native"], median["fused"], median["blocked"],

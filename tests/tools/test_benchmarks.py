@@ -293,8 +293,9 @@ def test_fused_cpu_benchmark_times_the_kernels_beside_the_blocks_and_native(tmp_
     """One round at 32 tokens: every row was served by the fused kernel (its calls counted) and carries the per-layer
     times of native, fused and blocked, their ratios and the kernel's time against causal SDPA."""
     bench = load_script("benchmarks/bench_fused_cpu.py")
-    rows = bench.run(["stick-breaking", "cope:max_pos=8"], lengths=[32], rounds=1, progress=False)
-    assert [row.method for row in rows] == ["stick-breaking", "cope:max_pos=8"]
+    methods = ["stick-breaking", "cope:max_pos=8", "self-extend:window=8,group=2"]
+    rows = bench.run(methods, lengths=[32], rounds=1, progress=False)
+    assert [row.method for row in rows] == methods
     for row in rows:
         assert row.fused_calls == 1  # one layer, one timed round
         assert row.fused_x_native == row.native_s / row.fused_s and row.blocked_x_native == row.native_s / row.blocked_s

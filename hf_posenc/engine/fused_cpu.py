@@ -67,6 +67,15 @@ def load() -> None:
         _loaded = True
 
 
+def _as_rows(*tensors: torch.Tensor):
+    """[B, H, L, ...] tensors -> ([B * H, L, ...] each, contiguous, in float32 or float64 where the first is float64;
+    a function that turns a kernel's [B * H, L, E] output back into [B, H, L, E] in a given dtype)."""
+    batch, heads, length = tensors[0].shape[:3]
+    compute = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32
+    rows = [x.to(compute).reshape(batch * heads, length, x.shape[-1]).contiguous() for x in tensors]
+    return rows, lambda output, dtype: output.reshape(batch, heads, length, -1).to(dtype)
+
+
 class StickBreakingCausal(torch.autograd.Function):
     """Stick-breaking attention of a causal square, [N, L, D] queries and keys and [N, L, E] values (float32 or
     float64, contiguous): output [N, L, E]; the backward recomputes each tile's weights from the queries and keys,
@@ -94,14 +103,9 @@ def stick_breaking_causal(query: torch.Tensor, key: torch.Tensor, value: torch.T
     """query, key [B, H, L, D] and value [B, H, L, E] (heads matched, query i is key i, no other mask) -> output
     [B, H, L, E] in value's dtype, computed in float32 (float64 for float64 inputs)."""
     load()
-    batch, heads, length, _ = query.shape
-    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
-
-    def flat(x):
-        return x.to(compute).reshape(batch * heads, length, x.shape[-1]).contiguous()
-
-    output = StickBreakingCausal.apply(flat(query), flat(key), flat(value), float(scaling), bool(attend_current))
-    return output.reshape(batch, heads, length, -1).to(value.dtype)
+    rows, heads = _as_rows(query, key, value)
+    output = StickBreakingCausal.apply(*rows, float(scaling), bool(attend_current))
+    return heads(output, value.dtype)
 
 
 class CopeCausal(torch.autograd.Function):
@@ -133,15 +137,9 @@ def cope_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, emb
     position embeddings [D, max_pos + 1] -> CoPE's output [B, H, L, E] in value's dtype, computed in float32 (float64
     for float64 inputs)."""
     load()
-    batch, heads, length, _ = query.shape
-    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
-
-    def flat(x):
-        return x.to(compute).reshape(batch * heads, length, x.shape[-1]).contiguous()
-
-    output = CopeCausal.apply(flat(query), flat(key), flat(value), embeddings.to(compute).contiguous(),
-                              float(scaling), float(max_pos))
-    return output.reshape(batch, heads, length, -1).to(value.dtype)
+    rows, heads = _as_rows(query, key, value)
+    output = CopeCausal.apply(*rows, embeddings.to(rows[0].dtype).contiguous(), float(scaling), float(max_pos))
+    return heads(output, value.dtype)
 
 
 class NearFarCausal(torch.autograd.Function):
@@ -171,12 +169,6 @@ def near_far_causal(near_query: torch.Tensor, near_key: torch.Tensor, far_query:
     other mask; key j far for query i where j <= i - far_from) -> output [B, H, L, E] in value's dtype, computed in
     float32 (float64 for float64 inputs)."""
     load()
-    batch, heads, length, _ = near_query.shape
-    compute = torch.float64 if near_query.dtype == torch.float64 else torch.float32
-
-    def flat(x):
-        return x.to(compute).reshape(batch * heads, length, x.shape[-1]).contiguous()
-
-    output = NearFarCausal.apply(flat(near_query), flat(near_key), flat(far_query), flat(far_key), flat(value),
-                                 int(far_from), float(scaling))
-    return output.reshape(batch, heads, length, -1).to(value.dtype)
+    rows, heads = _as_rows(near_query, near_key, far_query, far_key, value)
+    output = NearFarCausal.apply(*rows, int(far_from), float(scaling))
+    return heads(output, value.dtype)

@@ -222,3 +222,23 @@ def test_the_environment_turns_the_fused_kernels_off(monkeypatch, fresh_checks):
     with torch.no_grad():
         model(random_ids(1, 24))
     assert engine.last_paths["fused content"] == 0 and engine.kernel_status() == []
+
+
+@pytest.mark.parametrize("method, options", [("stick-breaking", {}), ("cope", {"max_pos": 4}),
+                                             ("self-extend", {"window": 6, "group": 2})])
+def test_the_kernels_train_under_gradient_checkpointing(method, options, fresh_checks):
+    """Under the fine-tune's gradient checkpointing each layer's attention runs twice (forward, recomputation), both
+    times on the fused kernel, with the blocked path's logits and gradients."""
+    from hf_posenc.tools.finetune import enable_gradient_checkpointing
+
+    model = hf_posenc.patch_model(tiny_model("llama"), method, **options).train()
+    enable_gradient_checkpointing(model)
+    ids = random_ids(2, 24)
+    engine.last_paths.clear()
+    fused = train_step(model, ids)
+    assert engine.last_paths[FUSED_PATH[method]] == 2 * model.config.num_hidden_layers
+    with engine.attention_path("blocked"):
+        blocked = train_step(model, ids)
+    assert len(fused) == len(blocked) > 2
+    for ours, theirs in zip(fused, blocked):
+        assert max_diff(ours, theirs) <= 1e-5 * max(1.0, theirs.abs().max())

@@ -86,7 +86,6 @@ std::vector<at::Tensor> forward_impl(const at::Tensor& query, const at::Tensor& 
         sum(rows);
     std::vector<double> carry(rows);
     std::vector<int64_t> clamped(rows);  // each row's last key whose position is clamped (-1: none so far)
-    const T floor = T(kExpFloor);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / row_tiles, r0 = order[item % row_tiles] * rows;
       const int64_t r1 = std::min(r0 + rows, length), nr = r1 - r0;
@@ -130,29 +129,14 @@ std::vector<at::Tensor> forward_impl(const at::Tensor& query, const at::Tensor& 
               carry[r] = run;
               cope.logits(zr, g, in, rise.data() + r * positions, n);
             }
-            T top = most[r];
-            for (int c = 0; c < n; ++c) top = std::max(top, zr[c]);
-            if (top > most[r]) {
-              const T factor = std::exp(std::max(most[r] - top, floor));
-              sum[r] *= factor;
-              for (int64_t d = 0; d < value_dim; ++d) o[r * value_dim + d] *= factor;
-              most[r] = top;
-            }
-            T added = 0;
-#pragma omp simd reduction(+ : added)
-            for (int c = 0; c < n; ++c) {
-              zr[c] = std::exp(std::max(zr[c] - top, floor));
-              added += zr[c];
-            }
-            sum[r] += added;
+            softmax_step(zr, n, most[r], sum[r], o + r * value_dim, value_dim);
           }
           std::fill(zr + n, zr + nk, T(0));
         }
         times<T>(z.data(), nk, v + c0 * value_dim, o, nr, nk, value_dim, T(1));
       }
+      softmax_finish(o, nr, value_dim, most.data(), sum.data(), lse_all + h * length + r0);
       for (int64_t r = 0; r < nr; ++r) {
-        for (int64_t d = 0; d < value_dim; ++d) o[r * value_dim + d] /= sum[r];
-        lse_all[h * length + r0 + r] = most[r] + std::log(sum[r]);
         window_all[(h * length + r0 + r) * 2] = carry[r];
         window_all[(h * length + r0 + r) * 2 + 1] = double(clamped[r]);
       }
@@ -209,14 +193,9 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& query, const at::Tensor&
         const T* go = do_all + h * length * value_dim + r0 * value_dim;
         cope.integers(q, r0, nr, integer.data(), rise.data());
         std::fill(grad_integer.begin(), grad_integer.end(), T(0));
-        for (int64_t r = 0; r < nr; ++r) {  // dO_i . o_i
-          const T* o = o_all + h * length * value_dim + (r0 + r) * value_dim;
-          double dot = 0;
-          for (int64_t d = 0; d < value_dim; ++d) dot += double(go[r * value_dim + d]) * o[d];
-          delta[r] = T(dot);
-          carry[r] = 0;
-          carry_grad[r] = 0;
-        }
+        row_dots(go, o_all + h * length * value_dim + r0 * value_dim, nr, value_dim, delta.data());
+        std::fill(carry.begin(), carry.end(), 0.0);
+        std::fill(carry_grad.begin(), carry_grad.end(), T(0));
         for (int64_t c0 = 0; c0 < r1; c0 += keys) {
           const int64_t c1 = std::min(c0 + keys, r1), nk = c1 - c0;
           times_transposed<T>(q + r0 * dim, k + c0 * dim, prob.data(), nr, nk, dim, cope.scaling, T(0));

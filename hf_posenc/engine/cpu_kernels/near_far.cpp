@@ -51,7 +51,6 @@ std::vector<at::Tensor> forward_impl(const at::Tensor& near_query, const at::Ten
   at::parallel_for(0, heads * row_tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> score(rows * keys), other(rows * keys), most(rows), sum(rows);
     std::vector<int> far_count(rows);
-    const T floor = T(kExpFloor);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / row_tiles, r0 = order[item % row_tiles] * rows;
       const int64_t r1 = std::min(r0 + rows, length), nr = r1 - r0;
@@ -70,31 +69,12 @@ std::vector<at::Tensor> forward_impl(const at::Tensor& near_query, const at::Ten
         for (int64_t r = 0; r < nr; ++r) {
           const int n = std::clamp<int64_t>(r0 + r + 1 - c0, 0, nk);
           T* s = score.data() + r * nk;
-          if (n > 0) {
-            T top = most[r];
-            for (int c = 0; c < n; ++c) top = std::max(top, s[c]);
-            if (top > most[r]) {
-              const T factor = std::exp(std::max(most[r] - top, floor));
-              sum[r] *= factor;
-              for (int64_t d = 0; d < value_dim; ++d) o[r * value_dim + d] *= factor;
-              most[r] = top;
-            }
-            T added = 0;
-#pragma omp simd reduction(+ : added)
-            for (int c = 0; c < n; ++c) {
-              s[c] = std::exp(std::max(s[c] - top, floor));
-              added += s[c];
-            }
-            sum[r] += added;
-          }
+          if (n > 0) softmax_step(s, n, most[r], sum[r], o + r * value_dim, value_dim);
           std::fill(s + n, s + nk, T(0));
         }
         times<T>(score.data(), nk, v + c0 * value_dim, o, nr, nk, value_dim, T(1));
       }
-      for (int64_t r = 0; r < nr; ++r) {
-        for (int64_t d = 0; d < value_dim; ++d) o[r * value_dim + d] /= sum[r];
-        lse_all[h * length + r0 + r] = most[r] + std::log(sum[r]);
-      }
+      softmax_finish(o, nr, value_dim, most.data(), sum.data(), lse_all + h * length + r0);
     }
   });
   return {output, log_sum};
@@ -137,12 +117,7 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& near_query, const at::Te
       for (int64_t t = row_tiles * part / parts; t < row_tiles * (part + 1) / parts; ++t) {
         const int64_t r0 = order[t] * rows, r1 = std::min(r0 + rows, length), nr = r1 - r0;
         const T* go = do_all + h * length * value_dim + r0 * value_dim;
-        for (int64_t r = 0; r < nr; ++r) {  // dO_i . o_i
-          const T* o = o_all + h * length * value_dim + (r0 + r) * value_dim;
-          double dot = 0;
-          for (int64_t d = 0; d < value_dim; ++d) dot += double(go[r * value_dim + d]) * o[d];
-          delta[r] = T(dot);
-        }
+        row_dots(go, o_all + h * length * value_dim + r0 * value_dim, nr, value_dim, delta.data());
         for (int64_t c0 = 0; c0 < r1; c0 += keys) {
           const int64_t c1 = std::min(c0 + keys, r1), nk = c1 - c0;
           nf.logits(r0, r1, c0, c1, prob.data(), other.data(), far_count.data());

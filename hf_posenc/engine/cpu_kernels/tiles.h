@@ -52,6 +52,47 @@ inline void transposed_times(const T* a, int lda, const T* b, T* c, int rows, in
   gemm('N', 'T', depth, cols, rows, T(1), b, depth, a, lda, T(1), c, depth);
 }
 
+// Flash attention's running softmax, one row of one key tile: the logits s[0, n) become exp(s - max); the row's running
+// maximum and sum of exponentials, and its output so far (`out`, `width` wide), are rescaled where the maximum rose.
+template <typename T>
+inline void softmax_step(T* s, int n, T& most, T& sum, T* out, int64_t width) {
+  const T floor = T(kExpFloor);
+  T top = most;
+  for (int c = 0; c < n; ++c) top = std::max(top, s[c]);
+  if (top > most) {
+    const T factor = std::exp(std::max(most - top, floor));
+    sum *= factor;
+    for (int64_t d = 0; d < width; ++d) out[d] *= factor;
+    most = top;
+  }
+  T added = 0;
+#pragma omp simd reduction(+ : added)
+  for (int c = 0; c < n; ++c) {
+    s[c] = std::exp(std::max(s[c] - top, floor));
+    added += s[c];
+  }
+  sum += added;
+}
+
+// The end of softmax_step's rows: each output divided by its sum, each row's logsumexp into `log_sum`.
+template <typename T>
+inline void softmax_finish(T* out, int64_t rows, int64_t width, const T* most, const T* sum, T* log_sum) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t d = 0; d < width; ++d) out[r * width + d] /= sum[r];
+    log_sum[r] = most[r] + std::log(sum[r]);
+  }
+}
+
+// dO_i . o_i for each row of a tile (summed in double): flash attention's D_i, the softmax backward's centre.
+template <typename T>
+inline void row_dots(const T* grad_output, const T* output, int64_t rows, int64_t width, T* dots) {
+  for (int64_t r = 0; r < rows; ++r) {
+    double dot = 0;
+    for (int64_t d = 0; d < width; ++d) dot += double(grad_output[r * width + d]) * output[r * width + d];
+    dots[r] = T(dot);
+  }
+}
+
 // Query tiles of a head in an order whose every contiguous run costs about the same (a tile's cost grows with its
 // row): 0, last, 1, last - 1, ...
 inline std::vector<int64_t> balanced_order(int64_t tiles) {

@@ -194,23 +194,28 @@ def test_a_model_trains_on_the_fused_kernel_as_on_the_blocks(method, options, mo
 
 
 def test_a_failed_build_is_a_refusal_and_the_blocks_serve(monkeypatch, fresh_checks):
-    """No compiler (or no ninja) on the machine: the build raises inside the kernel check, which warns once, and the
-    blocked path serves that call and the ones after, with the blocked path's numbers."""
+    """No compiler (or no ninja) on the machine: the build raises inside the kernel check, which warns once, naming
+    the cause and the fix, and the blocked path serves that call and the ones after, with the blocked path's
+    numbers."""
+    import torch.utils.cpp_extension
     model = hf_posenc.patch_model(tiny_model("llama"), "stick-breaking")
     ids = random_ids(1, 24)
     with torch.no_grad(), engine.attention_path("blocked"):
         expected = model(ids).logits
 
-    def no_compiler():
-        raise RuntimeError("Error building extension: c++: command not found")
+    def no_compiler(**ignored):
+        raise RuntimeError("Error building extension: c++: command not found\n(the compiler's output)")
 
-    monkeypatch.setattr(fused_cpu, "load", no_compiler)
+    monkeypatch.setattr(fused_cpu, "_loaded", False)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")
         engine.last_paths.clear()
         first, second = model(ids).logits, model(ids).logits
     refusals = [w for w in caught if issubclass(w.category, engine.KernelCheckWarning)]
     assert len(refusals) == 1 and "c++: command not found" in str(refusals[0].message)
+    message = str(refusals[0].message)
+    assert "install a C++ compiler" in message and "HF_POSENC_CPU_KERNELS=0" in message
     assert engine.last_paths["fused content"] == 0
     assert max_diff(first, expected) == 0 and max_diff(second, expected) == 0
 

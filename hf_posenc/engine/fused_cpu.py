@@ -25,9 +25,9 @@ import torch
 
 KERNELS = Path(__file__).parent / "cpu_kernels"
 SOURCES = (KERNELS / "stick_breaking.cpp", KERNELS / "cope.cpp", KERNELS / "near_far.cpp")
-# Query rows and keys per tile: the tile's temporaries (a few float32 [rows, keys]) stay in a core's L2. Forward and
-# backward of 9 heads of 64 at 2048 tokens, 2 threads: 64 x 256 to 128 x 512 within 2% (1.19-1.21x causal SDPA);
-# 32 x 128 1.38x. At 4096: 128 x 512 1.30x, 64 x 256 1.43x.
+# Query rows and keys per tile: the tile's temporaries (a few float32 [rows, keys]) stay in a core's L2. Chosen on the
+# first stick-breaking kernel (forward and backward, 9 heads of 64, 2 threads): at 2048 tokens 64 x 256 to 128 x 512
+# within 2% of each other (1.19-1.21x causal SDPA), 32 x 128 1.38x; at 4096, 128 x 512 1.30x, 64 x 256 1.43x.
 TILE_ROWS = 128
 TILE_KEYS = 512
 # -ffast-math lets the compiler call glibc's vector exp and log1p in the per-tile loops.
@@ -42,10 +42,14 @@ _lock = threading.Lock()
 _loaded = False
 
 
+# A standalone checkpoint ships Python files only: its models take the blocked path.
+_SOURCES_HERE = all(source.is_file() for source in SOURCES)
+
+
 def fused_kernels_enabled() -> bool:
-    """Whether fused CPU kernels may serve: HF_POSENC_CPU_KERNELS is not "0" and their sources are here (a standalone
-    checkpoint ships Python files only: its models take the blocked path)."""
-    return os.environ.get("HF_POSENC_CPU_KERNELS", "1") != "0" and all(source.is_file() for source in SOURCES)
+    """Whether fused CPU kernels may serve (asked on every attention call): HF_POSENC_CPU_KERNELS is not "0" and their
+    sources are here."""
+    return _SOURCES_HERE and os.environ.get("HF_POSENC_CPU_KERNELS", "1") != "0"
 
 
 def load() -> None:
@@ -60,10 +64,16 @@ def load() -> None:
         capability = torch.backends.cpu.get_cpu_capability()
         # torch rebuilds when the sources or the flags change, not a header they include: the flags name them all.
         digest = hashlib.sha256(b"".join(path.read_bytes() for path in sorted(KERNELS.iterdir()))).hexdigest()[:16]
-        load_extension(name=f"hf_posenc_cpu_{capability.lower()}", sources=[str(source) for source in SOURCES],
-                       extra_cflags=[*COMPILER_FLAGS, *CAPABILITY_FLAGS.get(capability, ()),
-                                     f"-DHF_POSENC_KERNELS={digest}"],
-                       extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        try:
+            load_extension(name=f"hf_posenc_cpu_{capability.lower()}", sources=[str(source) for source in SOURCES],
+                           extra_cflags=[*COMPILER_FLAGS, *CAPABILITY_FLAGS.get(capability, ()),
+                                         f"-DHF_POSENC_KERNELS={digest}"],
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        except Exception as error:
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise RuntimeError(
+                f"could not build hf_posenc's fused CPU kernels ({first_line}); install a C++ compiler (g++ or "
+                "clang++) and ninja, or set HF_POSENC_CPU_KERNELS=0 to keep the blocked path without trying") from error
         _loaded = True
 
 
@@ -76,26 +86,26 @@ def _as_rows(*tensors: torch.Tensor):
     return rows, lambda output, dtype: output.reshape(batch, heads, length, -1).to(dtype)
 
 
-class StickBreakingCausal(torch.autograd.Function):
-    """Stick-breaking attention of a causal square, [N, L, D] queries and keys and [N, L, E] values (float32 or
-    float64, contiguous): output [N, L, E]; the backward recomputes each tile's weights from the queries and keys,
-    keeping only the output and each row's log remainder."""
+class FusedKernel(torch.autograd.Function):
+    """One of the kernels `name` (torch.ops.hf_posenc_cpu.{name}_forward / _backward) on [N, L, ...] float32 or
+    float64 contiguous inputs: the forward op takes (*inputs, *options, rows, keys) and returns the output [N, L, E]
+    and what its backward needs besides the inputs (stick-breaking: each row's log remainder; CoPE: the logsumexp and
+    the window of unclamped positions; near/far: the logsumexp); the backward op takes (*inputs, *those, grad_output,
+    *options, rows, keys) and returns the inputs' gradients. Each backward recomputes its tiles from the inputs."""
 
     @staticmethod
-    def forward(ctx, query, key, value, scaling: float, attend_current: bool):
-        output, log_remainder = torch.ops.hf_posenc_cpu.stick_breaking_forward(
-            query, key, value, scaling, attend_current, TILE_ROWS, TILE_KEYS)
-        ctx.save_for_backward(query, key, value, output, log_remainder)
-        ctx.options = (scaling, attend_current)
+    def forward(ctx, name: str, options: tuple, *inputs):
+        output, *kept = getattr(torch.ops.hf_posenc_cpu, f"{name}_forward")(*inputs, *options, TILE_ROWS, TILE_KEYS)
+        ctx.save_for_backward(*inputs, output, *kept)
+        ctx.name, ctx.options = name, options
         return output
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
-        query, key, value, output, log_remainder = ctx.saved_tensors
-        grads = torch.ops.hf_posenc_cpu.stick_breaking_backward(
-            query, key, value, output, log_remainder, grad_output.contiguous(), *ctx.options, TILE_ROWS, TILE_KEYS)
-        return (*grads, None, None)
+        grads = getattr(torch.ops.hf_posenc_cpu, f"{ctx.name}_backward")(
+            *ctx.saved_tensors, grad_output.contiguous(), *ctx.options, TILE_ROWS, TILE_KEYS)
+        return (None, None, *grads)
 
 
 def stick_breaking_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
@@ -104,31 +114,8 @@ def stick_breaking_causal(query: torch.Tensor, key: torch.Tensor, value: torch.T
     [B, H, L, E] in value's dtype, computed in float32 (float64 for float64 inputs)."""
     load()
     rows, heads = _as_rows(query, key, value)
-    output = StickBreakingCausal.apply(*rows, float(scaling), bool(attend_current))
+    output = FusedKernel.apply("stick_breaking", (float(scaling), bool(attend_current)), *rows)
     return heads(output, value.dtype)
-
-
-class CopeCausal(torch.autograd.Function):
-    """CoPE attention of a causal square, [N, L, D] queries and keys, [N, L, E] values and the layer's embeddings
-    [D, max_pos + 1] (float32 or float64, contiguous): output [N, L, E]; the backward recomputes each tile from the
-    queries and keys, keeping the output, each row's logsumexp and the window of its keys whose positions are not
-    clamped (cpu_kernels/cope.cpp)."""
-
-    @staticmethod
-    def forward(ctx, query, key, value, embeddings, scaling: float, max_pos: float):
-        output, log_sum, window = torch.ops.hf_posenc_cpu.cope_forward(
-            query, key, value, embeddings, scaling, max_pos, TILE_ROWS, TILE_KEYS)
-        ctx.save_for_backward(query, key, value, embeddings, output, log_sum, window)
-        ctx.options = (scaling, max_pos)
-        return output
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_output):
-        query, key, value, embeddings, output, log_sum, window = ctx.saved_tensors
-        grads = torch.ops.hf_posenc_cpu.cope_backward(query, key, value, embeddings, output, log_sum, window,
-                                                      grad_output.contiguous(), *ctx.options, TILE_ROWS, TILE_KEYS)
-        return (*grads, None, None)
 
 
 def cope_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, embeddings: torch.Tensor,
@@ -138,37 +125,17 @@ def cope_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, emb
     for float64 inputs)."""
     load()
     rows, heads = _as_rows(query, key, value)
-    output = CopeCausal.apply(*rows, embeddings.to(rows[0].dtype).contiguous(), float(scaling), float(max_pos))
+    output = FusedKernel.apply("cope", (float(scaling), float(max_pos)), *rows,
+                               embeddings.to(rows[0].dtype).contiguous())
     return heads(output, value.dtype)
-
-
-class NearFarCausal(torch.autograd.Function):
-    """Softmax attention of a causal square over two position assignments, [N, L, D] near and far queries and keys,
-    [N, L, E] values (float32 or float64, contiguous): key j scores with the far pair where j <= i - far_from, else
-    with the near pair (cpu_kernels/near_far.cpp). Output [N, L, E]; the backward recomputes from the logsumexp."""
-
-    @staticmethod
-    def forward(ctx, near_query, near_key, far_query, far_key, value, far_from: int, scaling: float):
-        output, log_sum = torch.ops.hf_posenc_cpu.near_far_forward(near_query, near_key, far_query, far_key, value,
-                                                                    far_from, scaling, TILE_ROWS, TILE_KEYS)
-        ctx.save_for_backward(near_query, near_key, far_query, far_key, value, output, log_sum)
-        ctx.options = (far_from, scaling)
-        return output
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_output):
-        grads = torch.ops.hf_posenc_cpu.near_far_backward(*ctx.saved_tensors, grad_output.contiguous(), *ctx.options,
-                                                          TILE_ROWS, TILE_KEYS)
-        return (*grads, None, None)
 
 
 def near_far_causal(near_query: torch.Tensor, near_key: torch.Tensor, far_query: torch.Tensor, far_key: torch.Tensor,
                     value: torch.Tensor, far_from: int, scaling: float) -> torch.Tensor:
     """Queries and keys [B, H, L, D] of both assignments and values [B, H, L, E] (heads matched, query i is key i, no
-    other mask; key j far for query i where j <= i - far_from) -> output [B, H, L, E] in value's dtype, computed in
-    float32 (float64 for float64 inputs)."""
+    other mask; key j far for query i where j <= i - far_from, else near) -> output [B, H, L, E] in value's dtype,
+    computed in float32 (float64 for float64 inputs)."""
     load()
     rows, heads = _as_rows(near_query, near_key, far_query, far_key, value)
-    output = NearFarCausal.apply(*rows, int(far_from), float(scaling))
+    output = FusedKernel.apply("near_far", (int(far_from), float(scaling)), *rows)
     return heads(output, value.dtype)

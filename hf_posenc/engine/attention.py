@@ -421,11 +421,12 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
                                         key_positions=key_positions)
         if separable_path_applies(query):  # the CPU kernel on each part's segments, one autograd node
             plans, far_rows = _near_far_plans(state, attention_mask, kv, blocks, block_masks, query.dtype)
+            # The kernel scores every causal key, near or far: not for a method that masks keys (sinks)
             if (plans is not None and far_rows is not None and _path == "auto" and state.method.fused_near_far
-                    and fused_kernels_enabled() and _causal_square(attention_mask, query.shape[2], kv, query_slots,
-                                                                   key_slots)):
-                output = serve_checked(_fused_near_far_call(state, query, key, value, scaling, far_rows, query_slots,
-                                                            key_slots, query_positions, key_positions))
+                    and not state.method.masks_keys and fused_kernels_enabled()
+                    and _causal_square(attention_mask, query.shape[2], kv, query_slots, key_slots)):
+                output = serve_checked(_fused_near_far_call(state, query, keys, value, scaling, far_rows,
+                                                            query_positions, key_positions))
                 if output is not None:
                     last_paths["fused near far"] += 1
                     return output.contiguous(), None
@@ -466,48 +467,49 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
     return output.transpose(1, 2).contiguous(), torch.cat(weights, dim=2) if eager else None
 
 
-def _fused_near_far_call(state, query, key, value, scaling, far_rows: int, query_slots, key_slots, query_positions,
+def _fused_near_far_call(state, query, keys, value, scaling, far_rows: int, query_positions,
                          key_positions) -> KernelCall:
     """A `fused_near_far` method's call (Self-Extend, ReRoPE) whose far keys are the causal triangle j <= i - far_rows
     of a causal square, by the fused CPU kernel (engine/fused_cpu.py near_far_causal) on the method's block_parts for
-    the whole call; checked against its block_scores and a softmax like any kernel. Its kind: the method, dtype, grad
-    mode and the length's size class."""
+    the whole call (`keys`: its block_keys, near and far), checked against its block_scores and a softmax like any
+    kernel. Its kind: the method, dtype, grad mode and the length's size class."""
     method = state.method
 
-    def kernel(query, key, value, query_positions=query_positions, key_positions=key_positions):
+    def kernel(query, near_key, far_key, value, query_positions=query_positions, key_positions=key_positions):
         (near_query, near_key), (far_query, far_key) = method.block_parts(
-            query, method.block_keys(key, key_positions), query_positions, key_positions, True)
+            query, (near_key, far_key), query_positions, key_positions, True)
         return near_far_causal(near_query, near_key, far_query, far_key, value, far_rows, scaling).transpose(1, 2)
 
-    def scored(query, key, value, rows, columns, query_positions, key_positions):
-        keys = tuple(part[:, :, columns] for part in method.block_keys(key, key_positions))
-        scores = method.block_scores(query[:, :, rows], keys, query_positions[:, rows],
-                                     key_positions[:, columns]) * scaling
+    def scored(query, near_key, far_key, value, rows, columns, query_positions, key_positions):
+        scores = method.block_scores(query[:, :, rows], (near_key[:, :, columns], far_key[:, :, columns]),
+                                     query_positions[:, rows], key_positions[:, columns]) * scaling
         allowed = torch.arange(columns.start, columns.stop, device=query.device)[None] <= \
             torch.arange(rows.start, rows.stop, device=query.device)[:, None]
         probs = F.softmax(scores.masked_fill(~allowed, torch.finfo(scores.dtype).min), dim=-1)
         return torch.matmul(probs.to(value.dtype), value[:, :, columns]).transpose(1, 2)
 
     def reference(rows: slice) -> torch.Tensor:
-        return scored(query, key, value, rows, slice(0, rows.stop), query_positions, key_positions)
+        return scored(query, *keys, value, rows, slice(0, rows.stop), query_positions, key_positions)
 
     def gradient_probe() -> GradientProbe:  # the last PROBE_ROWS tokens, a causal square again
         size = min(PROBE_ROWS, query.shape[2])
         batch, cut = slice(0, min(PROBE_BATCH, query.shape[0])), slice(query.shape[2] - size, query.shape[2])
         positions = (query_positions[batch][:, cut], key_positions[batch][:, cut])
-        inputs = {"query": query[batch, :, cut], "key": key[batch, :, cut], "value": value[batch, :, cut]}
+        inputs = {name: tensor[batch, :, cut] for name, tensor in
+                  (("query", query), ("near_key", keys[0]), ("far_key", keys[1]), ("value", value))}
         return GradientProbe(
-            inputs, kernel=lambda query, key, value: kernel(query, key, value, *positions),
-            reference=lambda query, key, value: scored(query, key, value, slice(0, size), slice(0, size),
-                                                       *positions))
+            inputs, kernel=lambda **probe: kernel(**probe, query_positions=positions[0], key_positions=positions[1]),
+            reference=lambda **probe: scored(**probe, rows=slice(0, size), columns=slice(0, size),
+                                             query_positions=positions[0], key_positions=positions[1]))
 
     name, dtype = method.config.method, str(query.dtype)
-    needs_grad = _needs_grad(state, query, key, value)
+    needs_grad = _needs_grad(state, query, *keys, value)
     return KernelCall(
         kernel=f"fused cpu ({name})", device=query.device,
         kind=(name, dtype, "grad" if needs_grad else "no grad", size_class(query.shape[2])),
-        function=kernel, inputs={"query": query, "key": key, "value": value}, reference=reference,
-        gradient_kind=(name, dtype) if needs_grad else None, gradient_probe=gradient_probe if needs_grad else None)
+        function=kernel, inputs={"query": query, "near_key": keys[0], "far_key": keys[1], "value": value},
+        reference=reference, gradient_kind=(name, dtype) if needs_grad else None,
+        gradient_probe=gradient_probe if needs_grad else None)
 
 
 def _near_far_plans(state, attention_mask, kv: int, blocks: list, block_masks, dtype) -> tuple[list | None, int | None]:

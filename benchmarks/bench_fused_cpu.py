@@ -1,13 +1,15 @@
-"""The fused CPU kernels (engine/fused_cpu.py: stick-breaking, CoPE, Self-Extend and ReRoPE) against the blocked path
-they replace and against native RoPE with causal SDPA, all in one process, on the CPU:
+"""The fused CPU kernels (engine/fused_cpu.py: stick-breaking, CoPE, Self-Extend, ReRoPE, and the plain causal kernel
+of Transformer-XL's and TAPE's kernel form) against the path they replace (the blocked path; for Transformer-XL and
+TAPE, SDPA on their form padded to one head size) and against native RoPE with causal SDPA, all in one process, on
+the CPU:
 
 - per layer step: SmolLM2-135M's shapes (9 query and 3 key-value heads of 64, hidden 576; `--layers` decoder layers,
   a 512-word output layer so that the layers dominate), one sequence, forward, a loss over every position, backward.
   Each timed round runs native, the method under "auto" (the fused kernel) and the method on the blocked path, one
   step each, interleaved; the medians over the rounds, and tokens/s over native's;
 - the kernel alone: the fused call's forward and backward against causal SDPA's on the same queries, keys and values
-  (the key-value heads repeated; Self-Extend's and ReRoPE's kernel with its far keys past the window), median over the
-  rounds.
+  (the key-value heads repeated; Self-Extend's and ReRoPE's kernel with its far keys past the window; Transformer-XL's
+  and TAPE's at their form's head sizes), median over the rounds.
 
     python benchmarks/bench_fused_cpu.py --lengths 2048,4096 --threads 2 --output-dir runs/bench_fused_cpu
 
@@ -28,8 +30,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-METHODS = ("stick-breaking", "cope", "cope:max_pos=4096", "self-extend:window=256,group=4", "rerope:window=256")
+METHODS = ("stick-breaking", "cope", "cope:max_pos=4096", "self-extend:window=256,group=4", "rerope:window=256",
+           "transformer-xl", "tape")
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+# (query and key, value) head sizes of a kernel form at the method's default options: Transformer-XL's queries and keys
+# carry the sinusoid's 2 x relative_dim / 2 terms beside the content; TAPE's values carry the keys' features.
+FORM_WIDTHS = {"transformer-xl": (2 * HEAD_DIM, HEAD_DIM), "tape": (HEAD_DIM, 2 * HEAD_DIM)}
+FUSED_PATHS = ("fused content", "fused near far", "fused causal")
 
 
 @dataclass
@@ -76,13 +83,21 @@ def _step(model, ids, path: str) -> float:
 def _kernel_times(method: str, model, length: int, rounds: int) -> tuple[float, float]:
     """(fused forward + backward, causal SDPA's) on random queries, keys and values of the model's shapes."""
     from hf_posenc import get_positional_module
-    from hf_posenc.engine.fused_cpu import near_far_causal
+    from hf_posenc.engine.fused_cpu import causal_attention, near_far_causal
 
     module = get_positional_module(model)
     generator = torch.Generator().manual_seed(1)
     query, key, value, grad = (torch.randn(1, HEADS, length, HEAD_DIM, generator=generator) for _ in range(4))
+    form = FORM_WIDTHS.get(module.config.method)
+    if form is not None:
+        form_query, form_key = (torch.randn(1, HEADS, length, form[0], generator=generator) for _ in range(2))
+        form_value, form_grad = (torch.randn(1, HEADS, length, form[1], generator=generator) for _ in range(2))
 
     def fused():
+        if form is not None:
+            inputs = [x.clone().requires_grad_() for x in (form_query, form_key, form_value)]
+            causal_attention(*inputs, HEAD_DIM ** -0.5).backward(form_grad)
+            return
         inputs = [x.clone().requires_grad_() for x in (query, key, value)]
         if getattr(module, "fused_near_far", False):  # both pairs the same tensors: the kernel's cost is the same
             output = near_far_causal(inputs[0], inputs[1], inputs[0], inputs[1], inputs[2], module.window,
@@ -127,7 +142,7 @@ def run(methods=METHODS, lengths=(2048, 4096), layers: int = 1, rounds: int = 5,
         for _ in range(rounds):
             for name, (model, path) in cases.items():
                 times[name].append(_step(model, ids, path) / layers)
-        fused_calls = attention.last_paths["fused content"] + attention.last_paths["fused near far"]
+        fused_calls = sum(attention.last_paths[name] for name in FUSED_PATHS)
         kernel_s, sdpa_s = _kernel_times(method, patched, length, rounds)
         median = {name: statistics.median(kept) for name, kept in times.items()}
         rows.append(Row(method, length, median["native"], median["fused"], median["blocked"],

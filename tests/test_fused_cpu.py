@@ -1,12 +1,12 @@
-"""Fused CPU kernels (engine/fused_cpu.py, engine/cpu_kernels/*.cpp): stick-breaking's, CoPE's and the near/far
-kernel's (Self-Extend, ReRoPE) forward and backward of a causal square against autograd of the chains in float64
-(stick-breaking's through the blocked path's StickBreakingWeights, itself checked against the chain in
-test_content_methods.py; CoPE's and the merged near/far scores written out here, materialised), across tile edges and
-thread splits; float32 within rounding of float64 at a length where
-stick-breaking's backward sums cancel; in a model, served under "auto" after the kernel check and training like the
-blocked path; never where the call is not a causal square; a build that fails is a refusal (one warning, the
-blocked path serves). The kernels are compiled for real on the machine running the tests (about 40 s once; torch's
-extension cache keeps them)."""
+"""Fused CPU kernels (engine/fused_cpu.py, engine/cpu_kernels/*.cpp): stick-breaking's, CoPE's, the near/far
+kernel's (Self-Extend, ReRoPE) and the plain causal one's (Transformer-XL, TAPE) forward and backward of a causal
+square against autograd of the chains in float64 (stick-breaking's through the blocked path's StickBreakingWeights,
+itself checked against the chain in test_content_methods.py; CoPE's, the merged near/far scores and the causal
+softmax written out here, materialised), across tile edges and thread splits; float32 within rounding of float64 at
+a length where stick-breaking's backward sums cancel; in a model, served under "auto" after the kernel check and
+training like the blocked path (for Transformer-XL and TAPE: like SDPA on their padded kernel form); never where the
+call is not a causal square; a build that fails is a refusal (one warning, the blocked path serves). The kernels are
+compiled for real on the machine running the tests (about 40 s once; torch's extension cache keeps them)."""
 
 from __future__ import annotations
 
@@ -124,6 +124,31 @@ def test_kernel_equals_the_chain_in_float64(method, attend_current, option, thre
         assert max_diff(ours, theirs) <= 1e-12 * max(theirs.abs().max(), 1e-300)  # the far pair's: 0 past 37
 
 
+@pytest.mark.parametrize("value_width", [5, 40])  # Transformer-XL's form: wider queries and keys; TAPE's: values
+@pytest.mark.parametrize("thread_count", [1, 2])
+def test_causal_kernel_equals_softmax_attention_in_float64(value_width, thread_count, monkeypatch, threads):
+    """The plain causal kernel (near_far.cpp with no far key) on heads of 16 and values of another width, tiles of
+    8 x 16 over 37 tokens: output and gradients equal autograd of the materialised causal softmax to float64
+    rounding."""
+    monkeypatch.setattr(fused_cpu, "TILE_ROWS", 8)
+    monkeypatch.setattr(fused_cpu, "TILE_KEYS", 16)
+    threads(thread_count)
+    generator = torch.Generator().manual_seed(4)
+    query, key = (2 * torch.randn(2, 3, 37, 16, dtype=torch.float64, generator=generator) for _ in range(2))
+    value, upstream = (torch.randn(2, 3, 37, value_width, dtype=torch.float64, generator=generator) for _ in range(2))
+    hidden = ~torch.ones(37, 37, dtype=torch.bool).tril()
+
+    def materialised(q, k, v):
+        return torch.softmax((q @ k.transpose(-1, -2) * 0.3).masked_fill(hidden, float("-inf")), dim=-1) @ v
+
+    fused = outputs_and_gradients(lambda q, k, v: fused_cpu.causal_attention(q, k, v, 0.3), (query, key, value),
+                                  upstream, torch.float64)
+    expected = outputs_and_gradients(materialised, (query, key, value), upstream, torch.float64)
+    assert len(fused) == 4 and fused[0].shape == (2, 3, 37, value_width)
+    for ours, theirs in zip(fused, expected):
+        assert max_diff(ours, theirs) <= 1e-12 * theirs.abs().max()
+
+
 def test_stick_breaking_kernel_in_float32_is_float64_within_rounding():
     """At 1500 tokens with the default tiles, float32 against the kernel's own float64: the backward's suffix sums
     cancel far left of the diagonal, which without their float64 sums and bound left dQ about 1e-4 off at 4096."""
@@ -155,9 +180,17 @@ MODEL_CASES = [("stick-breaking", {}, "llama"), ("stick-breaking", {}, "gpt2"),
                ("cope", {"base": "native"}, "llama"), ("cope", {"base": "native"}, "gpt2"),
                ("self-extend", {"window": 6, "group": 2}, "llama"), ("self-extend", {"window": 6, "group": 3}, "qwen2"),
                ("rerope", {"window": 6}, "llama"),
-               ("rerope", {"window": 5, "log_scaling": True, "original_max_position_embeddings": 8}, "qwen2")]
+               ("rerope", {"window": 5, "log_scaling": True, "original_max_position_embeddings": 8}, "qwen2"),
+               ("transformer-xl", {}, "llama"), ("transformer-xl", {"relative_dim": 6}, "gpt2"),
+               ("tape", {}, "llama"), ("tape", {"init": "random", "width": 3}, "gpt2")]
 FUSED_PATH = {"stick-breaking": "fused content", "cope": "fused content", "self-extend": "fused near far",
-              "rerope": "fused near far"}
+              "rerope": "fused near far", "transformer-xl": "fused causal", "tape": "fused causal"}
+BLOCKED_PATH = {"stick-breaking": "content recomputed", "cope": "content recomputed", "self-extend": "scored parts",
+                "rerope": "scored parts", "transformer-xl": "content kernel", "tape": "content kernel"}
+KERNEL_NAME = {"transformer-xl": "causal", "tape": "causal"}
+# TAPE's feature updates with N(0, 1) weights grow the features layer by layer: both paths' float32 gradients are then
+# about 5e-5 (relative) from float64's and 2e-5 from each other; at 0.2 both agree to float32 rounding.
+PARAMETER_STD = {"tape": 0.2}
 
 
 @pytest.mark.parametrize("method, options, model_type", MODEL_CASES)
@@ -169,20 +202,19 @@ def test_a_model_trains_on_the_fused_kernel_as_on_the_blocks(method, options, mo
     model = hf_posenc.patch_model(tiny_model(model_type), method, **options)
     with torch.no_grad():
         for parameter in hf_posenc.get_positional_module(model).parameters():
-            parameter.normal_(generator=torch.Generator().manual_seed(6))
+            parameter.normal_(std=PARAMETER_STD.get(method, 1.0), generator=torch.Generator().manual_seed(6))
     layers = model.config.num_hidden_layers
     ids = random_ids(2, 24)  # within tiny GPT-2's learned positions
     engine.last_paths.clear()
     fused = train_step(model, ids)
     assert engine.last_paths[FUSED_PATH[method]] == layers
-    verdicts = [v for v in engine.kernel_status() if v.kernel == f"fused cpu ({method})"]
+    verdicts = [v for v in engine.kernel_status() if v.kernel == f"fused cpu ({KERNEL_NAME.get(method, method)})"]
     assert [v.passed for v in verdicts] == [True, True] and verdicts[1].kind[0] == "gradients"
     with engine.attention_path("blocked"):
         engine.last_paths.clear()
         blocked = train_step(model, ids)
         assert engine.last_paths[FUSED_PATH[method]] == 0
-        assert engine.last_paths["content recomputed" if method in ("stick-breaking", "cope") else "scored parts"] \
-            == layers
+        assert engine.last_paths[BLOCKED_PATH[method]] == layers
     assert len(fused) == len(blocked) > 2
     for ours, theirs in zip(fused, blocked):
         assert max_diff(ours, theirs) <= 1e-5 * max(1.0, theirs.abs().max())
@@ -230,7 +262,8 @@ def test_the_environment_turns_the_fused_kernels_off(monkeypatch, fresh_checks):
 
 
 @pytest.mark.parametrize("method, options", [("stick-breaking", {}), ("cope", {"max_pos": 4}),
-                                             ("self-extend", {"window": 6, "group": 2})])
+                                             ("self-extend", {"window": 6, "group": 2}), ("transformer-xl", {}),
+                                             ("tape", {"init": "random"})])
 def test_the_kernels_train_under_gradient_checkpointing(method, options, fresh_checks):
     """Under the fine-tune's gradient checkpointing each layer's attention runs twice (forward, recomputation), both
     times on the fused kernel, with the blocked path's logits and gradients."""

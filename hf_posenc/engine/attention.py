@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections import Counter
 
 import torch
@@ -77,7 +78,7 @@ from .kernel_check import (PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, K
                            kernel_status, reset_kernel_status, serve as serve_checked, table_attention_reference)
 from ..methods.base import (AttentionBiasMethod, ContentBlock, ContentMethod, PositionalMethod, RotaryMethod,
                            fill_disallowed_)
-from .fused_cpu import fused_kernels_enabled, near_far_causal
+from .fused_cpu import causal_attention, fused_kernels_enabled, near_far_causal
 from .content import layer_state
 from .state import STATE_ATTR, PositionState
 from .separable_attention import NearFarAttention, SeparableBiasAttention, near_far_calls, near_far_columns
@@ -752,14 +753,22 @@ def _kernel_content(state, layer_idx, heads_form, value, attention_mask, scaling
         values = torch.cat((values, features.flatten(3)), dim=-1)
     width = max(query.shape[-1], values.shape[-1])
     used = values.shape[-1]
-    query, key, values = (_pad_heads(x, width) for x in (query, key, values))
     if _plain_causal(method, layer_idx, attention_mask, query.shape[2], kv, query_slots, key_slots, query_positions,
                      key_positions):
         # Query i is key i: every attended key's position is at most the query's iff positions never go back.
         if method.kernel_needs_ordered_keys and not bool((key_positions.cummax(-1).values <= query_positions).all()):
             return None
-        output = F.scaled_dot_product_attention(query, key, values, is_causal=True, scale=scaling)
+        output = None
+        if query.shape[-1] != used and _path == "auto" and query.device.type == "cpu" and fused_kernels_enabled():
+            output = serve_checked(_fused_causal_call(state, query, key, values, scaling))
+        if output is not None:
+            last_paths["fused causal"] += 1
+            output = output.transpose(1, 2)
+        else:
+            query, key, values = (_pad_heads(x, width) for x in (query, key, values))
+            output = F.scaled_dot_product_attention(query, key, values, is_causal=True, scale=scaling)
     else:
+        query, key, values = (_pad_heads(x, width) for x in (query, key, values))
         low = torch.finfo(query.dtype).min
         blocks = list(causal_blocks(query_slots, key_slots, block_rows(batch, 1, kv, device=query.device), False))
         if method.kernel_needs_ordered_keys and not _attended_keys_precede(
@@ -775,6 +784,36 @@ def _kernel_content(state, layer_idx, heads_form, value, attention_mask, scaling
         output = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
     mixed = output[..., dim:used].unflatten(-1, key_state.shape[3:]) if used > dim else None
     return output[..., :dim].to(value.dtype), mixed
+
+
+def _fused_causal_call(state, query, key, value, scaling) -> KernelCall:
+    """A content kernel form's causal square whose queries and keys differ in head size from the values
+    (Transformer-XL, TAPE) by the fused CPU kernel (engine/fused_cpu.py causal_attention), unpadded; checked against
+    the materialised softmax like any kernel. Its kind: the method, dtype, grad mode and the length's size class."""
+
+    def materialised(query, key, value, rows: slice) -> torch.Tensor:
+        scores = query[:, :, rows].double() @ key[:, :, :rows.stop].double().transpose(2, 3) * scaling
+        allowed = torch.arange(rows.stop, device=query.device)[None] <= \
+            torch.arange(rows.start, rows.stop, device=query.device)[:, None]
+        probs = F.softmax(scores.masked_fill(~allowed, -math.inf), dim=-1)
+        return (probs @ value[:, :, :rows.stop].double()).to(value.dtype).transpose(1, 2)
+
+    def gradient_probe() -> GradientProbe:  # the last PROBE_ROWS tokens, a causal square again
+        size = min(PROBE_ROWS, query.shape[2])
+        cut = (slice(0, min(PROBE_BATCH, query.shape[0])), slice(None), slice(query.shape[2] - size, None))
+        return GradientProbe({"query": query[cut], "key": key[cut], "value": value[cut]},
+                             kernel=lambda **probe: causal_attention(**probe, scaling=scaling).transpose(1, 2),
+                             reference=lambda **probe: materialised(**probe, rows=slice(0, size)))
+
+    name, dtype = state.method.config.method, str(query.dtype)
+    needs_grad = _needs_grad(state, query, key, value)
+    return KernelCall(
+        kernel="fused cpu (causal)", device=query.device,
+        kind=(name, dtype, "grad" if needs_grad else "no grad", size_class(query.shape[2])),
+        function=lambda query, key, value: causal_attention(query, key, value, scaling).transpose(1, 2),
+        inputs={"query": query, "key": key, "value": value},
+        reference=lambda rows: materialised(query, key, value, rows),
+        gradient_kind=(name, dtype) if needs_grad else None, gradient_probe=gradient_probe if needs_grad else None)
 
 
 def _attended_keys_precede(state, layer_idx, attention_mask, blocks, query_slots, key_slots, query_positions,

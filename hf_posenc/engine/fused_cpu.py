@@ -4,8 +4,10 @@ The blocked path writes each block's [B, H, rows, keys] logits to memory and pas
 chain, then its recomputation and backward); a fused kernel keeps them in cache-sized tiles, as SDPA's flash kernel
 does. Forward and backward of a causal square (query i is key i, nothing else masked): stick-breaking
 (stick_breaking.cpp, 1.3-1.4x causal SDPA's forward+backward at 2048-4096 tokens on the CPU, 9 heads of 64, 2
-threads), CoPE (cope.cpp, about SDPA's time with max_pos 64), and the near/far scores of Self-Extend and ReRoPE where
-the far keys are the triangle j <= i - a (near_far.cpp): docs/attention-paths.md, "Fused CPU kernels".
+threads), CoPE (cope.cpp, about SDPA's time with max_pos 64), the near/far scores of Self-Extend and ReRoPE where
+the far keys are the triangle j <= i - a (near_far.cpp), and plain causal attention whose queries and keys have
+another head size than the values (Transformer-XL's and TAPE's kernel form; near_far.cpp with no far key, where SDPA
+would pad both to one size): docs/attention-paths.md, "Fused CPU kernels".
 
 The source is compiled with `torch.utils.cpp_extension` (a C++ compiler and ninja, a dependency) the first time a
 process needs it, into torch's extension cache (later processes load it in about a second). Like any kernel outside
@@ -139,3 +141,12 @@ def near_far_causal(near_query: torch.Tensor, near_key: torch.Tensor, far_query:
     rows, heads = _as_rows(near_query, near_key, far_query, far_key, value)
     output = FusedKernel.apply("near_far", (int(far_from), float(scaling)), *rows)
     return heads(output, value.dtype)
+
+
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal softmax attention, query and key [B, H, L, D], value [B, H, L, E] (heads matched, query i is key i, no
+    other mask) -> output [B, H, L, E] in value's dtype, computed in float32 (float64 for float64 inputs): SDPA where
+    D and E may differ (near_far.cpp with no far key)."""
+    load()
+    rows, heads = _as_rows(query, key, value)
+    return heads(FusedKernel.apply("causal", (float(scaling),), *rows), value.dtype)

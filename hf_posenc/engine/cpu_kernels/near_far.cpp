@@ -4,6 +4,9 @@
 // are s * nq_i . nk_j for the near keys and s * fq_i . fk_j for the far ones; the softmax is flash attention's (a
 // running maximum and sum per row; the backward recomputes each tile from the logsumexp). A key tile wholly near or
 // wholly far takes one product; only the tiles the boundary j = i - far_from crosses take both.
+//
+// With far_from = the length no key is far: plain causal flash attention (the causal ops below), whose query and key
+// head size may differ from the values' (SDPA's CPU kernel needs one head size and otherwise pads both sides to it).
 
 #include "tiles.h"
 
@@ -91,9 +94,11 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& near_query, const at::Te
   const int64_t row_tiles = (length + rows - 1) / rows;
   const auto order = balanced_order(row_tiles);
   const int64_t parts = runs_per_head(heads, row_tiles);
-  auto grad_near_query = at::zeros_like(near_query), grad_far_query = at::zeros_like(far_query);
+  const int64_t far_heads = far_from < length ? heads : 0;  // no far key: no far gradients to hold
+  auto grad_near_query = at::zeros_like(near_query);
+  auto grad_far_query = at::zeros({far_heads, length, dim}, near_query.options());
   auto grad_near_key = at::zeros({parts, heads, length, dim}, near_query.options());
-  auto grad_far_key = at::zeros({parts, heads, length, dim}, near_query.options());
+  auto grad_far_key = at::zeros({parts, far_heads, length, dim}, near_query.options());
   auto grad_value = at::zeros({parts, heads, length, value_dim}, near_query.options());
   const T* o_all = output.data_ptr<T>();
   const T* lse_all = log_sum.data_ptr<T>();
@@ -110,9 +115,9 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& near_query, const at::Te
                     far_key.data_ptr<T>() + offset};
       const T* v = value.data_ptr<T>() + h * length * value_dim;
       T* dnq = grad_near_query.data_ptr<T>() + offset;
-      T* dfq = grad_far_query.data_ptr<T>() + offset;
+      T* dfq = far_heads ? grad_far_query.data_ptr<T>() + offset : nullptr;
       T* dnk = grad_near_key.data_ptr<T>() + part_offset;
-      T* dfk = grad_far_key.data_ptr<T>() + part_offset;
+      T* dfk = far_heads ? grad_far_key.data_ptr<T>() + part_offset : nullptr;
       T* dv = grad_value.data_ptr<T>() + (part * heads + h) * length * value_dim;
       for (int64_t t = row_tiles * part / parts; t < row_tiles * (part + 1) / parts; ++t) {
         const int64_t r0 = order[t] * rows, r1 = std::min(r0 + rows, length), nr = r1 - r0;
@@ -190,11 +195,40 @@ std::vector<at::Tensor> near_far_backward(const at::Tensor& near_query, const at
   check_square("near_far_backward", far_query, far_key, value);
   TORCH_CHECK(output.is_contiguous() && grad_output.is_contiguous() && log_sum.is_contiguous(),
               "near_far_backward: contiguous saved tensors");
-  if (near_query.scalar_type() == at::kDouble)
-    return backward_impl<double>(near_query, near_key, far_query, far_key, value, output, log_sum, grad_output,
-                                 far_from, scaling, rows, keys);
-  return backward_impl<float>(near_query, near_key, far_query, far_key, value, output, log_sum, grad_output,
-                              far_from, scaling, rows, keys);
+  auto grads = near_query.scalar_type() == at::kDouble
+                   ? backward_impl<double>(near_query, near_key, far_query, far_key, value, output, log_sum,
+                                           grad_output, far_from, scaling, rows, keys)
+                   : backward_impl<float>(near_query, near_key, far_query, far_key, value, output, log_sum,
+                                          grad_output, far_from, scaling, rows, keys);
+  if (far_from >= near_query.size(1)) {  // no key was far: the far pair's gradients are zeros of its shape
+    grads[2] = at::zeros_like(far_query);
+    grads[3] = at::zeros_like(far_key);
+  }
+  return grads;
+}
+
+std::vector<at::Tensor> causal_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                       double scaling, int64_t rows, int64_t keys) {
+  check_square("causal_forward", query, key, value);
+  const int64_t length = query.size(1);
+  if (query.scalar_type() == at::kDouble)
+    return forward_impl<double>(query, key, query, key, value, length, scaling, rows, keys);
+  return forward_impl<float>(query, key, query, key, value, length, scaling, rows, keys);
+}
+
+std::vector<at::Tensor> causal_backward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                        const at::Tensor& output, const at::Tensor& log_sum,
+                                        const at::Tensor& grad_output, double scaling, int64_t rows, int64_t keys) {
+  check_square("causal_backward", query, key, value);
+  TORCH_CHECK(output.is_contiguous() && grad_output.is_contiguous() && log_sum.is_contiguous(),
+              "causal_backward: contiguous saved tensors");
+  const int64_t length = query.size(1);
+  auto grads = query.scalar_type() == at::kDouble
+                   ? backward_impl<double>(query, key, query, key, value, output, log_sum, grad_output, length,
+                                           scaling, rows, keys)
+                   : backward_impl<float>(query, key, query, key, value, output, log_sum, grad_output, length,
+                                          scaling, rows, keys);
+  return {grads[0], grads[1], grads[4]};
 }
 
 }  // namespace
@@ -205,9 +239,14 @@ TORCH_LIBRARY_FRAGMENT(hf_posenc_cpu, m) {
   m.def("near_far_backward(Tensor near_query, Tensor near_key, Tensor far_query, Tensor far_key, Tensor value, "
         "Tensor output, Tensor log_sum, Tensor grad_output, int far_from, float scaling, int rows, int keys) "
         "-> Tensor[]");
+  m.def("causal_forward(Tensor query, Tensor key, Tensor value, float scaling, int rows, int keys) -> Tensor[]");
+  m.def("causal_backward(Tensor query, Tensor key, Tensor value, Tensor output, Tensor log_sum, Tensor grad_output, "
+        "float scaling, int rows, int keys) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(hf_posenc_cpu, CPU, m) {
   m.impl("near_far_forward", near_far_forward);
   m.impl("near_far_backward", near_far_backward);
+  m.impl("causal_forward", causal_forward);
+  m.impl("causal_backward", causal_backward);
 }

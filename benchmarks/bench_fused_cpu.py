@@ -103,7 +103,7 @@ def _kernel_times(method: str, model, length: int, rounds: int) -> tuple[float, 
             output = near_far_causal(inputs[0], inputs[1], inputs[0], inputs[1], inputs[2], module.window,
                                      HEAD_DIM ** -0.5)
         else:
-            output = module.fused_causal(0, *inputs, HEAD_DIM ** -0.5)
+            output = module.fused_causal(0, *inputs, HEAD_DIM ** -0.5, torch.arange(length)[None])
         output.backward(grad)
 
     def sdpa():

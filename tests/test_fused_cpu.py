@@ -149,6 +149,54 @@ def test_causal_kernel_equals_softmax_attention_in_float64(value_width, thread_c
         assert max_diff(ours, theirs) <= 1e-12 * theirs.abs().max()
 
 
+def cape_materialised(query, key, value, table, input_weight, input_bias, output_weight, output_bias, scaling,
+                      add_bias):
+    """CAPE's logits written out on the whole square (methods/cape.py): the MLP across heads on [z, B] per pair, B
+    the table at distance i - j, a causal softmax."""
+    position = torch.arange(query.shape[-2])
+    logits = query @ key.transpose(-1, -2) * scaling
+    bias = table[:, (position[:, None] - position[None, :]).clamp_min(0)].expand_as(logits)
+    pairs = torch.cat((logits, bias), dim=1).permute(0, 2, 3, 1)
+    hidden = torch.nn.functional.gelu(torch.nn.functional.linear(pairs, input_weight, input_bias))
+    logits = logits + torch.nn.functional.linear(hidden, output_weight, output_bias).permute(0, 3, 1, 2)
+    logits = logits + bias if add_bias else logits
+    return torch.softmax(logits.masked_fill(position[None, :] > position[:, None], float("-inf")), dim=-1) @ value
+
+
+@pytest.mark.parametrize("add_bias, table_grad", [(False, False), (False, True), (True, True)])
+@pytest.mark.parametrize("thread_count", [1, 2])
+def test_cape_kernel_equals_the_mlp_in_float64(add_bias, table_grad, thread_count, monkeypatch, threads):
+    """CAPE's kernel (every head of a tile at once, the MLP as products over the tile's pairs) with tiles of 8 x 16
+    over 37 tokens, 3 heads and an MLP 7 wide: output and the gradients of queries, keys, values, the MLP's four
+    parameters and (where it requires one) the bias table, summed along its diagonals, equal autograd of the
+    materialised MLP to float64 rounding. The output bias b2 adds a constant to each row's logits, which the softmax
+    cancels: its gradient is zero up to rounding in both."""
+    monkeypatch.setattr(fused_cpu, "CAPE_TILE_ROWS", 8)
+    monkeypatch.setattr(fused_cpu, "CAPE_TILE_KEYS", 16)
+    threads(thread_count)
+    generator = torch.Generator().manual_seed(8)
+
+    def draw(*shape):
+        return torch.randn(*shape, dtype=torch.float64, generator=generator)
+
+    inputs = [draw(2, 3, 37, 16), draw(2, 3, 37, 16), draw(2, 3, 37, 5), draw(3, 37), draw(7, 6), draw(7),
+              draw(3, 7), draw(3)]
+    upstream = draw(2, 3, 37, 5)
+    results = []
+    for function in (fused_cpu.cape_causal, cape_materialised):
+        leaves = [x.clone().requires_grad_(index != 3 or table_grad) for index, x in enumerate(inputs)]
+        output = function(*leaves, 0.3, add_bias)
+        output.backward(upstream)
+        results.append([output] + [leaf.grad for leaf in leaves])
+    fused, expected = results
+    assert (fused[4] is None) == (expected[4] is None) == (not table_grad)
+    for index, (ours, theirs) in enumerate(zip(fused, expected)):
+        if theirs is None:
+            continue
+        scale = max(theirs.abs().max(), 1.0) if index == 8 else theirs.abs().max()  # b2's: zero up to rounding
+        assert max_diff(ours, theirs) <= 1e-12 * scale
+
+
 def test_stick_breaking_kernel_in_float32_is_float64_within_rounding():
     """At 1500 tokens with the default tiles, float32 against the kernel's own float64: the backward's suffix sums
     cancel far left of the diagonal, which without their float64 sums and bound left dQ about 1e-4 off at 4096."""
@@ -182,11 +230,16 @@ MODEL_CASES = [("stick-breaking", {}, "llama"), ("stick-breaking", {}, "gpt2"),
                ("rerope", {"window": 6}, "llama"),
                ("rerope", {"window": 5, "log_scaling": True, "original_max_position_embeddings": 8}, "qwen2"),
                ("transformer-xl", {}, "llama"), ("transformer-xl", {"relative_dim": 6}, "gpt2"),
-               ("tape", {}, "llama"), ("tape", {"init": "random", "width": 3}, "gpt2")]
+               ("tape", {}, "llama"), ("tape", {"init": "random", "width": 3}, "gpt2"),
+               ("cape", {}, "llama"), ("cape", {"base": "native", "mlp_width": 5}, "gpt2"),
+               ("cape", {"bias": "t5", "bias_options": {"num_buckets": 8, "max_distance": 16}}, "llama"),
+               ("cape", {"bias": "kerple"}, "qwen2")]
 FUSED_PATH = {"stick-breaking": "fused content", "cope": "fused content", "self-extend": "fused near far",
-              "rerope": "fused near far", "transformer-xl": "fused causal", "tape": "fused causal"}
+              "rerope": "fused near far", "transformer-xl": "fused causal", "tape": "fused causal",
+              "cape": "fused content"}
 BLOCKED_PATH = {"stick-breaking": "content recomputed", "cope": "content recomputed", "self-extend": "scored parts",
-                "rerope": "scored parts", "transformer-xl": "content kernel", "tape": "content kernel"}
+                "rerope": "scored parts", "transformer-xl": "content kernel", "tape": "content kernel",
+                "cape": "content recomputed"}
 KERNEL_NAME = {"transformer-xl": "causal", "tape": "causal"}
 # TAPE's feature updates with N(0, 1) weights grow the features layer by layer: both paths' float32 gradients are then
 # about 5e-5 (relative) from float64's and 2e-5 from each other; at 0.2 both agree to float32 rounding.
@@ -223,6 +276,23 @@ def test_a_model_trains_on_the_fused_kernel_as_on_the_blocks(method, options, mo
     train_step(model, padded, mask)
     assert engine.last_paths[FUSED_PATH[method]] == 0 and engine.last_paths["content"] + engine.last_paths["scored"] \
         == layers
+
+
+def test_cape_with_position_ids_that_jump_stays_blocked(fresh_checks):
+    """CAPE's kernel reads its bias as a table of distances i - j: a call whose position ids are not consecutive (a
+    gap) takes the blocked path, with the blocked path's numbers; consecutive ids that start later are served."""
+    model = hf_posenc.patch_model(tiny_model("llama"), "cape")
+    layers = model.config.num_hidden_layers
+    ids = random_ids(1, 24)
+    for positions, fused_calls in ((torch.cat((torch.arange(12), torch.arange(30, 42)))[None], 0),
+                                   (torch.arange(5, 29)[None], layers)):
+        engine.last_paths.clear()
+        with torch.no_grad():
+            served = model(ids, position_ids=positions).logits
+        assert engine.last_paths["fused content"] == fused_calls and engine.last_paths["content"] == layers
+        with torch.no_grad(), engine.attention_path("blocked"):
+            blocked = model(ids, position_ids=positions).logits
+        assert max_diff(served, blocked) <= (0 if fused_calls == 0 else 1e-5 * blocked.abs().max())
 
 
 def test_a_failed_build_is_a_refusal_and_the_blocks_serve(monkeypatch, fresh_checks):
@@ -263,7 +333,7 @@ def test_the_environment_turns_the_fused_kernels_off(monkeypatch, fresh_checks):
 
 @pytest.mark.parametrize("method, options", [("stick-breaking", {}), ("cope", {"max_pos": 4}),
                                              ("self-extend", {"window": 6, "group": 2}), ("transformer-xl", {}),
-                                             ("tape", {"init": "random"})])
+                                             ("tape", {"init": "random"}), ("cape", {"bias": "t5"})])
 def test_the_kernels_train_under_gradient_checkpointing(method, options, fresh_checks):
     """Under the fine-tune's gradient checkpointing each layer's attention runs twice (forward, recomputation), both
     times on the fused kernel, with the blocked path's logits and gradients."""

@@ -667,7 +667,7 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
     if _path == "auto" and method.has_fused_causal and query.device.type == "cpu" and fused_kernels_enabled() \
             and not eager and dropout == 0.0 and query_state is None and key_state is None \
             and _plain_causal(method, layer_idx, attention_mask, q, kv, query_slots, key_slots, query_positions,
-                              key_positions):
+                              key_positions) and method.fused_causal_applies(layer_idx, query_positions):
         output = serve_checked(_fused_content_call(state, layer_idx, scaling, query, key, value, attention_mask,
                                                    query_slots, key_slots, query_positions, key_positions))
         if output is not None:
@@ -949,8 +949,8 @@ def _fused_content_call(state, layer_idx, scaling, query, key, value, attention_
     needs_grad = _needs_grad(state, query, key, value)
     fixed = (attention_mask, query_slots, key_slots, query_positions, key_positions, None, None)
 
-    def kernel(query, key, value):
-        return method.fused_causal(layer_idx, query, key, value, scaling).transpose(1, 2)
+    def kernel(query, key, value, positions=query_positions):
+        return method.fused_causal(layer_idx, query, key, value, scaling, positions).transpose(1, 2)
 
     def reference(rows: slice) -> torch.Tensor:
         _, columns = next(causal_blocks(query_slots[rows], key_slots, rows.stop - rows.start, False))
@@ -1099,11 +1099,14 @@ def _content_gradient_probe(state, layer_idx, scaling, query, key, value, fixed,
         return _content_block(state, layer_idx, scaling, *_cut_block(*block, query, key, value, *cut[5:]), cut[0],
                               *block, *cut[1:5], 0.0, False)[0].transpose(1, 2)
 
+    def given(query, key, value):  # a kernel of the whole call, on the probe's position ids
+        return kernel(query, key, value, positions=cut[3])
+
     parameters = {name: parameter for name, parameter in state.method.named_parameters() if parameter.requires_grad}
     inputs = {"query": query[batch, :, rows], "key": key[batch, :, keys], "value": value[batch, :, keys]}
     defined = _content_rows_defined(state, layer_idx, inputs["query"].shape[0], [block], *cut[:5])
-    return GradientProbe(inputs, kernel=kernel or compiled, reference=reference, defined=defined,
-                         parameters=parameters)
+    return GradientProbe(inputs, kernel=given if kernel is not None else compiled, reference=reference,
+                         defined=defined, parameters=parameters)
 
 
 def _traced(module, state, layer_idx, query, key, value, attention_mask, scaling, dropout, eager, query_slots,

@@ -5,9 +5,10 @@ chain, then its recomputation and backward); a fused kernel keeps them in cache-
 does. Forward and backward of a causal square (query i is key i, nothing else masked): stick-breaking
 (stick_breaking.cpp, 1.3-1.4x causal SDPA's forward+backward at 2048-4096 tokens on the CPU, 9 heads of 64, 2
 threads), CoPE (cope.cpp, about SDPA's time with max_pos 64), the near/far scores of Self-Extend and ReRoPE where
-the far keys are the triangle j <= i - a (near_far.cpp), and plain causal attention whose queries and keys have
+the far keys are the triangle j <= i - a (near_far.cpp), plain causal attention whose queries and keys have
 another head size than the values (Transformer-XL's and TAPE's kernel form; near_far.cpp with no far key, where SDPA
-would pad both to one size): docs/attention-paths.md, "Fused CPU kernels".
+would pad both to one size), and CAPE's MLP across the heads per pair (cape.cpp; 3.4-4.3x causal SDPA's time):
+docs/attention-paths.md, "Fused CPU kernels".
 
 The source is compiled with `torch.utils.cpp_extension` (a C++ compiler and ninja, a dependency) the first time a
 process needs it, into torch's extension cache (later processes load it in about a second). Like any kernel outside
@@ -26,12 +27,15 @@ from pathlib import Path
 import torch
 
 KERNELS = Path(__file__).parent / "cpu_kernels"
-SOURCES = (KERNELS / "stick_breaking.cpp", KERNELS / "cope.cpp", KERNELS / "near_far.cpp")
+SOURCES = (KERNELS / "stick_breaking.cpp", KERNELS / "cope.cpp", KERNELS / "near_far.cpp", KERNELS / "cape.cpp")
 # Query rows and keys per tile: the tile's temporaries (a few float32 [rows, keys]) stay in a core's L2. Chosen on the
 # first stick-breaking kernel (forward and backward, 9 heads of 64, 2 threads): at 2048 tokens 64 x 256 to 128 x 512
 # within 2% of each other (1.19-1.21x causal SDPA), 32 x 128 1.38x; at 4096, 128 x 512 1.30x, 64 x 256 1.43x.
 TILE_ROWS = 128
 TILE_KEYS = 512
+# CAPE's tiles hold every head's pairs and its MLP's hidden layer ([2H + 2 x mlp_width + H, rows x keys]): smaller.
+CAPE_TILE_ROWS = 64
+CAPE_TILE_KEYS = 128
 # -ffast-math lets the compiler call glibc's vector exp and log1p in the per-tile loops.
 COMPILER_FLAGS = ("-O3", "-ffast-math", "-fopenmp")
 # The vector instructions of torch's own CPU capability, named in the build (torch's cache is keyed by the sources and
@@ -97,7 +101,7 @@ class FusedKernel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, name: str, options: tuple, *inputs):
-        output, *kept = getattr(torch.ops.hf_posenc_cpu, f"{name}_forward")(*inputs, *options, TILE_ROWS, TILE_KEYS)
+        output, *kept = getattr(torch.ops.hf_posenc_cpu, f"{name}_forward")(*inputs, *options, *_tiles(name))
         ctx.save_for_backward(*inputs, output, *kept)
         ctx.name, ctx.options = name, options
         return output
@@ -106,8 +110,12 @@ class FusedKernel(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
         grads = getattr(torch.ops.hf_posenc_cpu, f"{ctx.name}_backward")(
-            *ctx.saved_tensors, grad_output.contiguous(), *ctx.options, TILE_ROWS, TILE_KEYS)
+            *ctx.saved_tensors, grad_output.contiguous(), *ctx.options, *_tiles(ctx.name))
         return (None, None, *grads)
+
+
+def _tiles(name: str) -> tuple[int, int]:
+    return (CAPE_TILE_ROWS, CAPE_TILE_KEYS) if name == "cape" else (TILE_ROWS, TILE_KEYS)
 
 
 def stick_breaking_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
@@ -150,3 +158,19 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     load()
     rows, heads = _as_rows(query, key, value)
     return heads(FusedKernel.apply("causal", (float(scaling),), *rows), value.dtype)
+
+
+def cape_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, table: torch.Tensor,
+                input_weight: torch.Tensor, input_bias: torch.Tensor, output_weight: torch.Tensor,
+                output_bias: torch.Tensor, scaling: float, add_bias: bool) -> torch.Tensor:
+    """CAPE's attention (methods/cape.py) on query, key [B, H, L, D] and value [B, H, L, E] (heads matched, query i is
+    key i, no other mask), the bias table [H, L] (distances 0..L-1) and the layer's MLP (W1 [W, 2H], b1 [W],
+    W2 [H, W], b2 [H]); `add_bias`: the bias is added to the logits too (base="none") -> output [B, H, L, E] in
+    value's dtype, computed in float32 (float64 for float64 inputs). Gradients reach every input (the table's only
+    where it requires one)."""
+    load()
+    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+    inputs = [x.to(compute).contiguous() for x in (query, key, value, table, input_weight, input_bias, output_weight,
+                                                   output_bias)]
+    options = (float(scaling), bool(add_bias), table.requires_grad and torch.is_grad_enabled())
+    return FusedKernel.apply("cape", options, *inputs).to(value.dtype)

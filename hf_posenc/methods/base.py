@@ -363,11 +363,17 @@ class ContentMethod(PositionalMethod):
     # `fused_causal` computes a whole call of a causal square on the CPU with a fused kernel (engine/fused_cpu.py).
     has_fused_causal: ClassVar[bool] = False
 
+    def fused_causal_applies(self, layer_idx: int, positions: torch.Tensor) -> bool:
+        """For `has_fused_causal` methods: whether the kernel serves a causal square whose tokens have these position
+        ids ([B or 1, L]); a method whose logits read positions says where its kernel's form holds."""
+        return True
+
     def fused_causal(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     scaling: float) -> torch.Tensor:
+                     scaling: float, positions: torch.Tensor) -> torch.Tensor:
         """For `has_fused_causal` methods: query, key [B, H, L, D] and value [B, H, L, E] (heads matched) of a call in
-        which query i is key i and nothing but causality masks (no padding, cache, native bias or state) -> output
-        [B, H, L, E] in value's dtype: what the blocks would give, served after the kernel check."""
+        which query i is key i and nothing but causality masks (no padding, cache, native bias or state), the tokens'
+        position ids [B or 1, L] -> output [B, H, L, E] in value's dtype: what the blocks would give, served after
+        the kernel check."""
         raise NotImplementedError
 
     def finish_output(self, layer_idx: int, output: torch.Tensor, layer_input: torch.Tensor | None) -> torch.Tensor:

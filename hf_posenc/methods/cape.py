@@ -9,7 +9,10 @@ With z_ij = scaling * q_i . k_j (one value per head), B_ij the bias of any regis
     base="none":    logits_ij = z_ij + B_ij + f(z_ij, B_ij)
     base="native":  logits_ij = z_ij + f(z_ij, B_ij)      (+ the model's own mechanism underneath)
 
-Computed per query block; the MLP sees [B, rows, keys, 2H] at a time, never [L, L] for the whole sequence.
+Computed per query block; the MLP sees [B, rows, keys, 2H] at a time, never [L, L] for the whole sequence. On the CPU
+a causal square whose bias is a table of distances (consecutive position ids, a bias method with `bias_table`) goes to
+a fused kernel (engine/cpu_kernels/cape.cpp): every head's pairs of a tile in cache, the MLP as two BLAS products over
+the tile's pairs, flash attention's softmax, the backward recomputing each tile.
 
 On top of the model's own mechanism B enters only through f, whose output layer starts at zero: at init the method
 adds exactly nothing and the logits are the original ones (gradients then reach the output layer at once, the
@@ -27,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..engine.fused_cpu import cape_causal
 from ..model_info import ModelInfo
 from ..registry import available_methods, get_method, register_method
 # The built-in bias methods CAPE may name, registered by importing them. Standalone export also ships the module of
@@ -62,6 +66,7 @@ class CapeConfig(ContentConfig):
 @register_method("cape", CapeConfig)
 class ContextAdaptivePositions(ContentAttention):
     fresh_scores = True
+    has_fused_causal = True
 
     def __init__(self, config: CapeConfig, info: ModelInfo):
         super().__init__(config, info)
@@ -78,6 +83,19 @@ class ContextAdaptivePositions(ContentAttention):
         self.output_bias = nn.Parameter(torch.zeros(layers, heads))
         # float32 [B, H, r, k] tensors per block: logits, bias, the MLP's input (2H) and hidden (2 x width) per pair.
         self.block_cost = 4.0 + (2 * heads + 2 * width) / heads
+
+    def fused_causal_applies(self, layer_idx, positions):
+        """The kernel takes the bias as a table of distances i - j: every row's position ids consecutive, and a bias
+        method whose bias depends on the distance alone up to the call's last position."""
+        if positions.shape[-1] > 1 and not bool((positions.diff(dim=-1) == 1).all()):
+            return False
+        return self.bias_method.bias_table(layer_idx, 1, int(positions.max()), positions.device) is not None
+
+    def fused_causal(self, layer_idx, query, key, value, scaling, positions):
+        table = self.bias_method.bias_table(layer_idx, query.shape[2], int(positions.max()), query.device)
+        return cape_causal(query, key, value, table, self.input_weight[layer_idx], self.input_bias[layer_idx],
+                           self.output_weight[layer_idx], self.output_bias[layer_idx], scaling,
+                           self.config.base == "none")
 
     def content_scores(self, query, key, block):
         layer = block.layer_idx

@@ -56,7 +56,7 @@ class ContextualPositions(ContentAttention):
                                         block.scaling, float(self.config.max_pos))
         return scores if block.bias is None else scores + block.bias
 
-    def fused_causal(self, layer_idx, query, key, value, scaling):
+    def fused_causal(self, layer_idx, query, key, value, scaling, positions):
         return cope_causal(query, key, value, self.position_embeddings[layer_idx], scaling, self.config.max_pos)
 
 

@@ -53,7 +53,7 @@ class StickBreakingAttention(ContentAttention):
     has_fused_causal = True
     block_cost = 5.0
 
-    def fused_causal(self, layer_idx, query, key, value, scaling):
+    def fused_causal(self, layer_idx, query, key, value, scaling, positions):
         return stick_breaking_causal(query, key, value, scaling, self.config.attend_current)
 
     def content_weights(self, query, key, block):

@@ -43,14 +43,6 @@ inline T gelu_slope(T x) {  // d gelu / dx = Phi(x) + x phi(x)
   return normal_cdf(x) + x * T(0.5 * M_2_SQRTPI * M_SQRT1_2) * std::exp(T(-0.5) * near * near);
 }
 
-// exp(l - lse) in place: a row's probabilities from its logits (the floor as in tiles.h).
-template <typename T>
-void probabilities(T* row, int count, T lse) {
-  const T floor = T(kExpFloor) + lse;
-#pragma omp simd
-  for (int c = 0; c < count; ++c) row[c] = std::exp(std::max(row[c], floor) - lse);
-}
-
 // d gelu(a) / da for n values in place.
 template <typename T>
 void gelu_slopes(T* a, int64_t n) {

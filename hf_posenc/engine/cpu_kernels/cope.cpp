@@ -223,8 +223,7 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& query, const at::Tensor&
               carry[r] = before;
               cope.logits(pw, position, in, rise.data() + r * positions, n - m, floors.data() + r * nk + m,
                           weight.data() + r * nk + m);
-#pragma omp simd
-              for (int c = 0; c < n - m; ++c) pw[c] = std::exp(std::max(pw[c] - lse, floor));
+              probabilities(pw, n - m, lse);
             }
             std::fill(p + n, p + nk, T(0));
           }

@@ -106,7 +106,6 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& near_query, const at::Te
   at::parallel_for(0, heads * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> prob(rows * keys), other(rows * keys), grad(rows * keys), delta(rows);
     std::vector<int> far_count(rows);
-    const T floor = T(kExpFloor);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / parts, part = item % parts;
       const int64_t offset = h * length * dim, part_offset = (part * heads + h) * length * dim;
@@ -130,8 +129,7 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& near_query, const at::Te
             const int n = std::clamp<int64_t>(r0 + r + 1 - c0, 0, nk);
             const T lse = lse_all[h * length + r0 + r];
             T* p = prob.data() + r * nk;
-#pragma omp simd
-            for (int c = 0; c < n; ++c) p[c] = std::exp(std::max(p[c] - lse, floor));
+            probabilities(p, n, lse);
             std::fill(p + n, p + nk, T(0));
           }
           times_transposed<T>(go, v + c0 * value_dim, grad.data(), nr, nk, value_dim, T(1), T(0));  // dO . v

@@ -83,6 +83,14 @@ inline void softmax_finish(T* out, int64_t rows, int64_t width, const T* most, c
   }
 }
 
+// A row's probabilities from its logits and logsumexp, in place: exp(s - lse) (floored as softmax_step's).
+template <typename T>
+inline void probabilities(T* s, int n, T lse) {
+  const T floor = T(kExpFloor);
+#pragma omp simd
+  for (int c = 0; c < n; ++c) s[c] = std::exp(std::max(s[c] - lse, floor));
+}
+
 // dO_i . o_i for each row of a tile (summed in double): flash attention's D_i, the softmax backward's centre.
 template <typename T>
 inline void row_dots(const T* grad_output, const T* output, int64_t rows, int64_t width, T* dots) {

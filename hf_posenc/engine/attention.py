@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections import Counter
 
 import torch
@@ -789,14 +788,13 @@ def _kernel_content(state, layer_idx, heads_form, value, attention_mask, scaling
 def _fused_causal_call(state, query, key, value, scaling) -> KernelCall:
     """A content kernel form's causal square whose queries and keys differ in head size from the values
     (Transformer-XL, TAPE) by the fused CPU kernel (engine/fused_cpu.py causal_attention), unpadded; checked against
-    the materialised softmax like any kernel. Its kind: the method, dtype, grad mode and the length's size class."""
+    the materialised softmax like any kernel (the distance-table reference with no bias). Its kind: the method, dtype,
+    grad mode and the length's size class."""
+    no_bias = query.new_zeros(query.shape[1], 1)
 
     def materialised(query, key, value, rows: slice) -> torch.Tensor:
-        scores = query[:, :, rows].double() @ key[:, :, :rows.stop].double().transpose(2, 3) * scaling
-        allowed = torch.arange(rows.stop, device=query.device)[None] <= \
-            torch.arange(rows.start, rows.stop, device=query.device)[:, None]
-        probs = F.softmax(scores.masked_fill(~allowed, -math.inf), dim=-1)
-        return (probs @ value[:, :, :rows.stop].double()).to(value.dtype).transpose(1, 2)
+        return table_attention_reference(query[:, :, rows], key[:, :, :rows.stop], value[:, :, :rows.stop], no_bias,
+                                         rows.start, None, scaling)
 
     def gradient_probe() -> GradientProbe:  # the last PROBE_ROWS tokens, a causal square again
         size = min(PROBE_ROWS, query.shape[2])

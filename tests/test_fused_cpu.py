@@ -149,6 +149,33 @@ def test_causal_kernel_equals_softmax_attention_in_float64(value_width, thread_c
         assert max_diff(ours, theirs) <= 1e-12 * theirs.abs().max()
 
 
+def turned_by_complex_product(x, features):
+    """TAPE's turn written out: planes (x_k, x_{k+d/2}) as complex numbers times c + i s, the rest of x as it is."""
+    c, s = features.repeat_interleave(x.shape[1] // features.shape[1], dim=1).chunk(2, dim=-1)
+    half = c.shape[-1]
+    planes = torch.complex(x[..., :half], x[..., half:2 * half]) * torch.complex(c, s)
+    return torch.cat((planes.real, planes.imag, x[..., 2 * half:]), dim=-1)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, feature_dim", [(6, 2, 10, 6), (3, 3, 8, 8)])
+@pytest.mark.parametrize("thread_count", [1, 2])
+def test_turn_kernel_equals_the_complex_product_in_float64(heads, kv_heads, head_dim, feature_dim, thread_count,
+                                                           threads):
+    """TAPE's fused turn (turn.cpp) on a strided x (a projection's [B, n, H, D] transposed, as attention gets it),
+    with query heads sharing a key-value head's features and a partial rotary width: output and the gradients of x
+    and the features (summed over a group's heads) equal autograd of the complex product in float64."""
+    threads(thread_count)
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 300, heads, head_dim, dtype=torch.float64, generator=generator).transpose(1, 2)
+    features = torch.randn(2, kv_heads, 300, feature_dim, dtype=torch.float64, generator=generator)
+    upstream = torch.randn(2, heads, 300, head_dim, dtype=torch.float64, generator=generator)
+    fused = outputs_and_gradients(fused_cpu.turn_by_features, (x, features), upstream, torch.float64)
+    expected = outputs_and_gradients(turned_by_complex_product, (x, features), upstream, torch.float64)
+    assert len(fused) == 3 and fused[0].shape == (2, heads, 300, head_dim)
+    for ours, theirs in zip(fused, expected):
+        assert max_diff(ours, theirs) <= 1e-13 * theirs.abs().max()
+
+
 def cape_materialised(query, key, value, table, input_weight, input_bias, output_weight, output_bias, scaling,
                       add_bias):
     """CAPE's logits written out on the whole square (methods/cape.py): the MLP across heads on [z, B] per pair, B
@@ -263,6 +290,12 @@ def test_a_model_trains_on_the_fused_kernel_as_on_the_blocks(method, options, mo
     assert engine.last_paths[FUSED_PATH[method]] == layers
     verdicts = [v for v in engine.kernel_status() if v.kernel == f"fused cpu ({KERNEL_NAME.get(method, method)})"]
     assert [v.passed for v in verdicts] == [True, True] and verdicts[1].kind[0] == "gradients"
+    if method == "tape":  # its queries and keys turned by the fused turn (turn.cpp), checked for each heads' grouping
+        turns = {v.kind: v.passed for v in engine.kernel_status() if v.kernel == "fused cpu (turn)"}
+        heads = model.config.num_attention_heads
+        group = heads // (getattr(model.config, "num_key_value_heads", None) or heads)
+        assert turns == {("torch.float32", "grad", size): True for size in {1, group}} | {
+            ("gradients", "torch.float32"): True}
     with engine.attention_path("blocked"):
         engine.last_paths.clear()
         blocked = train_step(model, ids)

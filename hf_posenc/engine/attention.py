@@ -627,9 +627,6 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
     kv = key.shape[2]
     layer_input, query_state, key_state = layer_state(state, layer_idx, q, key_slots)
     query, key, value = method.prepare_heads(layer_idx, query, key, value, layer_input, key_state, key_slots)
-    groups = heads // key.shape[1]
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     eager = state.eager
     dropout = dropout if module.training else 0.0
     outputs, weights, mixed = [], [], []
@@ -647,22 +644,27 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
         if _plain_causal(method, layer_idx, attention_mask, q, kv, query_slots, key_slots, query_positions,
                          key_positions):
             last_paths["separable causal"] += 1
-            output = causal_separable_attention(query, key, value, *terms, scaling)
+            output = causal_separable_attention(query, _match_heads(key, heads), _match_heads(value, heads), *terms,
+                                                scaling)
         else:
             blocks = list(causal_blocks(query_slots, key_slots, block_rows(batch, heads, kv, device=query.device),
                                         False))
-            output = SeparableBiasAttention.apply(query, key, value, *terms, blocks, block_mask, scaling)
+            output = SeparableBiasAttention.apply(query, _match_heads(key, heads), _match_heads(value, heads), *terms,
+                                                  blocks, block_mask, scaling)
         return method.finish_output(layer_idx, output, layer_input).transpose(1, 2).contiguous(), None
-    heads_form = method.kernel_heads(layer_idx, query, key, query_state, key_state, query_positions, key_positions) \
-        if not eager and dropout == 0.0 else None
+    fused = _path == "auto" and query.device.type == "cpu" and fused_kernels_enabled()
+    # The kernel form turns the keys at their key-value heads, before they are repeated for the query heads.
+    heads_form = method.kernel_heads(layer_idx, query, key, query_state, key_state, query_positions,
+                                     key_positions, fused=fused) if not eager and dropout == 0.0 else None
     kernel = _kernel_content(state, layer_idx, heads_form, value, attention_mask, scaling, query_slots, key_slots,
-                             query_positions, key_positions, key_state) if heads_form is not None else None
+                             query_positions, key_positions, key_state, fused) if heads_form is not None else None
     if kernel is not None:  # the logits are a dot product of transformed queries and keys: SDPA serves
         last_paths["content kernel"] += 1
         output, mixed_state = kernel
         if method.mixes_state:
             state.call.content.mixed[layer_idx] = mixed_state
         return method.finish_output(layer_idx, output, layer_input).transpose(1, 2).contiguous(), None
+    key, value = _match_heads(key, heads), _match_heads(value, heads)
     if _path == "auto" and method.has_fused_causal and query.device.type == "cpu" and fused_kernels_enabled() \
             and not eager and dropout == 0.0 and query_state is None and key_state is None \
             and _plain_causal(method, layer_idx, attention_mask, q, kv, query_slots, key_slots, query_positions,
@@ -729,27 +731,38 @@ def _plain_causal(method, layer_idx, attention_mask, q, kv, query_slots, key_slo
             and method.native_bias(layer_idx, query_positions[:, :1], key_positions[:, :1]) is None)
 
 
+def _match_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, H_kv, n, ...] -> [B, heads, n, ...], each key-value head repeated for its group of query heads."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
 def _pad_heads(x: torch.Tensor, width: int) -> torch.Tensor:
     """[B, H, n, E] -> [B, H, n, width], zeros after the first E columns."""
     return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
 
 
 def _kernel_content(state, layer_idx, heads_form, value, attention_mask, scaling, query_slots, key_slots,
-                    query_positions, key_positions, key_state):
-    """A content method's attention as SDPA on its `kernel_heads` (q', k'): (output [B, H, q, D] in value's dtype,
-    for `mixes_state` methods the same weights applied to the keys' state [B, H, q, ...] in float32, else None), or
-    None where the method's form does not hold for some attended pair (kernel_needs_ordered_keys). The keys' state
-    rides beside the values (one call gives both averages). SDPA's CPU kernel needs one head size for queries, keys
-    and values (otherwise its math path runs, several times slower): the narrower side is padded with zeros. One
-    causal call without a mask; otherwise one call per causal query block, with the block's mask and bias as a float
-    mask (dtype's minimum where hidden, as the generic path masks)."""
+                    query_positions, key_positions, key_state, fused: bool):
+    """A content method's attention as SDPA on its `kernel_heads` (q' [B, H, q, E], k' [B, H_kv, kv, E]) and the
+    values [B, H_kv, kv, D]: (output [B, H, q, D] in value's dtype, for `mixes_state` methods the same weights applied
+    to the keys' state [B, H, q, ...] in float32, else None), or None where the method's form does not hold for some
+    attended pair (kernel_needs_ordered_keys). The keys' state rides beside the values (one call gives both
+    averages). SDPA's CPU kernel needs one head size for queries, keys and values (otherwise its math path runs,
+    several times slower): the narrower side is padded with zeros, unless `fused` (CPU kernels may serve) and the call
+    is a causal square, which the fused causal kernel serves unpadded. One causal call without a mask; otherwise one
+    call per causal query block, with the block's mask and bias as a float mask (dtype's minimum where hidden, as the
+    generic path masks)."""
     method = state.method
     query, key = heads_form
     dim, batch, kv = value.shape[-1], query.shape[0], key.shape[2]
+    heads = query.shape[1]
     values = value.to(query.dtype)
     if method.mixes_state and key_state is not None:
-        features = key_state.repeat_interleave(query.shape[1] // key_state.shape[1], dim=1).to(query.dtype)
-        values = torch.cat((values, features.flatten(3)), dim=-1)
+        features = key_state.to(query.dtype).flatten(3)
+        if features.shape[1] != values.shape[1]:
+            values, features = (_match_heads(x, heads) for x in (values, features))
+        values = torch.cat((values, features), dim=-1)
+    key, values = _match_heads(key, heads), _match_heads(values, heads)
     width = max(query.shape[-1], values.shape[-1])
     used = values.shape[-1]
     if _plain_causal(method, layer_idx, attention_mask, query.shape[2], kv, query_slots, key_slots, query_positions,
@@ -758,7 +771,7 @@ def _kernel_content(state, layer_idx, heads_form, value, attention_mask, scaling
         if method.kernel_needs_ordered_keys and not bool((key_positions.cummax(-1).values <= query_positions).all()):
             return None
         output = None
-        if query.shape[-1] != used and _path == "auto" and query.device.type == "cpu" and fused_kernels_enabled():
+        if query.shape[-1] != used and fused:
             output = serve_checked(_fused_causal_call(state, query, key, values, scaling))
         if output is not None:
             last_paths["fused causal"] += 1

@@ -8,7 +8,8 @@ threads), CoPE (cope.cpp, about SDPA's time with max_pos 64), the near/far score
 the far keys are the triangle j <= i - a (near_far.cpp), plain causal attention whose queries and keys have
 another head size than the values (Transformer-XL's and TAPE's kernel form; near_far.cpp with no far key, where SDPA
 would pad both to one size), and CAPE's MLP across the heads per pair (cape.cpp; 3.4-4.3x causal SDPA's time):
-docs/attention-paths.md, "Fused CPU kernels".
+docs/attention-paths.md, "Fused CPU kernels". Besides attention, TAPE's turn of queries and keys by its per-token
+features (turn.cpp: one pass each way where the eager form takes about ten).
 
 The source is compiled with `torch.utils.cpp_extension` (a C++ compiler and ninja, a dependency) the first time a
 process needs it, into torch's extension cache (later processes load it in about a second). Like any kernel outside
@@ -27,7 +28,8 @@ from pathlib import Path
 import torch
 
 KERNELS = Path(__file__).parent / "cpu_kernels"
-SOURCES = (KERNELS / "stick_breaking.cpp", KERNELS / "cope.cpp", KERNELS / "near_far.cpp", KERNELS / "cape.cpp")
+SOURCES = (KERNELS / "stick_breaking.cpp", KERNELS / "cope.cpp", KERNELS / "near_far.cpp", KERNELS / "cape.cpp",
+           KERNELS / "turn.cpp")
 # Query rows and keys per tile: the tile's temporaries (a few float32 [rows, keys]) stay in a core's L2. Chosen on the
 # first stick-breaking kernel (forward and backward, 9 heads of 64, 2 threads): at 2048 tokens 64 x 256 to 128 x 512
 # within 2% of each other (1.19-1.21x causal SDPA), 32 x 128 1.38x; at 4096, 128 x 512 1.30x, 64 x 256 1.43x.
@@ -174,3 +176,29 @@ def cape_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tab
                                                    output_bias)]
     options = (float(scaling), bool(add_bias), table.requires_grad and torch.is_grad_enabled())
     return FusedKernel.apply("cape", options, *inputs).to(value.dtype)
+
+
+class TurnByFeatures(torch.autograd.Function):
+    """turn.cpp's forward and backward (see turn_by_features)."""
+
+    @staticmethod
+    def forward(ctx, x, features):
+        ctx.save_for_backward(x, features)
+        return torch.ops.hf_posenc_cpu.turn_forward(x, features)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        grad_x, grad_features = torch.ops.hf_posenc_cpu.turn_backward(*ctx.saved_tensors, grad_output.contiguous())
+        return grad_x, grad_features
+
+
+def turn_by_features(x: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    """x [B, H, n, D] turned per rotary plane k (dimensions k and k + d/2) by the complex number c + i s of
+    features [B, G, n, d] (the c's, then the s's; G divides H, and the H / G heads of a group share their key-value
+    head's features; the dimensions past d pass through), as methods/tape.py `Tape.turn` -> [B, H, n, D] in float32
+    (float64 where both are)."""
+    load()
+    compute = torch.float64 if x.dtype == features.dtype == torch.float64 else torch.float32
+    x = x.to(compute)
+    return TurnByFeatures.apply(x if x.stride(-1) == 1 else x.contiguous(), features.to(compute).contiguous())

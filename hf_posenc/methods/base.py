@@ -341,13 +341,15 @@ class ContentMethod(PositionalMethod):
         return None
 
     def kernel_heads(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, query_state: torch.Tensor | None,
-                     key_state: torch.Tensor | None, query_positions: torch.Tensor, key_positions: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+                     key_state: torch.Tensor | None, query_positions: torch.Tensor, key_positions: torch.Tensor,
+                     fused: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For methods whose logits (content_scores) are block.scaling * q'_i . k'_j + block.bias: (q' [B, H, q, E],
-        k' [B, H, kv, E]), float32, from query [B, H, q, D] and key [B, H, kv, D] (heads matched), the carried state of
-        the queries [B, S, q, ...] and keys [B, S, kv, ...] and their positions [B or 1, q] and [B or 1, kv]; the
-        attention path then runs SDPA on them (engine/attention.py `_kernel_content`), for `mixes_state` methods with
-        the keys' state beside the values. None (the default): content_scores serves."""
+        k' [B, H_kv, kv, E]), float32, from query [B, H, q, D] and key [B, H_kv, kv, D] (at its key-value heads, each
+        shared by a group of query heads), the carried state of the queries [B, S, q, ...] and keys [B, S, kv, ...]
+        and their positions [B or 1, q] and [B or 1, kv]; the attention path then runs SDPA on them
+        (engine/attention.py `_kernel_content`), for `mixes_state` methods with the keys' state beside the values.
+        `fused`: fused CPU kernels (engine/fused_cpu.py) may compute them. None (the default): content_scores
+        serves."""
         return None
 
     # The form of `kernel_heads` holds only for attended pairs whose key position is not after the query's (a method

@@ -118,7 +118,8 @@ class TransformerXlAttention(ContentAttention):
 
     kernel_needs_ordered_keys = True  # relative_distance clamps a key after the query to distance 0
 
-    def kernel_heads(self, layer_idx, query, key, query_state, key_state, query_positions, key_positions):
+    def kernel_heads(self, layer_idx, query, key, query_state, key_state, query_positions, key_positions,
+                     fused=False):
         """The logits as one dot product (module docstring, "Kernel form"): [q_i + u, a^s sin + a^c cos,
         a^c sin - a^s cos] (angles p_i w) against [k_j, cos(p_j w), sin(p_j w)], a = W_R^T (q_i + v)."""
         query = query.float()

@@ -9,9 +9,12 @@
 // head of one batch row: per tile of query rows and key tile, the pairs' features are laid out feature-major ([2H, P],
 // P = rows x keys pairs) and the MLP is two BLAS products over all P pairs at once; the softmax is flash attention's
 // per head (a running maximum and sum per row; the backward recomputes each tile from the logsumexp).
+// The bias half of W1 sees the bias alone, which depends on the distance alone: its part of a_ij, with b1, is a
+// column of E = W1[:, H:] table + b1 [W, L] (once per call), so the per-pair product is W1[:, :H] z_ij only.
 // Backward: dl = P (dO . v - dO_i . o_i) per head; dc = dl, dW2 += dc gelu(a)^T, da = (W2^T dc) gelu'(a),
-// dW1 += da x^T, dx = W1^T da; dz = dl + dx[z], dB = dx[B] (+ dl where added), summed along each diagonal into the
-// table's gradient (where `table_grad`: a trainable bias; else it stays zero); dq = scaling dz k, dk = scaling dz^T q.
+// dW1[:, :H] += da z^T, dz = dl + W1[:, :H]^T da, and da summed along each diagonal into dE [W, L]; at the end
+// dW1[:, H:] = dE table^T, db1 = dE 1, and (where `table_grad`: a trainable bias; else it stays zero) the table's
+// gradient W1[:, H:]^T dE plus dl's diagonal sums where the bias is added; dq = scaling dz k, dk = scaling dz^T q.
 
 #include "tiles.h"
 
@@ -50,40 +53,61 @@ void gelu_slopes(T* a, int64_t n) {
   for (int64_t i = 0; i < n; ++i) a[i] = gelu_slope(a[i]);
 }
 
+// A tile's [nr, nk] pairs, each the value of `by_distance` (a row over distances 0..L-1) at its distance i - j
+// (masked pairs, j > i, at distance 0).
+template <typename T>
+void spread_by_distance(const T* by_distance, int64_t r0, int64_t c0, int nr, int nk, T* out) {
+  for (int r = 0; r < nr; ++r) {
+    const int64_t top = r0 + r - c0;  // key c0's distance
+    const int count = std::clamp<int64_t>(top + 1, 0, nk);
+    T* row = out + r * nk;
+    for (int c = 0; c < count; ++c) row[c] = by_distance[top - c];
+    std::fill(row + count, row + nk, by_distance[0]);
+  }
+}
+
+// The causal pairs of a tile summed along its diagonals into `by_distance` (the transpose of spread_by_distance).
+template <typename T>
+void sum_by_distance(const T* pairs, int64_t r0, int64_t c0, int nr, int nk, T* by_distance) {
+  for (int r = 0; r < nr; ++r) {
+    const int64_t top = r0 + r - c0;
+    const int count = std::clamp<int64_t>(top + 1, 0, nk);
+    const T* row = pairs + r * nk;
+    T* at_distance = by_distance + top;
+    for (int c = 0; c < count; ++c) at_distance[-c] += row[c];
+  }
+}
+
 template <typename T>
 struct Cape {
   int64_t heads, length, dim, value_dim, width;
   T scaling;
   bool add_bias;
-  const T *query, *key, *table, *w1, *b1, *w2, *b2;  // query, key: one batch row's [H, L, D]; table [H, L]
+  // query, key: one batch row's [H, L, D]; table [H, L]; by_distance: E = W1[:, H:] table + b1 [W, L]
+  const T *query, *key, *table, *by_distance, *w1, *w2, *b2;
 
-  // The tile's pairs (rows [r0, r1) x keys [c0, c1), feature-major, P = nr * nk): features x [2H, P], the MLP's
+  // The tile's pairs (rows [r0, r1) x keys [c0, c1), feature-major, P = nr * nk): logits z [H, P], the MLP's
   // pre-activation a [W, P] and hidden gelu(a) [W, P], logits l [H, P] (masked pairs j > i hold junk).
-  void pairs(int64_t r0, int64_t r1, int64_t c0, int64_t c1, T* x, T* a, T* hidden, T* logits) const {
+  void pairs(int64_t r0, int64_t r1, int64_t c0, int64_t c1, T* z, T* a, T* hidden, T* logits) const {
     const int nr = r1 - r0, nk = c1 - c0, p = nr * nk;
-    for (int64_t h = 0; h < heads; ++h) {
-      times_transposed<T>(query + (h * length + r0) * dim, key + (h * length + c0) * dim, x + h * p, nr, nk, dim,
+    for (int64_t h = 0; h < heads; ++h)
+      times_transposed<T>(query + (h * length + r0) * dim, key + (h * length + c0) * dim, z + h * p, nr, nk, dim,
                           scaling, T(0));
-      T* bias = x + (heads + h) * p;
-      const T* row_table = table + h * length;
-      for (int r = 0; r < nr; ++r)
-        for (int c = 0; c < nk; ++c) bias[r * nk + c] = row_table[std::max<int64_t>(r0 + r - c0 - c, 0)];
-    }
-    for (int64_t w = 0; w < width; ++w) std::fill(a + w * p, a + (w + 1) * p, b1[w]);
-    times<T>(w1, 2 * heads, x, a, width, 2 * heads, p, T(1));
+    for (int64_t w = 0; w < width; ++w) spread_by_distance(by_distance + w * length, r0, c0, nr, nk, a + w * p);
+    times<T>(w1, 2 * heads, z, a, width, heads, p, T(1));
 #pragma omp simd
     for (int64_t i = 0; i < width * p; ++i) hidden[i] = gelu(a[i]);
     for (int64_t h = 0; h < heads; ++h) {
       T* l = logits + h * p;
-      const T* z = x + h * p;
-      const T* bias = x + (heads + h) * p;
+      const T* zh = z + h * p;
+      if (add_bias) spread_by_distance(table + h * length, r0, c0, nr, nk, l);
       const T offset = b2[h];
       if (add_bias) {
 #pragma omp simd
-        for (int i = 0; i < p; ++i) l[i] = z[i] + bias[i] + offset;
+        for (int i = 0; i < p; ++i) l[i] += zh[i] + offset;
       } else {
 #pragma omp simd
-        for (int i = 0; i < p; ++i) l[i] = z[i] + offset;
+        for (int i = 0; i < p; ++i) l[i] = zh[i] + offset;
       }
     }
     times<T>(w2, width, hidden, logits, heads, width, p, T(1));
@@ -96,12 +120,17 @@ struct Sizes {
 
 template <typename T>
 Cape<T> layer_of(const Sizes& n, const at::Tensor& query, const at::Tensor& key, const at::Tensor& table,
-                 const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, const at::Tensor& b2,
+                 const at::Tensor& by_distance, const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& b2,
                  int64_t b, double scaling, bool add_bias) {
   const int64_t offset = b * n.heads * n.length * n.dim;
   return Cape<T>{n.heads, n.length, n.dim, n.value_dim, n.width, T(scaling), add_bias,
                  query.data_ptr<T>() + offset, key.data_ptr<T>() + offset, table.data_ptr<T>(),
-                 w1.data_ptr<T>(), b1.data_ptr<T>(), w2.data_ptr<T>(), b2.data_ptr<T>()};
+                 by_distance.data_ptr<T>(), w1.data_ptr<T>(), w2.data_ptr<T>(), b2.data_ptr<T>()};
+}
+
+// E = W1[:, H:] table + b1 [W, L]: the bias half of the MLP's first layer, per distance.
+at::Tensor by_distance_of(const at::Tensor& table, const at::Tensor& w1, const at::Tensor& b1) {
+  return at::addmm(b1.unsqueeze(1), w1.narrow(1, table.size(0), table.size(0)), table).contiguous();
 }
 
 Sizes sizes_of(const at::Tensor& query, const at::Tensor& value, const at::Tensor& w1) {
@@ -114,18 +143,19 @@ std::vector<at::Tensor> forward_impl(const at::Tensor& query, const at::Tensor& 
                                      const at::Tensor& w2, const at::Tensor& b2, double scaling, bool add_bias,
                                      int64_t rows, int64_t keys) {
   const Sizes n = sizes_of(query, value, w1);
+  const at::Tensor by_distance = by_distance_of(table, w1, b1);
   auto output = at::empty({n.batch, n.heads, n.length, n.value_dim}, value.options());
   auto log_sum = at::empty({n.batch, n.heads, n.length}, value.options());
   const int64_t row_tiles = (n.length + rows - 1) / rows;
   const auto order = balanced_order(row_tiles);
   at::parallel_for(0, n.batch * row_tiles, 1, [&](int64_t begin, int64_t end) {
     const int64_t p = rows * keys;
-    std::vector<T> x(2 * n.heads * p), a(n.width * p), hidden(n.width * p), logits(n.heads * p);
+    std::vector<T> z(n.heads * p), a(n.width * p), hidden(n.width * p), logits(n.heads * p);
     std::vector<T> most(n.heads * rows), sum(n.heads * rows);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / row_tiles, r0 = order[item % row_tiles] * rows;
       const int64_t r1 = std::min(r0 + rows, n.length), nr = r1 - r0;
-      const Cape<T> cape = layer_of<T>(n, query, key, table, w1, b1, w2, b2, b, scaling, add_bias);
+      const Cape<T> cape = layer_of<T>(n, query, key, table, by_distance, w1, w2, b2, b, scaling, add_bias);
       std::fill(most.begin(), most.end(), T(-1e30));
       std::fill(sum.begin(), sum.end(), T(0));
       for (int64_t h = 0; h < n.heads; ++h) {
@@ -134,7 +164,7 @@ std::vector<at::Tensor> forward_impl(const at::Tensor& query, const at::Tensor& 
       }
       for (int64_t c0 = 0; c0 < r1; c0 += keys) {
         const int64_t c1 = std::min(c0 + keys, r1), nk = c1 - c0, tile = nr * nk;
-        cape.pairs(r0, r1, c0, c1, x.data(), a.data(), hidden.data(), logits.data());
+        cape.pairs(r0, r1, c0, c1, z.data(), a.data(), hidden.data(), logits.data());
         for (int64_t h = 0; h < n.heads; ++h) {
           T* o = output.data_ptr<T>() + ((b * n.heads + h) * n.length + r0) * n.value_dim;
           const T* v = value.data_ptr<T>() + ((b * n.heads + h) * n.length + c0) * n.value_dim;
@@ -173,26 +203,27 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& query, const at::Tensor&
   auto grad_query = at::zeros_like(query);
   auto grad_key = at::zeros({threads, n.batch, n.heads, n.length, n.dim}, query.options());
   auto grad_value = at::zeros({threads, n.batch, n.heads, n.length, n.value_dim}, query.options());
-  auto grad_table = at::zeros({threads, n.heads, n.length}, query.options());
-  auto grad_w1 = at::zeros({threads, n.width, 2 * n.heads}, query.options());
-  auto grad_b1 = at::zeros({threads, n.width}, query.options());
+  const at::Tensor by_distance = by_distance_of(table, w1, b1);
+  auto grad_table = at::zeros({threads, n.heads, n.length}, query.options());  // the bias added to the logits
+  auto grad_w1 = at::zeros({threads, n.width, n.heads}, query.options());  // W1[:, :H]
+  auto grad_by_distance = at::zeros({threads, n.width, n.length}, query.options());
   auto grad_w2 = at::zeros({threads, n.heads, n.width}, query.options());
   auto grad_b2 = at::zeros({threads, n.heads}, query.options());
   at::parallel_for(0, n.batch * row_tiles, 1, [&](int64_t begin, int64_t end) {
     const int64_t thread = at::get_thread_num();
     TORCH_CHECK(thread < threads, "cape_backward: more threads than buffers");
     const int64_t p = rows * keys;
-    std::vector<T> x(2 * n.heads * p), a(n.width * p), hidden(n.width * p), prob(n.heads * p), grad(n.heads * p);
-    std::vector<T> grad_hidden(n.width * p), grad_x(2 * n.heads * p), delta(n.heads * rows);
-    T* dw1 = grad_w1.data_ptr<T>() + thread * n.width * 2 * n.heads;
-    T* db1 = grad_b1.data_ptr<T>() + thread * n.width;
+    std::vector<T> z(n.heads * p), a(n.width * p), hidden(n.width * p), prob(n.heads * p), grad(n.heads * p);
+    std::vector<T> grad_hidden(n.width * p), grad_z(n.heads * p), delta(n.heads * rows);
+    T* dw1 = grad_w1.data_ptr<T>() + thread * n.width * n.heads;
+    T* de = grad_by_distance.data_ptr<T>() + thread * n.width * n.length;
     T* dw2 = grad_w2.data_ptr<T>() + thread * n.heads * n.width;
     T* db2 = grad_b2.data_ptr<T>() + thread * n.heads;
     T* dtable = grad_table.data_ptr<T>() + thread * n.heads * n.length;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / row_tiles, r0 = order[item % row_tiles] * rows;
       const int64_t r1 = std::min(r0 + rows, n.length), nr = r1 - r0;
-      const Cape<T> cape = layer_of<T>(n, query, key, table, w1, b1, w2, b2, b, scaling, add_bias);
+      const Cape<T> cape = layer_of<T>(n, query, key, table, by_distance, w1, w2, b2, b, scaling, add_bias);
       for (int64_t h = 0; h < n.heads; ++h) {
         const int64_t at_row = (b * n.heads + h) * n.length + r0;
         row_dots(grad_output.data_ptr<T>() + at_row * n.value_dim, output.data_ptr<T>() + at_row * n.value_dim, nr,
@@ -200,7 +231,7 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& query, const at::Tensor&
       }
       for (int64_t c0 = 0; c0 < r1; c0 += keys) {
         const int64_t c1 = std::min(c0 + keys, r1), nk = c1 - c0, tile = nr * nk;
-        cape.pairs(r0, r1, c0, c1, x.data(), a.data(), hidden.data(), prob.data());
+        cape.pairs(r0, r1, c0, c1, z.data(), a.data(), hidden.data(), prob.data());
         for (int64_t h = 0; h < n.heads; ++h) {  // probabilities, then dl = P (dO . v - D) per head
           const int64_t head_row = (b * n.heads + h) * n.length;
           const T* go = grad_output.data_ptr<T>() + (head_row + r0) * n.value_dim;
@@ -240,36 +271,21 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& query, const at::Tensor&
         for (int64_t w = 0; w < n.width; ++w) {
           T* d = grad_hidden.data() + w * tile;
           const T* slope = a.data() + w * tile;
-          T total = 0;
-#pragma omp simd reduction(+ : total)
-          for (int64_t i = 0; i < tile; ++i) {
-            d[i] *= slope[i];
-            total += d[i];
-          }
-          db1[w] += total;
+#pragma omp simd
+          for (int64_t i = 0; i < tile; ++i) d[i] *= slope[i];
+          sum_by_distance(d, r0, c0, nr, nk, de + w * n.length);
         }
-        times_transposed<T>(grad_hidden.data(), x.data(), dw1, n.width, 2 * n.heads, tile, T(1), T(1));
-        std::fill(grad_x.begin(), grad_x.begin() + 2 * n.heads * tile, T(0));
-        transposed_times<T>(w1.data_ptr<T>(), 2 * n.heads, grad_hidden.data(), grad_x.data(), n.width,
-                            2 * n.heads, tile);
-        for (int64_t h = 0; h < n.heads; ++h) {  // dz = dl + dx[z]; dB = dx[B] (+ dl): into q, k and the table
+        times_transposed<T>(grad_hidden.data(), z.data(), dw1, n.width, n.heads, tile, T(1), T(1));
+        std::fill(grad_z.begin(), grad_z.begin() + n.heads * tile, T(0));
+        transposed_times<T>(w1.data_ptr<T>(), 2 * n.heads, grad_hidden.data(), grad_z.data(), n.width, n.heads,
+                            tile);
+        for (int64_t h = 0; h < n.heads; ++h) {  // dz = dl + W1[:, :H]^T da: into q and k; dl into the added bias
           const int64_t head_row = (b * n.heads + h) * n.length;
-          T* dz = grad_x.data() + h * tile;
-          T* dbias = grad_x.data() + (n.heads + h) * tile;
+          T* dz = grad_z.data() + h * tile;
           const T* dl = grad.data() + h * tile;
 #pragma omp simd
           for (int64_t i = 0; i < tile; ++i) dz[i] += dl[i];
-          if (add_bias) {
-#pragma omp simd
-            for (int64_t i = 0; i < tile; ++i) dbias[i] += dl[i];
-          }
-          T* diagonal = dtable + h * n.length;
-          for (int64_t r = 0; table_grad && r < nr; ++r) {
-            const int count = std::clamp<int64_t>(r0 + r + 1 - c0, 0, nk);
-            const T* d = dbias + r * nk;
-            T* at_distance = diagonal + (r0 + r - c0);  // key c0 + c is at distance r0 + r - c0 - c
-            for (int c = 0; c < count; ++c) at_distance[-c] += d[c];
-          }
+          if (add_bias && table_grad) sum_by_distance(dl, r0, c0, nr, nk, dtable + h * n.length);
           times<T>(dz, nk, cape.key + (h * n.length + c0) * n.dim,
                    grad_query.data_ptr<T>() + (head_row + r0) * n.dim, nr, nk, n.dim, T(1));
           T* dk = grad_key.data_ptr<T>() + ((thread * n.batch + b) * n.heads * n.length + h * n.length + c0) * n.dim;
@@ -279,8 +295,12 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& query, const at::Tensor&
     }
   });
   grad_query.mul_(scaling);
-  return {grad_query, grad_key.sum(0).mul_(scaling), grad_value.sum(0), grad_table.sum(0), grad_w1.sum(0),
-          grad_b1.sum(0), grad_w2.sum(0), grad_b2.sum(0)};
+  const at::Tensor by_distance_grad = grad_by_distance.sum(0);  // dE [W, L]
+  at::Tensor table_grad_sum = grad_table.sum(0);
+  if (table_grad) table_grad_sum.addmm_(w1.narrow(1, n.heads, n.heads).t(), by_distance_grad);
+  return {grad_query, grad_key.sum(0).mul_(scaling), grad_value.sum(0), table_grad_sum,
+          at::cat({grad_w1.sum(0), at::mm(by_distance_grad, table.t())}, 1), by_distance_grad.sum(1),
+          grad_w2.sum(0), grad_b2.sum(0)};
 }
 
 void check(const char* name, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,

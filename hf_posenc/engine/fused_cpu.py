@@ -7,7 +7,7 @@ does. Forward and backward of a causal square (query i is key i, nothing else ma
 threads), CoPE (cope.cpp, about SDPA's time with max_pos 64), the near/far scores of Self-Extend and ReRoPE where
 the far keys are the triangle j <= i - a (near_far.cpp), plain causal attention whose queries and keys have
 another head size than the values (Transformer-XL's and TAPE's kernel form; near_far.cpp with no far key, where SDPA
-would pad both to one size), and CAPE's MLP across the heads per pair (cape.cpp; 3.4-4.3x causal SDPA's time):
+would pad both to one size), and CAPE's MLP across the heads per pair (cape.cpp; about 3.2x causal SDPA's time at 2048 tokens):
 docs/attention-paths.md, "Fused CPU kernels". Besides attention, TAPE's turn of queries and keys by its per-token
 features (turn.cpp: one pass each way where the eager form takes about ten).
 

@@ -27,26 +27,35 @@ TurnShape turn_shape(const char* name, const at::Tensor& x, const at::Tensor& fe
 }
 
 // Items are (batch, key-value head, token): each reads its features once and handles the group's heads, so the
-// backward's features gradient (a sum over the group) needs no reduction across threads.
-template <typename T>
-void forward_impl(const TurnShape& s, const T* x, const T* features, T* out) {
-  const int64_t half = s.feature_dim / 2;
+// backward's features gradient (a sum over the group) needs no reduction across threads. `start(item)` runs first,
+// then `row(item, x_row, out_row)` per head of the group: x's row offset (strided) and the contiguous [B, H, n, D]
+// outputs' row offset.
+template <typename Start, typename Row>
+void for_each_item(const TurnShape& s, Start start, Row row) {
   at::parallel_for(0, s.batch * s.kv_heads * s.tokens, 256, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item % s.tokens, bg = item / s.tokens, b = bg / s.kv_heads, g = bg % s.kv_heads;
-      const T* c = features + item * s.feature_dim;
-      const T* sn = c + half;
-      for (int64_t h = g * s.group; h < (g + 1) * s.group; ++h) {
-        const T* xr = x + b * s.stride_b + h * s.stride_h + t * s.stride_t;
-        T* o = out + ((b * s.heads + h) * s.tokens + t) * s.dim;
-        for (int64_t k = 0; k < half; ++k) {
-          const T x1 = xr[k], x2 = xr[half + k];
-          o[k] = x1 * c[k] - x2 * sn[k];
-          o[half + k] = x2 * c[k] + x1 * sn[k];
-        }
-        std::copy(xr + s.feature_dim, xr + s.dim, o + s.feature_dim);
-      }
+      start(item);
+      for (int64_t h = g * s.group; h < (g + 1) * s.group; ++h)
+        row(item, b * s.stride_b + h * s.stride_h + t * s.stride_t, ((b * s.heads + h) * s.tokens + t) * s.dim);
     }
+  });
+}
+
+template <typename T>
+void forward_impl(const TurnShape& s, const T* x, const T* features, T* out) {
+  const int64_t half = s.feature_dim / 2;
+  for_each_item(s, [](int64_t) {}, [=](int64_t item, int64_t x_row, int64_t out_row) {
+    const T* c = features + item * s.feature_dim;
+    const T* sn = c + half;
+    const T* xr = x + x_row;
+    T* o = out + out_row;
+    for (int64_t k = 0; k < half; ++k) {
+      const T x1 = xr[k], x2 = xr[half + k];
+      o[k] = x1 * c[k] - x2 * sn[k];
+      o[half + k] = x2 * c[k] + x1 * sn[k];
+    }
+    std::copy(xr + s.feature_dim, xr + s.dim, o + s.feature_dim);
   });
 }
 
@@ -54,19 +63,16 @@ template <typename T>
 void backward_impl(const TurnShape& s, const T* x, const T* features, const T* grad_out, T* grad_x,
                    T* grad_features) {
   const int64_t half = s.feature_dim / 2;
-  at::parallel_for(0, s.batch * s.kv_heads * s.tokens, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item % s.tokens, bg = item / s.tokens, b = bg / s.kv_heads, g = bg % s.kv_heads;
-      const T* c = features + item * s.feature_dim;
-      const T* sn = c + half;
-      T* gc = grad_features + item * s.feature_dim;
-      T* gs = gc + half;
-      std::fill(gc, gc + s.feature_dim, T(0));
-      for (int64_t h = g * s.group; h < (g + 1) * s.group; ++h) {
-        const T* xr = x + b * s.stride_b + h * s.stride_h + t * s.stride_t;
-        const int64_t row = ((b * s.heads + h) * s.tokens + t) * s.dim;
-        const T* go = grad_out + row;
-        T* gx = grad_x + row;
+  for_each_item(
+      s, [=](int64_t item) { std::fill_n(grad_features + item * s.feature_dim, s.feature_dim, T(0)); },
+      [=](int64_t item, int64_t x_row, int64_t out_row) {
+        const T* c = features + item * s.feature_dim;
+        const T* sn = c + half;
+        T* gc = grad_features + item * s.feature_dim;
+        T* gs = gc + half;
+        const T* xr = x + x_row;
+        const T* go = grad_out + out_row;
+        T* gx = grad_x + out_row;
         for (int64_t k = 0; k < half; ++k) {
           const T x1 = xr[k], x2 = xr[half + k], g1 = go[k], g2 = go[half + k];
           gx[k] = g1 * c[k] + g2 * sn[k];
@@ -75,9 +81,7 @@ void backward_impl(const TurnShape& s, const T* x, const T* features, const T* g
           gs[k] += g2 * x1 - g1 * x2;
         }
         std::copy(go + s.feature_dim, go + s.dim, gx + s.feature_dim);
-      }
-    }
-  });
+      });
 }
 
 at::Tensor turn_forward(const at::Tensor& x, const at::Tensor& features) {

@@ -192,23 +192,26 @@ def cape_materialised(query, key, value, table, input_weight, input_bias, output
 
 @pytest.mark.parametrize("add_bias, table_grad", [(False, False), (False, True), (True, True)])
 @pytest.mark.parametrize("thread_count", [1, 2])
-def test_cape_kernel_equals_the_mlp_in_float64(add_bias, table_grad, thread_count, monkeypatch, threads):
-    """CAPE's kernel (every head of a tile at once, the MLP as products over the tile's pairs) with tiles of 8 x 16
-    over 37 tokens, 3 heads and an MLP 7 wide: output and the gradients of queries, keys, values, the MLP's four
-    parameters and (where it requires one) the bias table, summed along its diagonals, equal autograd of the
-    materialised MLP to float64 rounding. The output bias b2 adds a constant to each row's logits, which the softmax
-    cancels: its gradient is zero up to rounding in both."""
-    monkeypatch.setattr(fused_cpu, "CAPE_TILE_ROWS", 8)
-    monkeypatch.setattr(fused_cpu, "CAPE_TILE_KEYS", 16)
+@pytest.mark.parametrize("rows, keys, length", [(8, 16, 37), (16, 96, 150)])
+def test_cape_kernel_equals_the_mlp_in_float64(add_bias, table_grad, thread_count, rows, keys, length, monkeypatch,
+                                               threads):
+    """CAPE's kernel (every head of a tile at once, the MLP per chunk of 32 pairs of a row) with tiles of 8 x 16 over
+    37 tokens (every chunk past its tile's keys) and of 16 x 96 over 150 tokens (whole chunks, chunks past the
+    diagonal, and a last key tile of 54), 3 heads and an MLP 7 wide: output and the gradients of queries, keys,
+    values, the MLP's four parameters and (where it requires one) the bias table, summed along its diagonals, equal
+    autograd of the materialised MLP to float64 rounding. The output bias b2 adds a constant to each row's logits,
+    which the softmax cancels: its gradient is zero up to rounding in both."""
+    monkeypatch.setattr(fused_cpu, "CAPE_TILE_ROWS", rows)
+    monkeypatch.setattr(fused_cpu, "CAPE_TILE_KEYS", keys)
     threads(thread_count)
     generator = torch.Generator().manual_seed(8)
 
     def draw(*shape):
         return torch.randn(*shape, dtype=torch.float64, generator=generator)
 
-    inputs = [draw(2, 3, 37, 16), draw(2, 3, 37, 16), draw(2, 3, 37, 5), draw(3, 37), draw(7, 6), draw(7),
-              draw(3, 7), draw(3)]
-    upstream = draw(2, 3, 37, 5)
+    inputs = [draw(2, 3, length, 16), draw(2, 3, length, 16), draw(2, 3, length, 5), draw(3, length), draw(7, 6),
+              draw(7), draw(3, 7), draw(3)]
+    upstream = draw(2, 3, length, 5)
     results = []
     for function in (fused_cpu.cape_causal, cape_materialised):
         leaves = [x.clone().requires_grad_(index != 3 or table_grad) for index, x in enumerate(inputs)]

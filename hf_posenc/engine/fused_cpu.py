@@ -35,7 +35,7 @@ SOURCES = (KERNELS / "stick_breaking.cpp", KERNELS / "cope.cpp", KERNELS / "near
 # within 2% of each other (1.19-1.21x causal SDPA), 32 x 128 1.38x; at 4096, 128 x 512 1.30x, 64 x 256 1.43x.
 TILE_ROWS = 128
 TILE_KEYS = 512
-# CAPE's tiles hold every head's pairs and its MLP's hidden layer ([2H + 2 x mlp_width + H, rows x keys]): smaller.
+# CAPE's tiles hold every head's pairs (five [H, rows x keys] blocks in the backward): smaller.
 CAPE_TILE_ROWS = 64
 CAPE_TILE_KEYS = 128
 # -ffast-math lets the compiler call glibc's vector exp and log1p in the per-tile loops.

@@ -6,17 +6,24 @@
 //   x_ij = [z_ij^1..H, B_ij^1..H],  a_ij = W1 x_ij + b1,  c_ij = W2 gelu(a_ij) + b2,
 //   l_ij^h = z_ij^h + c_ij^h (+ B_ij^h where the bias is added: base="none"),
 // and each head's output the causal softmax of its l applied to its values. The MLP mixes heads, so a tile holds every
-// head of one batch row: per tile of query rows and key tile, the pairs' features are laid out feature-major ([2H, P],
-// P = rows x keys pairs) and the MLP is two BLAS products over all P pairs at once; the softmax is flash attention's
-// per head (a running maximum and sum per row; the backward recomputes each tile from the logsumexp).
-// The bias half of W1 sees the bias alone, which depends on the distance alone: its part of a_ij, with b1, is a
-// column of E = W1[:, H:] table + b1 [W, L] (once per call), so the per-pair product is W1[:, :H] z_ij only.
-// Backward: dl = P (dO . v - dO_i . o_i) per head; dc = dl, dW2 += dc gelu(a)^T, da = (W2^T dc) gelu'(a),
-// dW1[:, :H] += da z^T, dz = dl + W1[:, :H]^T da, and da summed along each diagonal into dE [W, L]; at the end
-// dW1[:, H:] = dE table^T, db1 = dE 1, and (where `table_grad`: a trainable bias; else it stays zero) the table's
-// gradient W1[:, H:]^T dE plus dl's diagonal sums where the bias is added; dq = scaling dz k, dk = scaling dz^T q.
+// head of one batch row (feature-major: each head's [rows, keys] pairs); the logits z come from BLAS per head, the
+// softmax is flash attention's per head (a running maximum and sum per row; the backward recomputes each tile from the
+// logsumexp).
+// The MLP runs per chunk of one row's pairs (one vector: 8 floats under AVX2), its products over heads and hidden units
+// on vectors in registers (`mix`): as BLAS products over a tile's pairs their inner sizes were H and W (9 and 32 for
+// SmolLM2), and MKL's packing of the tile's [W, P] layers took a third of their time. The bias half of W1 sees the bias
+// alone, which depends on the distance alone: its part of a_ij, with b1, is a column of E = W1[:, H:] table + b1
+// [W, L] (once per call). E and the table are kept reversed (index u = L - 1 - i + j), so a chunk's consecutive keys
+// read consecutive entries.
+// Backward, per pair from the logsumexp: P = exp(l - lse), dl = P (dO . v - dO_i . o_i) per head; dc = dl,
+// da = (W2^T dc) gelu'(a), dz = dl + W1[:, :H]^T da, da added to dE by distance (and dl to the table's where the bias
+// is added and trained); per slab of rows dW2 += dc gelu(a)^T and dW1[:, :H] += da z^T as BLAS products over the
+// slab's pairs; at the end dW1[:, H:] = dE table^T, db1 = dE 1, and (where `table_grad`: a trainable bias; else it
+// stays zero) the table's gradient W1[:, H:]^T dE plus dl's sums; dq = scaling dz k, dk = scaling dz^T q.
 
 #include "tiles.h"
+
+#include <cstring>
 
 namespace {
 
@@ -30,112 +37,240 @@ using namespace hf_posenc_cpu;
 constexpr double kErfCap = 8.0;
 constexpr double kDensityCap = 12.0;
 
+// The MLP's products run on GCC/Clang vectors the width of the machine's registers (the compiler keeps these in
+// registers across a loop, where an array of a chunk's values went to memory and back at each step).
+#ifdef __AVX__
+constexpr int kVectorBytes = 32;
+#else
+constexpr int kVectorBytes = 16;
+#endif
+template <typename T>
+struct VectorOf;
+template <>
+struct VectorOf<float> {
+  typedef float type __attribute__((vector_size(kVectorBytes)));
+};
+template <>
+struct VectorOf<double> {
+  typedef double type __attribute__((vector_size(kVectorBytes)));
+};
+// Pairs of one query row that the MLP handles together: one vector.
+template <typename T>
+constexpr int kChunk = kVectorBytes / sizeof(T);
+constexpr int kMostChunk = kVectorBytes / sizeof(float);
+
+template <typename T>
+inline typename VectorOf<T>::type load_chunk(const T* from) {
+  typename VectorOf<T>::type chunk;
+  std::memcpy(&chunk, from, sizeof(chunk));
+  return chunk;
+}
+
+template <typename T>
+inline void store_chunk(T* to, const typename VectorOf<T>::type& chunk) {
+  std::memcpy(to, &chunk, sizeof(chunk));
+}
+
+// `rows` (up to 8) chunks through a small matrix at once, each an independent chain of multiply-adds: out_r = init_r +
+// sum_k m[r * row_step + k * col_step] in_k, in_k `in_stride` apart, init_r `init_stride` and out_r `out_stride`
+// apart (out may be init; no init: zero).
+template <typename T, int rows>
+inline void mix_rows(const T* m, int64_t row_step, int64_t col_step, int64_t depth, const T* in, int64_t in_stride,
+                     const T* init, int64_t init_stride, T* out, int64_t out_stride) {
+  using V = typename VectorOf<T>::type;
+  V sum[rows];
+#pragma GCC unroll 8
+  for (int r = 0; r < rows; ++r) sum[r] = init == nullptr ? V{} : load_chunk(init + r * init_stride);
+  for (int64_t k = 0; k < depth; ++k) {
+    const V x = load_chunk(in + k * in_stride);
+    const T* column = m + k * col_step;
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; ++r) sum[r] += column[r * row_step] * x;
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < rows; ++r) store_chunk(out + r * out_stride, sum[r]);
+}
+
+// mix_rows over any number of rows: blocks of 8, then of 4, then one at a time with its depth in four chains.
+template <typename T>
+void mix(const T* m, int64_t row_step, int64_t col_step, int64_t rows, int64_t depth, const T* in, int64_t in_stride,
+         const T* init, int64_t init_stride, T* out, int64_t out_stride) {
+  using V = typename VectorOf<T>::type;
+  const auto init_at = [&](int64_t r) { return init == nullptr ? init : init + r * init_stride; };
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8)
+    mix_rows<T, 8>(m + r * row_step, row_step, col_step, depth, in, in_stride, init_at(r), init_stride,
+                   out + r * out_stride, out_stride);
+  for (; r + 4 <= rows; r += 4)
+    mix_rows<T, 4>(m + r * row_step, row_step, col_step, depth, in, in_stride, init_at(r), init_stride,
+                   out + r * out_stride, out_stride);
+  for (; r < rows; ++r) {
+    const T* row = m + r * row_step;
+    V sum[4] = {init == nullptr ? V{} : load_chunk(init + r * init_stride), V{}, V{}, V{}};
+    int64_t k = 0;
+    for (; k + 4 <= depth; k += 4) {
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) sum[j] += row[(k + j) * col_step] * load_chunk(in + (k + j) * in_stride);
+    }
+    for (; k < depth; ++k) sum[0] += row[k * col_step] * load_chunk(in + k * in_stride);
+    store_chunk(out + r * out_stride, (sum[0] + sum[1]) + (sum[2] + sum[3]));
+  }
+}
+
+// Heads' pair blocks and slab rows are this many values longer than they hold: blocks a power of two apart would
+// share L1's sets, and a chunk reads one line from each.
+constexpr int64_t kSkew = 16;
+// Pairs per slab: the weights' gradients are BLAS products over a slab's pairs (at 1024 the calls' own cost showed;
+// 4096 and 8192 measured alike here).
+constexpr int64_t kSlabPairs = 4096;
+
 template <typename T>
 inline T normal_cdf(T x) {
   return T(0.5) * (T(1) + std::erf(std::clamp(x * T(M_SQRT1_2), T(-kErfCap), T(kErfCap))));
 }
 
 template <typename T>
-inline T gelu(T x) {
-  return x * normal_cdf(x);
-}
-
-template <typename T>
-inline T gelu_slope(T x) {  // d gelu / dx = Phi(x) + x phi(x)
+inline T normal_density(T x) {
   const T near = std::clamp(x, T(-kDensityCap), T(kDensityCap));
-  return normal_cdf(x) + x * T(0.5 * M_2_SQRTPI * M_SQRT1_2) * std::exp(T(-0.5) * near * near);
+  return T(0.5 * M_2_SQRTPI * M_SQRT1_2) * std::exp(T(-0.5) * near * near);
 }
 
-// d gelu(a) / da for n values in place.
-template <typename T>
-void gelu_slopes(T* a, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) a[i] = gelu_slope(a[i]);
+// A [W, L] row per distance d, reversed and padded to [W, reach]: entry u = L - 1 - d (past L: not a causal pair).
+at::Tensor reversed(const at::Tensor& by_distance, int64_t reach) {
+  return at::constant_pad_nd(by_distance.flip(1), {0, reach - by_distance.size(1)}).contiguous();
 }
 
-// A tile's [nr, nk] pairs, each the value of `by_distance` (a row over distances 0..L-1) at its distance i - j
-// (masked pairs, j > i, at distance 0).
-template <typename T>
-void spread_by_distance(const T* by_distance, int64_t r0, int64_t c0, int nr, int nk, T* out) {
-  for (int r = 0; r < nr; ++r) {
-    const int64_t top = r0 + r - c0;  // key c0's distance
-    const int count = std::clamp<int64_t>(top + 1, 0, nk);
-    T* row = out + r * nk;
-    for (int c = 0; c < count; ++c) row[c] = by_distance[top - c];
-    std::fill(row + count, row + nk, by_distance[0]);
-  }
+// The inverse: summed over threads' buffers [threads, W, reach] -> [W, L].
+at::Tensor by_distance_from(const at::Tensor& reversed_buffers, int64_t length) {
+  return reversed_buffers.sum(0).narrow(1, 0, length).flip(1).contiguous();
 }
 
-// The causal pairs of a tile summed along its diagonals into `by_distance` (the transpose of spread_by_distance).
+// row-major C[m x n] += A[m x k] . B[n x k]^T, rows of A `lda` apart and of B `ldb` apart
 template <typename T>
-void sum_by_distance(const T* pairs, int64_t r0, int64_t c0, int nr, int nk, T* by_distance) {
-  for (int r = 0; r < nr; ++r) {
-    const int64_t top = r0 + r - c0;
-    const int count = std::clamp<int64_t>(top + 1, 0, nk);
-    const T* row = pairs + r * nk;
-    T* at_distance = by_distance + top;
-    for (int c = 0; c < count; ++c) at_distance[-c] += row[c];
-  }
+inline void add_times_transposed(const T* a, int64_t lda, const T* b, int64_t ldb, T* c, int m, int n, int k) {
+  gemm('T', 'N', n, m, k, T(1), b, int(ldb), a, int(lda), T(1), c, n);
 }
 
 template <typename T>
 struct Cape {
-  int64_t heads, length, dim, value_dim, width;
-  T scaling;
+  static constexpr int chunk = kChunk<T>;
+  int64_t heads, width, reach;  // reach: the reversed rows' length
   bool add_bias;
-  // query, key: one batch row's [H, L, D]; table [H, L]; by_distance: E = W1[:, H:] table + b1 [W, L]
-  const T *query, *key, *table, *by_distance, *w1, *w2, *b2;
+  const T* mlp_in;   // E by reversed distance [W, reach]
+  const T* bias_in;  // the table by reversed distance [H, reach]
+  const T *w1, *w2t, *b2;  // W1 [W, 2H] (its first H columns here), W2^T [W, H], b2 [H]
 
-  // The tile's pairs (rows [r0, r1) x keys [c0, c1), feature-major, P = nr * nk): logits z [H, P], the MLP's
-  // pre-activation a [W, P] and hidden gelu(a) [W, P], logits l [H, P] (masked pairs j > i hold junk).
-  void pairs(int64_t r0, int64_t r1, int64_t c0, int64_t c1, T* z, T* a, T* hidden, T* logits) const {
-    const int nr = r1 - r0, nk = c1 - c0, p = nr * nk;
-    for (int64_t h = 0; h < heads; ++h)
-      times_transposed<T>(query + (h * length + r0) * dim, key + (h * length + c0) * dim, z + h * p, nr, nk, dim,
-                          scaling, T(0));
-    for (int64_t w = 0; w < width; ++w) spread_by_distance(by_distance + w * length, r0, c0, nr, nk, a + w * p);
-    times<T>(w1, 2 * heads, z, a, width, heads, p, T(1));
+  // A chunk's hidden layer gelu(a) [W, chunk] (and gelu'(a) [W, chunk] where `slope` is not null) from its logits z
+  // (heads `stride` apart); u: its first pair's reversed distance.
+  void hidden_of(const T* z, int64_t stride, int64_t u, T* hidden, T* slope) const {
+    mix(w1, 2 * heads, int64_t(1), width, heads, z, stride, mlp_in + u, reach, hidden, int64_t(chunk));  // a
+    const int64_t n = width * chunk;
+    if (slope == nullptr) {
 #pragma omp simd
-    for (int64_t i = 0; i < width * p; ++i) hidden[i] = gelu(a[i]);
-    for (int64_t h = 0; h < heads; ++h) {
-      T* l = logits + h * p;
-      const T* zh = z + h * p;
-      if (add_bias) spread_by_distance(table + h * length, r0, c0, nr, nk, l);
-      const T offset = b2[h];
-      if (add_bias) {
+      for (int64_t i = 0; i < n; ++i) hidden[i] *= normal_cdf(hidden[i]);
+    } else {
 #pragma omp simd
-        for (int i = 0; i < p; ++i) l[i] += zh[i] + offset;
-      } else {
-#pragma omp simd
-        for (int i = 0; i < p; ++i) l[i] = zh[i] + offset;
+      for (int64_t i = 0; i < n; ++i) {
+        const T x = hidden[i], cdf = normal_cdf(x);
+        hidden[i] = x * cdf;
+        slope[i] = cdf + x * normal_density(x);  // d gelu / da = Phi(a) + a phi(a)
       }
     }
-    times<T>(w2, width, hidden, logits, heads, width, p, T(1));
+  }
+
+  // A chunk's logits l = z + b2 + W2 hidden (+ the bias), heads `stride` apart (l may be z).
+  void logits_of(const T* z, int64_t stride, int64_t u, const T* hidden, T* l) const {
+    for (int64_t h = 0; h < heads; ++h) {
+      auto sum = load_chunk(z + h * stride) + b2[h];
+      if (add_bias) sum += load_chunk(bias_in + h * reach + u);
+      store_chunk(l + h * stride, sum);
+    }
+    mix(w2t, int64_t(1), heads, heads, width, hidden, int64_t(chunk), l, stride, l, stride);
+  }
+
+  // One chunk's backward from its logits z and dO . v (`dots`), heads `stride` apart, its row's logsumexp and
+  // dO_i . o_i per head; pairs from `valid` on are not causal (or past the tile) and get zeros. Out: the
+  // probabilities, dl and dz (heads `stride` apart); the hidden layer and da [W, chunk] into the slab's rows,
+  // `layer` apart (`scratch`: 3 x [W, chunk]); da added to dE's reversed rows, and dl to the table's where
+  // `grad_bias_in` is not null.
+  void backward(const T* z, const T* dots, int64_t stride, int64_t u, int valid, const T* log_sum, const T* centre,
+                T* prob, T* grad_logits, T* grad_z, T* hidden_layer, T* grad_a_layer, int64_t layer, T* scratch,
+                T* grad_mlp_in, T* grad_bias_in) const {
+    T* hidden = scratch;
+    T* slope = scratch + width * chunk;
+    T* grad_a = scratch + 2 * width * chunk;
+    hidden_of(z, stride, u, hidden, slope);
+    for (int64_t w = 0; w < width; ++w) store_chunk(hidden_layer + w * layer, load_chunk(hidden + w * chunk));
+    logits_of(z, stride, u, hidden, prob);
+    const T floor = T(kExpFloor);
+    for (int64_t h = 0; h < heads; ++h) {
+      T* p = prob + h * stride;
+      T* dl = grad_logits + h * stride;
+      const T* dot = dots + h * stride;
+      const T lse = log_sum[h], mid = centre[h];
+#pragma omp simd
+      for (int c = 0; c < chunk; ++c) {
+        const T causal = c < valid ? std::exp(std::max(p[c] - lse, floor)) : T(0);
+        p[c] = causal;
+        dl[c] = causal * (dot[c] - mid);
+      }
+      if (grad_bias_in != nullptr) {
+        T* into = grad_bias_in + h * reach + u;
+        store_chunk(into, load_chunk(into) + load_chunk(dl));
+      }
+    }
+    mix(w2t, heads, int64_t(1), width, heads, grad_logits, stride, static_cast<const T*>(nullptr), int64_t(0),
+        grad_a, int64_t(chunk));  // W2^T dl
+    for (int64_t w = 0; w < width; ++w) {
+      const auto da = load_chunk(grad_a + w * chunk) * load_chunk(slope + w * chunk);
+      store_chunk(grad_a + w * chunk, da);
+      store_chunk(grad_a_layer + w * layer, da);
+      T* into = grad_mlp_in + w * reach + u;
+      store_chunk(into, load_chunk(into) + da);
+    }
+    mix(w1, int64_t(1), 2 * heads, heads, width, grad_a, int64_t(chunk), grad_logits, stride, grad_z, stride);  // dz
   }
 };
+
+// `count` values of each of `blocks` blocks, `from_stride` apart, to blocks `to_stride` apart; zeros after `count`
+// up to `pad_to` in each.
+template <typename T>
+void copy_blocks(const T* from, int64_t from_stride, T* to, int64_t to_stride, int64_t blocks, int count,
+                 int pad_to) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    std::copy(from + b * from_stride, from + b * from_stride + count, to + b * to_stride);
+    std::fill(to + b * to_stride + count, to + b * to_stride + pad_to, T(0));
+  }
+}
 
 struct Sizes {
   int64_t batch, heads, length, dim, value_dim, width;
 };
 
-template <typename T>
-Cape<T> layer_of(const Sizes& n, const at::Tensor& query, const at::Tensor& key, const at::Tensor& table,
-                 const at::Tensor& by_distance, const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& b2,
-                 int64_t b, double scaling, bool add_bias) {
-  const int64_t offset = b * n.heads * n.length * n.dim;
-  return Cape<T>{n.heads, n.length, n.dim, n.value_dim, n.width, T(scaling), add_bias,
-                 query.data_ptr<T>() + offset, key.data_ptr<T>() + offset, table.data_ptr<T>(),
-                 by_distance.data_ptr<T>(), w1.data_ptr<T>(), w2.data_ptr<T>(), b2.data_ptr<T>()};
-}
-
-// E = W1[:, H:] table + b1 [W, L]: the bias half of the MLP's first layer, per distance.
-at::Tensor by_distance_of(const at::Tensor& table, const at::Tensor& w1, const at::Tensor& b1) {
-  return at::addmm(b1.unsqueeze(1), w1.narrow(1, table.size(0), table.size(0)), table).contiguous();
-}
-
 Sizes sizes_of(const at::Tensor& query, const at::Tensor& value, const at::Tensor& w1) {
   return Sizes{query.size(0), query.size(1), query.size(2), query.size(3), value.size(3), w1.size(0)};
 }
+
+// What every call builds once: E and the table by reversed distance, W2^T.
+template <typename T>
+struct Shared {
+  at::Tensor mlp_in, bias_in, w2t;
+  int64_t reach;
+
+  Shared(const at::Tensor& table, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, int64_t rows) {
+    const int64_t length = table.size(1), heads = table.size(0);
+    reach = length + rows + kMostChunk;  // a chunk's keys reach at most rows - 1 + chunk past its query
+    const at::Tensor by_distance = at::addmm(b1.unsqueeze(1), w1.narrow(1, heads, heads), table);  // E [W, L]
+    mlp_in = reversed(by_distance, reach);
+    bias_in = reversed(table, reach);
+    w2t = w2.t().contiguous();
+  }
+
+  Cape<T> cape(const at::Tensor& w1, const at::Tensor& b2, bool add_bias) const {
+    return Cape<T>{bias_in.size(0), mlp_in.size(0), reach, add_bias, mlp_in.data_ptr<T>(), bias_in.data_ptr<T>(),
+                   w1.data_ptr<T>(), w2t.data_ptr<T>(), b2.data_ptr<T>()};
+  }
+};
 
 template <typename T>
 std::vector<at::Tensor> forward_impl(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -143,32 +278,55 @@ std::vector<at::Tensor> forward_impl(const at::Tensor& query, const at::Tensor& 
                                      const at::Tensor& w2, const at::Tensor& b2, double scaling, bool add_bias,
                                      int64_t rows, int64_t keys) {
   const Sizes n = sizes_of(query, value, w1);
-  const at::Tensor by_distance = by_distance_of(table, w1, b1);
+  const Shared<T> shared(table, w1, b1, w2, rows);
+  const Cape<T> cape = shared.cape(w1, b2, add_bias);
+  constexpr int chunk = Cape<T>::chunk;
   auto output = at::empty({n.batch, n.heads, n.length, n.value_dim}, value.options());
   auto log_sum = at::empty({n.batch, n.heads, n.length}, value.options());
   const int64_t row_tiles = (n.length + rows - 1) / rows;
   const auto order = balanced_order(row_tiles);
   at::parallel_for(0, n.batch * row_tiles, 1, [&](int64_t begin, int64_t end) {
-    const int64_t p = rows * keys;
-    std::vector<T> z(n.heads * p), a(n.width * p), hidden(n.width * p), logits(n.heads * p);
+    const int64_t stride = rows * keys + kSkew;  // between heads' pair blocks
+    std::vector<T> logits(n.heads * stride), hidden(n.width * chunk), z_part(n.heads * chunk),
+        l_part(n.heads * chunk);
     std::vector<T> most(n.heads * rows), sum(n.heads * rows);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / row_tiles, r0 = order[item % row_tiles] * rows;
       const int64_t r1 = std::min(r0 + rows, n.length), nr = r1 - r0;
-      const Cape<T> cape = layer_of<T>(n, query, key, table, by_distance, w1, w2, b2, b, scaling, add_bias);
+      const int64_t batch_row = b * n.heads * n.length;
       std::fill(most.begin(), most.end(), T(-1e30));
       std::fill(sum.begin(), sum.end(), T(0));
       for (int64_t h = 0; h < n.heads; ++h) {
-        T* o = output.data_ptr<T>() + ((b * n.heads + h) * n.length + r0) * n.value_dim;
+        T* o = output.data_ptr<T>() + (batch_row + h * n.length + r0) * n.value_dim;
         std::fill(o, o + nr * n.value_dim, T(0));
       }
       for (int64_t c0 = 0; c0 < r1; c0 += keys) {
-        const int64_t c1 = std::min(c0 + keys, r1), nk = c1 - c0, tile = nr * nk;
-        cape.pairs(r0, r1, c0, c1, z.data(), a.data(), hidden.data(), logits.data());
+        const int64_t c1 = std::min(c0 + keys, r1), nk = c1 - c0;
+        for (int64_t h = 0; h < n.heads; ++h)  // z, then the logits in place
+          times_transposed<T>(query.data_ptr<T>() + (batch_row + h * n.length + r0) * n.dim,
+                              key.data_ptr<T>() + (batch_row + h * n.length + c0) * n.dim,
+                              logits.data() + h * stride, nr, nk, n.dim, T(scaling), T(0));
+        for (int64_t r = 0; r < nr; ++r) {
+          const int64_t causal = std::clamp<int64_t>(r0 + r + 1 - c0, 0, nk);
+          for (int64_t at = 0; at < causal; at += chunk) {
+            T* l = logits.data() + r * nk + at;
+            const int64_t u = n.length - 1 - (r0 + r) + c0 + at;
+            const int count = std::min<int64_t>(chunk, nk - at);
+            if (count == chunk) {
+              cape.hidden_of(l, stride, u, hidden.data(), nullptr);
+              cape.logits_of(l, stride, u, hidden.data(), l);
+            } else {
+              copy_blocks(l, stride, z_part.data(), chunk, n.heads, count, chunk);
+              cape.hidden_of(z_part.data(), chunk, u, hidden.data(), nullptr);
+              cape.logits_of(z_part.data(), chunk, u, hidden.data(), l_part.data());
+              copy_blocks(l_part.data(), chunk, l, stride, n.heads, count, count);
+            }
+          }
+        }
         for (int64_t h = 0; h < n.heads; ++h) {
-          T* o = output.data_ptr<T>() + ((b * n.heads + h) * n.length + r0) * n.value_dim;
-          const T* v = value.data_ptr<T>() + ((b * n.heads + h) * n.length + c0) * n.value_dim;
-          T* l = logits.data() + h * tile;
+          T* o = output.data_ptr<T>() + (batch_row + h * n.length + r0) * n.value_dim;
+          const T* v = value.data_ptr<T>() + (batch_row + h * n.length + c0) * n.value_dim;
+          T* l = logits.data() + h * stride;
           for (int64_t r = 0; r < nr; ++r) {
             const int count = std::clamp<int64_t>(r0 + r + 1 - c0, 0, nk);
             T* s = l + r * nk;
@@ -180,7 +338,7 @@ std::vector<at::Tensor> forward_impl(const at::Tensor& query, const at::Tensor& 
         }
       }
       for (int64_t h = 0; h < n.heads; ++h) {
-        const int64_t at_row = (b * n.heads + h) * n.length + r0;
+        const int64_t at_row = batch_row + h * n.length + r0;
         softmax_finish(output.data_ptr<T>() + at_row * n.value_dim, nr, n.value_dim, most.data() + h * rows,
                        sum.data() + h * rows, log_sum.data_ptr<T>() + at_row);
       }
@@ -196,6 +354,9 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& query, const at::Tensor&
                                       const at::Tensor& log_sum, const at::Tensor& grad_output, double scaling,
                                       bool add_bias, bool table_grad, int64_t rows, int64_t keys) {
   const Sizes n = sizes_of(query, value, w1);
+  const Shared<T> shared(table, w1, b1, w2, rows);
+  const Cape<T> cape = shared.cape(w1, b2, add_bias);
+  constexpr int chunk = Cape<T>::chunk;
   const int64_t row_tiles = (n.length + rows - 1) / rows;
   const auto order = balanced_order(row_tiles);
   // Each thread adds into buffers of its own (summed at the end): keys, values and every shared parameter.
@@ -203,100 +364,121 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& query, const at::Tensor&
   auto grad_query = at::zeros_like(query);
   auto grad_key = at::zeros({threads, n.batch, n.heads, n.length, n.dim}, query.options());
   auto grad_value = at::zeros({threads, n.batch, n.heads, n.length, n.value_dim}, query.options());
-  const at::Tensor by_distance = by_distance_of(table, w1, b1);
-  auto grad_table = at::zeros({threads, n.heads, n.length}, query.options());  // the bias added to the logits
+  const bool bias_grad = add_bias && table_grad;  // dl's part of the table's gradient
+  const at::Tensor grad_bias_in = at::zeros({bias_grad ? threads : 0, n.heads, shared.reach}, query.options());
+  // dE by reversed distance
+  const at::Tensor grad_mlp_in = at::zeros({threads, n.width, shared.reach}, query.options());
   auto grad_w1 = at::zeros({threads, n.width, n.heads}, query.options());  // W1[:, :H]
-  auto grad_by_distance = at::zeros({threads, n.width, n.length}, query.options());
   auto grad_w2 = at::zeros({threads, n.heads, n.width}, query.options());
   auto grad_b2 = at::zeros({threads, n.heads}, query.options());
   at::parallel_for(0, n.batch * row_tiles, 1, [&](int64_t begin, int64_t end) {
     const int64_t thread = at::get_thread_num();
     TORCH_CHECK(thread < threads, "cape_backward: more threads than buffers");
-    const int64_t p = rows * keys;
-    std::vector<T> z(n.heads * p), a(n.width * p), hidden(n.width * p), prob(n.heads * p), grad(n.heads * p);
-    std::vector<T> grad_hidden(n.width * p), grad_z(n.heads * p), delta(n.heads * rows);
+    const int64_t stride = rows * keys + kSkew;  // between heads' pair blocks
+    const int64_t slab_stride = std::max(kSlabPairs, keys) + kSkew;  // between the slab layers' rows
+    std::vector<T> z(n.heads * stride), dots(n.heads * stride), prob(n.heads * stride), grad(n.heads * stride),
+        grad_z(n.heads * stride);
+    std::vector<T> hidden_slab(n.width * slab_stride), grad_a_slab(n.width * slab_stride);
+    std::vector<T> scratch(3 * n.width * chunk);
+    std::vector<T> part(5 * n.heads * chunk);  // a chunk past the tile's keys: z, dots, prob, dl, dz
+    std::vector<T> delta(n.heads * rows), row_log_sum(n.heads), row_delta(n.heads);
     T* dw1 = grad_w1.data_ptr<T>() + thread * n.width * n.heads;
-    T* de = grad_by_distance.data_ptr<T>() + thread * n.width * n.length;
     T* dw2 = grad_w2.data_ptr<T>() + thread * n.heads * n.width;
     T* db2 = grad_b2.data_ptr<T>() + thread * n.heads;
-    T* dtable = grad_table.data_ptr<T>() + thread * n.heads * n.length;
+    T* de = grad_mlp_in.data_ptr<T>() + thread * n.width * shared.reach;
+    T* dbias = bias_grad ? grad_bias_in.data_ptr<T>() + thread * n.heads * shared.reach : nullptr;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / row_tiles, r0 = order[item % row_tiles] * rows;
       const int64_t r1 = std::min(r0 + rows, n.length), nr = r1 - r0;
-      const Cape<T> cape = layer_of<T>(n, query, key, table, by_distance, w1, w2, b2, b, scaling, add_bias);
+      const int64_t batch_row = b * n.heads * n.length;
       for (int64_t h = 0; h < n.heads; ++h) {
-        const int64_t at_row = (b * n.heads + h) * n.length + r0;
+        const int64_t at_row = batch_row + h * n.length + r0;
         row_dots(grad_output.data_ptr<T>() + at_row * n.value_dim, output.data_ptr<T>() + at_row * n.value_dim, nr,
                  n.value_dim, delta.data() + h * rows);
       }
       for (int64_t c0 = 0; c0 < r1; c0 += keys) {
         const int64_t c1 = std::min(c0 + keys, r1), nk = c1 - c0, tile = nr * nk;
-        cape.pairs(r0, r1, c0, c1, z.data(), a.data(), hidden.data(), prob.data());
-        for (int64_t h = 0; h < n.heads; ++h) {  // probabilities, then dl = P (dO . v - D) per head
-          const int64_t head_row = (b * n.heads + h) * n.length;
-          const T* go = grad_output.data_ptr<T>() + (head_row + r0) * n.value_dim;
-          const T* v = value.data_ptr<T>() + (head_row + c0) * n.value_dim;
-          T* dv = grad_value.data_ptr<T>() + ((thread * n.batch + b) * n.heads * n.length + h * n.length + c0) *
-                                                  n.value_dim;
-          T* pr = prob.data() + h * tile;
-          T* dl = grad.data() + h * tile;
-          for (int64_t r = 0; r < nr; ++r) {
-            const int count = std::clamp<int64_t>(r0 + r + 1 - c0, 0, nk);
-            const T lse = log_sum.data_ptr<T>()[head_row + r0 + r];
-            T* row = pr + r * nk;
-            probabilities(row, count, lse);
-            std::fill(row + count, row + nk, T(0));
+        for (int64_t h = 0; h < n.heads; ++h) {  // z and dO . v per head
+          const int64_t head_row = batch_row + h * n.length;
+          times_transposed<T>(query.data_ptr<T>() + (head_row + r0) * n.dim,
+                              key.data_ptr<T>() + (head_row + c0) * n.dim, z.data() + h * stride, nr, nk, n.dim,
+                              T(scaling), T(0));
+          times_transposed<T>(grad_output.data_ptr<T>() + (head_row + r0) * n.value_dim,
+                              value.data_ptr<T>() + (head_row + c0) * n.value_dim, dots.data() + h * stride, nr, nk,
+                              n.value_dim, T(1), T(0));
+        }
+        const int64_t slab_rows = std::max<int64_t>(1, kSlabPairs / nk);
+        for (int64_t s0 = 0; s0 < nr; s0 += slab_rows) {
+          const int64_t s1 = std::min(nr, s0 + slab_rows);
+          for (int64_t r = s0; r < s1; ++r) {
+            const int64_t i = r0 + r, causal = std::clamp<int64_t>(i + 1 - c0, 0, nk);
+            for (int64_t h = 0; h < n.heads; ++h) {
+              row_log_sum[h] = log_sum.data_ptr<T>()[batch_row + h * n.length + i];
+              row_delta[h] = delta[h * rows + r];
+            }
+            for (int64_t at = 0; at < nk; at += chunk) {
+              const int64_t p = r * nk + at, q = (r - s0) * nk + at;
+              const int count = std::min<int64_t>(chunk, nk - at);
+              const int valid = std::clamp<int64_t>(causal - at, 0, count);
+              if (valid == 0) {  // no causal pair: zeros where the products below read
+                for (T* block : {prob.data(), grad.data(), grad_z.data()})
+                  for (int64_t h = 0; h < n.heads; ++h) std::fill_n(block + h * stride + p, count, T(0));
+                for (T* slab : {hidden_slab.data(), grad_a_slab.data()})
+                  for (int64_t w = 0; w < n.width; ++w) std::fill_n(slab + w * slab_stride + q, count, T(0));
+                continue;
+              }
+              const int64_t u = n.length - 1 - i + c0 + at;
+              // The hidden layer and da straight into the slab (a chunk past the tile's keys writes junk past them,
+              // which the next row overwrites or the products below do not read).
+              T* hidden = hidden_slab.data() + q;
+              T* grad_a = grad_a_slab.data() + q;
+              if (count == chunk) {
+                cape.backward(z.data() + p, dots.data() + p, stride, u, valid, row_log_sum.data(), row_delta.data(),
+                              prob.data() + p, grad.data() + p, grad_z.data() + p, hidden, grad_a, slab_stride,
+                              scratch.data(), de, dbias);
+              } else {
+                T* parts[5];
+                for (int k = 0; k < 5; ++k) parts[k] = part.data() + k * n.heads * chunk;
+                copy_blocks(z.data() + p, stride, parts[0], chunk, n.heads, count, chunk);
+                copy_blocks(dots.data() + p, stride, parts[1], chunk, n.heads, count, chunk);
+                cape.backward(parts[0], parts[1], chunk, u, valid, row_log_sum.data(), row_delta.data(), parts[2],
+                              parts[3], parts[4], hidden, grad_a, slab_stride, scratch.data(), de, dbias);
+                copy_blocks(parts[2], chunk, prob.data() + p, stride, n.heads, count, count);
+                copy_blocks(parts[3], chunk, grad.data() + p, stride, n.heads, count, count);
+                copy_blocks(parts[4], chunk, grad_z.data() + p, stride, n.heads, count, count);
+              }
+            }
           }
-          times_transposed<T>(go, v, dl, nr, nk, n.value_dim, T(1), T(0));  // dO . v
-          transposed_times<T>(pr, nk, go, dv, nr, nk, n.value_dim);  // dV += P^T dO
-          for (int64_t r = 0; r < nr; ++r) {
-            const int count = std::clamp<int64_t>(r0 + r + 1 - c0, 0, nk);
-            const T centre = delta[h * rows + r];
-            const T* row = pr + r * nk;
-            T* d = dl + r * nk;
-#pragma omp simd
-            for (int c = 0; c < count; ++c) d[c] = row[c] * (d[c] - centre);
-            std::fill(d + count, d + nk, T(0));
-          }
+          // The weights' gradients over the slab's pairs: dW2 += dl hidden^T, dW1[:, :H] += da z^T.
+          const int slab = int((s1 - s0) * nk);
+          add_times_transposed<T>(grad.data() + s0 * nk, stride, hidden_slab.data(), slab_stride, dw2, n.heads,
+                                  n.width, slab);
+          add_times_transposed<T>(grad_a_slab.data(), slab_stride, z.data() + s0 * nk, stride, dw1, n.width, n.heads,
+                                  slab);
+        }
+        for (int64_t h = 0; h < n.heads; ++h) {  // dV += P^T dO; dz into q and k
+          const int64_t head_row = batch_row + h * n.length;
+          const T* dl = grad.data() + h * stride;
           T total = 0;
 #pragma omp simd reduction(+ : total)
           for (int64_t i = 0; i < tile; ++i) total += dl[i];
           db2[h] += total;
-        }
-        // The MLP's backward over all pairs: dW2 += dc hidden^T, d hidden = W2^T dc, da = d hidden * gelu'(a).
-        times_transposed<T>(grad.data(), hidden.data(), dw2, n.heads, n.width, tile, T(1), T(1));
-        std::fill(grad_hidden.begin(), grad_hidden.begin() + n.width * tile, T(0));
-        transposed_times<T>(w2.data_ptr<T>(), n.width, grad.data(), grad_hidden.data(), n.heads, n.width, tile);
-        gelu_slopes(a.data(), n.width * tile);
-        for (int64_t w = 0; w < n.width; ++w) {
-          T* d = grad_hidden.data() + w * tile;
-          const T* slope = a.data() + w * tile;
-#pragma omp simd
-          for (int64_t i = 0; i < tile; ++i) d[i] *= slope[i];
-          sum_by_distance(d, r0, c0, nr, nk, de + w * n.length);
-        }
-        times_transposed<T>(grad_hidden.data(), z.data(), dw1, n.width, n.heads, tile, T(1), T(1));
-        std::fill(grad_z.begin(), grad_z.begin() + n.heads * tile, T(0));
-        transposed_times<T>(w1.data_ptr<T>(), 2 * n.heads, grad_hidden.data(), grad_z.data(), n.width, n.heads,
-                            tile);
-        for (int64_t h = 0; h < n.heads; ++h) {  // dz = dl + W1[:, :H]^T da: into q and k; dl into the added bias
-          const int64_t head_row = (b * n.heads + h) * n.length;
-          T* dz = grad_z.data() + h * tile;
-          const T* dl = grad.data() + h * tile;
-#pragma omp simd
-          for (int64_t i = 0; i < tile; ++i) dz[i] += dl[i];
-          if (add_bias && table_grad) sum_by_distance(dl, r0, c0, nr, nk, dtable + h * n.length);
-          times<T>(dz, nk, cape.key + (h * n.length + c0) * n.dim,
+          const int64_t own = (thread * n.batch + b) * n.heads * n.length + h * n.length + c0;
+          transposed_times<T>(prob.data() + h * stride, nk, grad_output.data_ptr<T>() + (head_row + r0) * n.value_dim,
+                              grad_value.data_ptr<T>() + own * n.value_dim, nr, nk, n.value_dim);
+          const T* dz = grad_z.data() + h * stride;
+          times<T>(dz, nk, key.data_ptr<T>() + (head_row + c0) * n.dim,
                    grad_query.data_ptr<T>() + (head_row + r0) * n.dim, nr, nk, n.dim, T(1));
-          T* dk = grad_key.data_ptr<T>() + ((thread * n.batch + b) * n.heads * n.length + h * n.length + c0) * n.dim;
-          transposed_times<T>(dz, nk, cape.query + (h * n.length + r0) * n.dim, dk, nr, nk, n.dim);
+          transposed_times<T>(dz, nk, query.data_ptr<T>() + (head_row + r0) * n.dim,
+                              grad_key.data_ptr<T>() + own * n.dim, nr, nk, n.dim);
         }
       }
     }
   });
   grad_query.mul_(scaling);
-  const at::Tensor by_distance_grad = grad_by_distance.sum(0);  // dE [W, L]
-  at::Tensor table_grad_sum = grad_table.sum(0);
+  const at::Tensor by_distance_grad = by_distance_from(grad_mlp_in, n.length);  // dE [W, L]
+  at::Tensor table_grad_sum = bias_grad ? by_distance_from(grad_bias_in, n.length)
+                                        : at::zeros({n.heads, n.length}, query.options());
   if (table_grad) table_grad_sum.addmm_(w1.narrow(1, n.heads, n.heads).t(), by_distance_grad);
   return {grad_query, grad_key.sum(0).mul_(scaling), grad_value.sum(0), table_grad_sum,
           at::cat({grad_w1.sum(0), at::mm(by_distance_grad, table.t())}, 1), by_distance_grad.sum(1),

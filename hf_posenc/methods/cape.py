@@ -11,8 +11,8 @@ With z_ij = scaling * q_i . k_j (one value per head), B_ij the bias of any regis
 
 Computed per query block; the MLP sees [B, rows, keys, 2H] at a time, never [L, L] for the whole sequence. On the CPU
 a causal square whose bias is a table of distances (consecutive position ids, a bias method with `bias_table`) goes to
-a fused kernel (engine/cpu_kernels/cape.cpp): every head's pairs of a tile in cache, the MLP as two BLAS products over
-the tile's pairs, flash attention's softmax, the backward recomputing each tile.
+a fused kernel (engine/cpu_kernels/cape.cpp): every head's pairs of a tile in cache, the MLP per chunk of a row's pairs
+on register vectors, flash attention's softmax, the backward recomputing each tile.
 
 On top of the model's own mechanism B enters only through f, whose output layer starts at zero: at init the method
 adds exactly nothing and the logits are the original ones (gradients then reach the output layer at once, the

@@ -244,6 +244,33 @@ def test_stick_breaking_kernel_in_float32_is_float64_within_rounding():
         assert max_diff(ours, theirs) <= 1e-5 * theirs.abs().max()
 
 
+def test_cape_kernel_in_float32_is_float64_within_rounding():
+    """CAPE's kernel in float32 (chunks of 8 pairs, one AVX2 vector; float64's are 4) with the default tiles over 300
+    tokens (a last key tile of 44, so rows end in a part chunk) and an ALiBi-like table reaching -300, against its own
+    float64 (which the test above checks against the materialised MLP): output and every gradient within float32
+    rounding. b2's gradient is zero up to rounding (about 1e-5 here), so it is held to an absolute 1e-4."""
+    generator = torch.Generator().manual_seed(9)
+
+    def draw(*shape, scale=1.0):
+        return torch.randn(*shape, dtype=torch.float64, generator=generator) * scale
+
+    length = 300
+    table = -torch.arange(length, dtype=torch.float64) * torch.linspace(0.05, 1.0, 4, dtype=torch.float64)[:, None]
+    inputs = [draw(1, 4, length, 32), draw(1, 4, length, 32), draw(1, 4, length, 16), table, draw(16, 8, scale=0.3),
+              draw(16, scale=0.1), draw(4, 16, scale=0.1), draw(4)]
+    upstream = draw(1, 4, length, 16)
+    results = []
+    for dtype in (torch.float64, torch.float32):
+        leaves = [x.to(dtype).clone().requires_grad_() for x in inputs]
+        output = fused_cpu.cape_causal(*leaves, 32 ** -0.5, True)
+        output.backward(upstream.to(dtype))
+        results.append([output] + [leaf.grad for leaf in leaves])
+    for index, (theirs, ours) in enumerate(zip(*results)):
+        assert ours.dtype == torch.float32
+        bound = 1e-4 if index == 8 else 2e-5 * theirs.abs().max()  # b2's: float32 sums of 45000 pairs' dl near 0
+        assert max_diff(ours, theirs) <= bound
+
+
 def train_step(model, ids, attention_mask=None):
     model.zero_grad()
     logits = model(ids, attention_mask=attention_mask).logits

@@ -348,14 +348,15 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
     progress = resume_progress(accelerator, resume)
     from hf_posenc.engine.attention import attention_path
 
-    with attention_path(args.attention_path):
-        train(args, training, progress, checkpoint_dir, started, bool(trackers), run_settings)
-
-    summary = run_summary(args, training, progress, request, posenc, data, started)
-    save_output(args, training, tokenizer, posenc, summary, progress.log)
-    release_prepared(training)
-    # Always: it also destroys the process group, without which a rank can abort at exit under DDP.
-    accelerator.end_training()
+    try:
+        with attention_path(args.attention_path):
+            train(args, training, progress, checkpoint_dir, started, bool(trackers), run_settings)
+        summary = run_summary(args, training, progress, request, posenc, data, started)
+        save_output(args, training, tokenizer, posenc, summary, progress.log)
+    finally:  # a run stopped by a raise (a diverging loss, an interrupt) too
+        release_prepared(training)
+        # It also destroys the process group, without which a rank can abort at exit under DDP.
+        accelerator.end_training()
     return summary
 
 

@@ -207,6 +207,21 @@ def test_a_diverging_run_stops_and_keeps_the_previous_output(tiny_dir, tmp_path,
                    "the update of step 1 left weights that are not finite", out, good)
 
 
+def test_a_run_stopped_by_a_raise_still_releases_what_it_prepared(tiny_dir, tmp_path, capsys, monkeypatch):
+    """A run that stops mid-training on a raise (here the diverging loss above) drops its prepared objects and then
+    ends the accelerator's training, as a finished run does: DDP's reducer goes before the process group (see
+    `release_prepared`), and the group is destroyed."""
+    from accelerate import Accelerator
+
+    calls = []
+    release, end = finetune.release_prepared, Accelerator.end_training
+    monkeypatch.setattr(finetune, "release_prepared", lambda training: (calls.append("release"), release(training)))
+    monkeypatch.setattr(Accelerator, "end_training", lambda self: (calls.append("end"), end(self)))
+    assert finetune_main(_args(tiny_dir, tmp_path / "out", "--max-steps", "4", "--lr", "1e30")) == 2
+    assert "the training loss is nan" in capsys.readouterr().err
+    assert calls == ["release", "end"]
+
+
 def test_two_processes_stop_together_on_a_diverging_loss(tiny_dir, tmp_path):
     out = tmp_path / "out"
     assert finetune_main(_args(tiny_dir, out, "--max-steps", "1")) == 0

@@ -385,6 +385,26 @@ def test_a_failed_build_is_a_refusal_and_the_blocks_serve(monkeypatch, fresh_che
     assert max_diff(first, expected) == 0 and max_diff(second, expected) == 0
 
 
+def test_a_failed_build_warns_once_for_every_kernel_it_refuses(monkeypatch, fresh_checks):
+    """TAPE's calls check two kernels (its turn and the causal kernel); with no compiler both checks fail on the same
+    build, and the user reads that cause once. Both refusals are in kernel_status()."""
+    import torch.utils.cpp_extension
+
+    def no_compiler(**ignored):
+        raise RuntimeError("Error building extension: c++: command not found")
+
+    model = hf_posenc.patch_model(tiny_model("llama"), "tape", init="random")
+    monkeypatch.setattr(fused_cpu, "_loaded", False)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        model(random_ids(1, 24))
+    refusals = [str(w.message) for w in caught if issubclass(w.category, engine.KernelCheckWarning)]
+    assert len(refusals) == 1 and "c++: command not found" in refusals[0], refusals
+    refused = {verdict.kernel for verdict in engine.kernel_status() if not verdict.passed}
+    assert len(refused) == 2, engine.kernel_status()
+
+
 def test_the_environment_turns_the_fused_kernels_off(monkeypatch, fresh_checks):
     monkeypatch.setenv("HF_POSENC_CPU_KERNELS", "0")
     model = hf_posenc.patch_model(tiny_model("llama"), "stick-breaking")

@@ -241,8 +241,8 @@ def _first_line(error: Exception) -> str:
 
 
 def _record(key: tuple[str, str, tuple], error: float, failure: str) -> bool:
-    """Store the verdict of one check (and warn where it is the kernel's first failure on the device); True where it
-    passed."""
+    """Store the verdict of one check (and warn where it is the kernel's first failure on the device, unless another
+    kernel failed there for the same reason); True where it passed."""
     kernel, device, kind = key
     verdict = Verdict(kernel, device, kind, not failure, error, failure)
     with _lock:
@@ -250,7 +250,9 @@ def _record(key: tuple[str, str, tuple], error: float, failure: str) -> bool:
         if verdict.passed:
             _passed.add(key)
             return True
-        first_refusal = (kernel, device) not in _refused
+        # One warning per cause: a failed build refuses every fused CPU kernel with the same message.
+        first_refusal = (kernel, device) not in _refused and not any(
+            earlier.device == device and earlier.detail == failure for earlier in _refused.values())
         _refused.setdefault((kernel, device), verdict)
     if first_refusal:
         warnings.warn(

@@ -307,7 +307,7 @@ std::vector<at::Tensor> forward_impl(const at::Tensor& query, const at::Tensor& 
                               key.data_ptr<T>() + (batch_row + h * n.length + c0) * n.dim,
                               logits.data() + h * stride, nr, nk, n.dim, T(scaling), T(0));
         for (int64_t r = 0; r < nr; ++r) {
-          const int64_t causal = std::clamp<int64_t>(r0 + r + 1 - c0, 0, nk);
+          const int64_t causal = causal_keys(r0 + r, c0, nk);
           for (int64_t at = 0; at < causal; at += chunk) {
             T* l = logits.data() + r * nk + at;
             const int64_t u = n.length - 1 - (r0 + r) + c0 + at;
@@ -328,7 +328,7 @@ std::vector<at::Tensor> forward_impl(const at::Tensor& query, const at::Tensor& 
           const T* v = value.data_ptr<T>() + (batch_row + h * n.length + c0) * n.value_dim;
           T* l = logits.data() + h * stride;
           for (int64_t r = 0; r < nr; ++r) {
-            const int count = std::clamp<int64_t>(r0 + r + 1 - c0, 0, nk);
+            const int count = causal_keys(r0 + r, c0, nk);
             T* s = l + r * nk;
             if (count > 0) softmax_step(s, count, most[h * rows + r], sum[h * rows + r], o + r * n.value_dim,
                                         n.value_dim);
@@ -411,7 +411,7 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& query, const at::Tensor&
         for (int64_t s0 = 0; s0 < nr; s0 += slab_rows) {
           const int64_t s1 = std::min(nr, s0 + slab_rows);
           for (int64_t r = s0; r < s1; ++r) {
-            const int64_t i = r0 + r, causal = std::clamp<int64_t>(i + 1 - c0, 0, nk);
+            const int64_t i = r0 + r, causal = causal_keys(i, c0, nk);
             for (int64_t h = 0; h < n.heads; ++h) {
               row_log_sum[h] = log_sum.data_ptr<T>()[batch_row + h * n.length + i];
               row_delta[h] = delta[h * rows + r];

@@ -103,7 +103,7 @@ std::vector<at::Tensor> forward_impl(const at::Tensor& query, const at::Tensor& 
         const int64_t c0 = std::max<int64_t>(0, c1 - keys), nk = c1 - c0;
         times_transposed<T>(q + r0 * dim, k + c0 * dim, z.data(), nr, nk, dim, cope.scaling, T(0));
         for (int64_t r = 0; r < nr; ++r) {
-          const int n = std::clamp<int64_t>(r0 + r + 1 - c0, 0, nk);
+          const int n = causal_keys(r0 + r, c0, nk);
           T* zr = z.data() + r * nk;
           T* g = gate.data() + r * nk;
           if (n > 0) {
@@ -201,7 +201,7 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& query, const at::Tensor&
           times_transposed<T>(q + r0 * dim, k + c0 * dim, prob.data(), nr, nk, dim, cope.scaling, T(0));
           for (int64_t r = 0; r < nr; ++r) {
             const int64_t i = r0 + r;
-            const int n = std::clamp<int64_t>(i + 1 - c0, 0, nk);
+            const int n = causal_keys(i, c0, nk);
             // keys [0, m) of the tile are clamped (l = z + I[max_pos]); the window's [m, n) take the whole chain
             const int m = std::clamp<int64_t>(int64_t(window_all[2 * (h * length + i) + 1]) + 1 - c0, 0, n);
             const T* in = integer.data() + r * positions;
@@ -231,7 +231,7 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& query, const at::Tensor&
           transposed_times<T>(prob.data(), nk, go, dv + c0 * value_dim, nr, nk, value_dim);  // dV += P^T dO
           for (int64_t r = 0; r < nr; ++r) {
             const int64_t i = r0 + r;
-            const int n = std::clamp<int64_t>(i + 1 - c0, 0, nk);
+            const int n = causal_keys(i, c0, nk);
             const int m = std::clamp<int64_t>(int64_t(window_all[2 * (h * length + i) + 1]) + 1 - c0, 0, n);
             const T* p = prob.data() + r * nk;
             T* dl = grad.data() + r * nk;

@@ -31,7 +31,7 @@ struct NearFar {
     if (any_far) times_transposed<T>(fq, far_key + c0 * dim, out, nr, nk, dim, scaling, T(0));
     if (any_near) times_transposed<T>(nq, near_key + c0 * dim, any_far ? other : out, nr, nk, dim, scaling, T(0));
     for (int r = 0; r < nr; ++r) {
-      const int n = std::clamp<int64_t>(r0 + r + 1 - c0, 0, nk);
+      const int n = causal_keys(r0 + r, c0, nk);
       const int f = std::clamp<int64_t>(r0 + r - far_from + 1 - c0, 0, n);
       far_count[r] = f;
       if (any_far && any_near) std::copy(other + r * nk + f, other + r * nk + n, out + r * nk + f);
@@ -70,7 +70,7 @@ std::vector<at::Tensor> forward_impl(const at::Tensor& near_query, const at::Ten
         const int64_t c1 = std::min(c0 + keys, r1), nk = c1 - c0;
         parts.logits(r0, r1, c0, c1, score.data(), other.data(), far_count.data());
         for (int64_t r = 0; r < nr; ++r) {
-          const int n = std::clamp<int64_t>(r0 + r + 1 - c0, 0, nk);
+          const int n = causal_keys(r0 + r, c0, nk);
           T* s = score.data() + r * nk;
           if (n > 0) softmax_step(s, n, most[r], sum[r], o + r * value_dim, value_dim);
           std::fill(s + n, s + nk, T(0));
@@ -126,7 +126,7 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& near_query, const at::Te
           const int64_t c1 = std::min(c0 + keys, r1), nk = c1 - c0;
           nf.logits(r0, r1, c0, c1, prob.data(), other.data(), far_count.data());
           for (int64_t r = 0; r < nr; ++r) {
-            const int n = std::clamp<int64_t>(r0 + r + 1 - c0, 0, nk);
+            const int n = causal_keys(r0 + r, c0, nk);
             const T lse = lse_all[h * length + r0 + r];
             T* p = prob.data() + r * nk;
             probabilities(p, n, lse);
@@ -135,7 +135,7 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& near_query, const at::Te
           times_transposed<T>(go, v + c0 * value_dim, grad.data(), nr, nk, value_dim, T(1), T(0));  // dO . v
           transposed_times<T>(prob.data(), nk, go, dv + c0 * value_dim, nr, nk, value_dim);  // dV += P^T dO
           for (int64_t r = 0; r < nr; ++r) {
-            const int n = std::clamp<int64_t>(r0 + r + 1 - c0, 0, nk);
+            const int n = causal_keys(r0 + r, c0, nk);
             const T* p = prob.data() + r * nk;
             T* ds = grad.data() + r * nk;
             const T centre = delta[r], scale = nf.scaling;

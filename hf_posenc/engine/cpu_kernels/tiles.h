@@ -26,6 +26,9 @@ namespace hf_posenc_cpu {
 // vector math library; arguments are floored here, where the result is negligible beside the row's others.
 constexpr double kExpFloor = -80.0;
 
+// How many of the keys [c0, c0 + nk) query `row` of a causal square sees (those at or before it).
+inline int causal_keys(int64_t row, int64_t c0, int64_t nk) { return int(std::clamp<int64_t>(row + 1 - c0, 0, nk)); }
+
 // Column-major BLAS on row-major data: every call below is written as the column-major product of the transposes.
 inline void gemm(char ta, char tb, int m, int n, int k, float alpha, const float* a, int lda, const float* b, int ldb,
                  float beta, float* c, int ldc) {

@@ -174,6 +174,48 @@ def test_xpos_scores_decay_with_distance_only():
     assert score(50, 10) == pytest.approx(expected, rel=1e-4)
 
 
+def test_xpos_factors_hold_across_the_whole_float32_spread():
+    """float32 and bfloat16 queries may lie e^30 apart in factor (12,000 tokens at scale_base 512), fp16 only e^4. At
+    that spread, scores near the diagonal equal those with each query as its own centre to float32's rounding:
+    exponents taken in float32 were 5.5e-7 to 7.5e-7 off, in float64 at most 2.3e-7."""
+    xpos = module_of("xpos")
+    spread = xpos.max_query_spread(torch.float32)
+    assert xpos.max_query_spread(torch.bfloat16) == spread > 12000 > 1700 > xpos.max_query_spread(torch.float16)
+    dim = 2 * xpos._inv_freq.numel()
+    i = torch.arange(5, int(spread) + 1)
+    for d in (1, 2, 3, 5):  # all-ones vectors at distances below 1 radian: every pair's term is positive
+        wide_q, wide_k = xpos.rotate_query_key(torch.ones(1, 1, len(i), dim), torch.ones(1, 1, len(i), dim),
+                                               i[None], i[None] - d, 0)
+        own_q, own_k = xpos.rotate_query_key(torch.ones(len(i), 1, 1, dim), torch.ones(len(i), 1, 1, dim),
+                                             i[:, None], i[:, None] - d, 0)
+        wide, own = (wide_q * wide_k).sum(-1).flatten(), (own_q * own_k).sum(-1).flatten()
+        assert (wide.double() / own.double() - 1).abs().max() <= 3.5e-7
+
+
+@pytest.mark.parametrize("scale_base,length,path", [(4.0, 64, "causal"), (4.0, 200, "blocked")])
+def test_xpos_takes_one_causal_call_when_the_forward_fits_its_spread(scale_base, length, path):
+    """A causal forward whose positions fit in the dtype's spread (here 96 tokens for float32) is rotated once and
+    takes SDPA's causal kernel; a longer one is cut into query blocks. Both equal a float64 run, and the gradients
+    too."""
+    from hf_posenc.engine import attention as attention_module
+
+    model = hf_posenc.patch_model(tiny_model("llama"), "xpos", scale_base=scale_base)
+    ids = random_ids(1, length, seed=3)
+    reference = model.double()(ids).logits
+    model.float()
+    attention_module.last_paths.clear()
+    logits = model(ids).logits
+    taken = {name for name, count in attention_module.last_paths.items() if count}
+    assert taken == {path}
+    assert max_diff(logits, reference) <= 1e-5
+    logits.float().logsumexp(-1).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model.double()(ids).logits.logsumexp(-1).sum().backward()
+    for grad, parameter in zip(grads, model.parameters()):
+        assert max_diff(grad, parameter.grad) <= 1e-4 * max(1.0, parameter.grad.abs().max().item())
+
+
 def test_xpos_blockwise_causal_attention_limits_the_context():
     model = hf_posenc.patch_model(tiny_model("llama"), "xpos", extrapolation="bca", window=4)
     a, b = random_ids(1, 14, seed=5), random_ids(1, 14, seed=6)

@@ -284,8 +284,10 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
             return output, None
     if (not has_bias and not eager and _causal_square(attention_mask, query.shape[2], key.shape[2], query_slots,
                                                       key_slots) and not state.method.masks_keys
-            and not (rotary and state.method.rotates_per_query_block)):
+            and _one_query_block(state, query_positions, query.dtype)):
         # No bias and a plain causal square (a full forward without padding): SDPA's own causal kernel.
+        if rotary and state.method.rotates_per_query_block:
+            query, key = state.method.rotate_query_key(query, key, query_positions, key_positions, state.call.seq_len)
         last_paths["causal"] += 1
         output = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=True,
                                                 enable_gqa=query.shape[1] != key.shape[1])
@@ -333,7 +335,8 @@ def _blocked(module, state, layer_idx, query, key, value, attention_mask, scalin
         return output.transpose(1, 2).contiguous(), None
 
     outputs, weights = [], []
-    for rows in query_blocks(query_positions, step, state.method.max_query_spread if rotate_blocks else None):
+    for rows in query_blocks(query_positions, step, state.method.max_query_spread(query.dtype) if rotate_blocks
+                             else None):
         start, stop = rows.start, rows.stop
         # Keys past the block's last query slot are masked for every row of the block: leave them out
         # (eager mode keeps them, for full-width attention weights).
@@ -1144,6 +1147,18 @@ def _traced(module, state, layer_idx, query, key, value, attention_mask, scaling
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 
 
+def _one_query_block(state, query_positions: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether all queries can be rotated together: always, but for methods rotated per query block (xPos), whose
+    queries must then lie within the method's spread for the dtype."""
+    method = state.method
+    return not (isinstance(method, RotaryMethod) and method.rotates_per_query_block) or \
+        _within_spread(query_positions, method.max_query_spread(dtype))
+
+
+def _within_spread(positions: torch.Tensor, max_spread: float) -> bool:
+    return float((positions.amax(-1) - positions.amin(-1)).max()) <= max_spread
+
+
 def query_blocks(query_positions: torch.Tensor, step: int, max_spread: float | None = None) -> list[slice]:
     """Query rows in blocks of at most `step`; with `max_spread`, a block is halved until the positions of each of its
     rows lie within max_spread of each other (for methods that scale around a centre per block, see xpos.py)."""
@@ -1152,8 +1167,7 @@ def query_blocks(query_positions: torch.Tensor, step: int, max_spread: float | N
     while start < q:
         stop = min(q, start + step)
         while max_spread is not None and stop - start > 1:
-            rows = query_positions[:, start:stop]
-            if float((rows.amax(-1) - rows.amin(-1)).max()) <= max_spread:
+            if _within_spread(query_positions[:, start:stop], max_spread):
                 break
             stop = start + (stop - start) // 2
         blocks.append(slice(start, stop))

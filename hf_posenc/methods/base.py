@@ -129,9 +129,8 @@ class RotaryMethod(PositionalMethod):
     exact_cache: bool = False
     # Rotate each query block with the keys it sees, inside the shared attention path (rather than all queries and
     # keys once): for methods whose factors are only bounded relative to a centre near the queries (xPos). The
-    # positions of a block's queries then lie within `max_query_spread` of each other.
+    # positions of a block's queries then lie within `max_query_spread(dtype)` of each other.
     rotates_per_query_block: ClassVar[bool] = False
-    max_query_spread: float = float("inf")
     # Compute each query block's attention scores with `block_scores` from un-rotated queries and keys (needs
     # rotates_in_attention): for methods that give a query two position assignments, one for the keys near it and
     # one for those beyond, merged per query (Self-Extend, ReRoPE). The attention path masks, softmaxes and applies
@@ -187,6 +186,11 @@ class RotaryMethod(PositionalMethod):
         """query [B, H, q, D], key [B, H_kv, kv, D] -> both rotated (used by the shared attention path)."""
         return (self.rotate_heads(query, self.rotation(query_positions, seq_len)),
                 self.rotate_heads(key, self.rotation(key_positions, seq_len)))
+
+    def max_query_spread(self, dtype: torch.dtype) -> float:
+        """For `rotates_per_query_block` methods: how far apart the positions of one block's queries may lie when the
+        queries and keys are in `dtype`."""
+        return float("inf")
 
     def block_keys(self, key: torch.Tensor, key_positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """For `scores_per_query_block` methods: what `block_scores` needs of the call's keys [B, H, kv, D] (heads

@@ -3,9 +3,11 @@ queries by zeta_k ** (i / scale_base) and keys by zeta_k ** (-j / scale_base), z
 so q_i . k_j decays as zeta ** ((i - j) / scale_base). Keys are cached un-rotated and scaled in the shared
 attention path, per query block: the factors are taken relative to a centre c, the block's highest query position,
 as zeta ** ((i - c) / scale_base) and zeta ** ((c - j) / scale_base). Their product is unchanged, the key factors
-are at most 1, and the query factors at most exp(MAX_LOG_SCALE) because the attention path keeps a block's query
-positions within `max_query_spread` of each other; so every dtype stays finite at any length (one centre for a
-whole long prefill overflowed fp16 from about 4,600 tokens and fp32 from about 37,000).
+are at most 1, and the query factors at most e ** LOG_SCALE_LIMITS[dtype] because the attention path keeps a block's
+query positions within `max_query_spread(dtype)` of each other; so every dtype stays finite at any length (one
+centre for a whole long prefill overflowed fp16 from about 4,600 tokens and fp32 from about 37,000). Where a whole
+causal forward fits in one spread (float32 and bfloat16 up to about 12,000 tokens at scale_base 512), the attention
+path rotates it once and takes SDPA's causal kernel.
 
 Extrapolation: "bca" is the paper's blockwise causal attention: positions are cut into blocks of `window`
 tokens and a query sees the keys of its own and the previous block only."""
@@ -25,7 +27,11 @@ from .base import RotaryMethod, rotate
 
 DEFAULT_THETA = 10000.0
 DEFAULT_WINDOW = 2048
-MAX_LOG_SCALE = 4.0  # the largest query factor is e^4 (about 55): finite in fp16 for any query a model produces
+# The largest query factor, e^limit, by dtype. fp16 ends at 65504: e^4 (about 55) leaves the query itself room.
+# float32 and bfloat16 end at 3e38: with e^30 (1e13), a masked score (a key after the query, factor up to e^30) stays
+# far from overflow and a query's gradient (its key factors as small as e^-30) far from underflow.
+LOG_SCALE_LIMITS = {torch.float16: 4.0}
+DEFAULT_LOG_SCALE_LIMIT = 30.0
 
 
 @dataclass
@@ -63,11 +69,14 @@ class Xpos(RotaryMethod):
         self.theta = float(config.theta or info.rope_theta or DEFAULT_THETA)
         self._inv_freq = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         zeta = (torch.arange(0, dim, 2, dtype=torch.float64) / dim + config.gamma) / (1 + config.gamma)
-        self._log_zeta = (torch.cat((zeta, zeta)).log() / config.scale_base).float()  # half-split layout, < 0
+        self._log_zeta = torch.cat((zeta, zeta)).log() / config.scale_base  # float64, half-split layout, < 0
         # the largest |log zeta_k| / scale_base is at k = 0, zeta_0 = gamma / (1 + gamma) (plain floats: the method
         # may be built on the meta device, for shape checks)
-        self.max_query_spread = MAX_LOG_SCALE * config.scale_base / abs(math.log(config.gamma / (1 + config.gamma)))
+        self._tokens_per_log_unit = config.scale_base / abs(math.log(config.gamma / (1 + config.gamma)))
         self.window = config.window or info.max_positions or DEFAULT_WINDOW
+
+    def max_query_spread(self, dtype: torch.dtype) -> float:
+        return LOG_SCALE_LIMITS.get(dtype, DEFAULT_LOG_SCALE_LIMIT) * self._tokens_per_log_unit
 
     def frequencies(self, seq_len):
         return self._inv_freq, 1.0
@@ -76,14 +85,17 @@ class Xpos(RotaryMethod):
         """Rotate and scale one query block and the keys it sees, around the block's highest query position."""
         cos_q, sin_q = self.cos_sin(query_positions, seq_len)
         cos_k, sin_k = self.cos_sin(key_positions, seq_len)
-        log_zeta = self._log_zeta.to(query.device)
+        # Exponents in float64: a float32 product offset * log zeta near 30 is off by up to 1e-6, which the two
+        # factors would not cancel (Apple GPUs have no float64; their float32 fits the fp16 spread's exponents).
+        exact = torch.float32 if query.device.type == "mps" else torch.float64
+        log_zeta = self._log_zeta.to(query.device, exact)
         centre = query_positions.amax(-1, keepdim=True)
         # Both clamps only touch tokens whose scores are masked or undefined: padding queries far below the block's
         # real ones, and keys positioned after every query of the block (position ids that restart).
-        query_offset = (query_positions - centre).clamp_min(-self.max_query_spread)
+        query_offset = (query_positions - centre).clamp_min(-self.max_query_spread(query.dtype))
         key_offset = (key_positions - centre).clamp_max(0)
-        scale_q = torch.exp(query_offset[..., None].float() * log_zeta)[:, None]
-        scale_k = torch.exp(-key_offset[..., None].float() * log_zeta)[:, None]
+        scale_q = torch.exp(query_offset[..., None].to(exact) * log_zeta).float()[:, None]
+        scale_k = torch.exp(-key_offset[..., None].to(exact) * log_zeta).float()[:, None]
         query = rotate(query, (cos_q[:, None] * scale_q).to(query.dtype), (sin_q[:, None] * scale_q).to(query.dtype))
         key = rotate(key, (cos_k[:, None] * scale_k).to(key.dtype), (sin_k[:, None] * scale_k).to(key.dtype))
         return query, key

@@ -145,12 +145,6 @@ at::Tensor by_distance_from(const at::Tensor& reversed_buffers, int64_t length) 
   return reversed_buffers.sum(0).narrow(1, 0, length).flip(1).contiguous();
 }
 
-// row-major C[m x n] += A[m x k] . B[n x k]^T, rows of A `lda` apart and of B `ldb` apart
-template <typename T>
-inline void add_times_transposed(const T* a, int64_t lda, const T* b, int64_t ldb, T* c, int m, int n, int k) {
-  gemm('T', 'N', n, m, k, T(1), b, int(ldb), a, int(lda), T(1), c, n);
-}
-
 template <typename T>
 struct Cape {
   static constexpr int chunk = kChunk<T>;
@@ -451,10 +445,10 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& query, const at::Tensor&
           }
           // The weights' gradients over the slab's pairs: dW2 += dl hidden^T, dW1[:, :H] += da z^T.
           const int slab = int((s1 - s0) * nk);
-          add_times_transposed<T>(grad.data() + s0 * nk, stride, hidden_slab.data(), slab_stride, dw2, n.heads,
-                                  n.width, slab);
-          add_times_transposed<T>(grad_a_slab.data(), slab_stride, z.data() + s0 * nk, stride, dw1, n.width, n.heads,
-                                  slab);
+          times_transposed<T>(grad.data() + s0 * nk, hidden_slab.data(), dw2, n.heads, n.width, slab, T(1), T(1),
+                              stride, slab_stride);
+          times_transposed<T>(grad_a_slab.data(), z.data() + s0 * nk, dw1, n.width, n.heads, slab, T(1), T(1),
+                              slab_stride, stride);
         }
         for (int64_t h = 0; h < n.heads; ++h) {  // dV += P^T dO; dz into q and k
           const int64_t head_row = batch_row + h * n.length;

@@ -39,10 +39,11 @@ inline void gemm(char ta, char tb, int m, int n, int k, double alpha, const doub
   dgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
 }
 
-// row-major C[r x c] (+)= alpha A[r x d] . B[c x d]^T
+// row-major C[r x c] (+)= alpha A[r x d] . B[c x d]^T   (rows of A `lda` apart and of B `ldb` apart; default d)
 template <typename T>
-inline void times_transposed(const T* a, const T* b, T* c, int rows, int cols, int depth, T alpha, T beta) {
-  gemm('T', 'N', cols, rows, depth, alpha, b, depth, a, depth, beta, c, cols);
+inline void times_transposed(const T* a, const T* b, T* c, int rows, int cols, int depth, T alpha, T beta,
+                             int64_t lda = 0, int64_t ldb = 0) {
+  gemm('T', 'N', cols, rows, depth, alpha, b, int(ldb ? ldb : depth), a, int(lda ? lda : depth), beta, c, cols);
 }
 // row-major C[r x d] (+)= A[r x c] . B[c x d]   (A's rows `lda` apart)
 template <typename T>

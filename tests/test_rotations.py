@@ -239,15 +239,38 @@ def test_rotations_are_computed_once_per_forward_and_shared_by_the_layers(method
         calls.clear()
         step = model(ids[:, 8:9], past_key_values=cache, use_cache=True).logits
         assert len(calls) == 2
-        # per layer, as before: every layer computes its own rotations
+        # per layer, as before: every layer computes its own rotations (then the queries' and the keys' are two
+        # objects, so the block rotations rotate them in two products, not one: equal up to the products' rounding,
+        # in the prefill too, whose first layer's output makes the cached keys of the second)
         monkeypatch.setattr(hf_posenc.engine.state.PositionState, "rotation_of",
                             lambda state, positions, layer_idx=0: state.method.rotation(positions, state.call.seq_len))
-        assert torch.equal(model(ids).logits, full)
+        assert max_diff(model(ids).logits, full) <= 1e-5
         calls.clear()
         cache = DynamicCache(config=model.config)
         model(ids[:, :8], past_key_values=cache, use_cache=True)
-        assert torch.equal(model(ids[:, 8:9], past_key_values=cache, use_cache=True).logits, step)
+        assert max_diff(model(ids[:, 8:9], past_key_values=cache, use_cache=True).logits, step) <= 1e-5
         assert len(calls) == 1 + 2 * 2 + 1 + 2 * 2  # queries once, keys per layer (prefill and step)
+
+
+@pytest.mark.parametrize("method,options", [("liere", {}), ("liere", {"per_head": True}),
+                                            ("comrope-ap", {"block_size": 4}),
+                                            ("comrope-ld", {"block_size": 2, "per_head": True})])
+def test_queries_and_keys_at_the_same_positions_are_rotated_in_one_product(method, options, monkeypatch):
+    """A full forward rotates queries and keys (GQA: 4 query heads, 2 key heads) in one product per position, each
+    key head beside its query group so that per-head generators still meet their own heads."""
+    model, module = method_on("llama", method, init="random", init_std=0.2, **options)
+    generator = torch.Generator().manual_seed(0)
+    query, key = torch.randn(2, 4, 7, 16, generator=generator), torch.randn(2, 2, 7, 16, generator=generator)
+    rotation = module.rotation(torch.arange(3, 10)[None])
+    rotated_query, rotated_key = module.rotate_together(query, key, rotation)
+    assert max_diff(rotated_query, module.rotate_heads(query, rotation)) <= 1e-6
+    assert max_diff(rotated_key, module.rotate_heads(key, rotation)) <= 1e-6
+    calls = []
+    together = type(module).rotate_together
+    monkeypatch.setattr(type(module), "rotate_together", lambda *args: calls.append(1) or together(*args))
+    with torch.no_grad():
+        model(random_ids(2, 12))
+    assert len(calls) == model.config.num_hidden_layers
 
 
 # --- per-head parameters -------------------------------------------------------------------------------------------

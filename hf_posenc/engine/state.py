@@ -210,8 +210,11 @@ class PositionState:
         if call.traced:  # no per-forward reuse under torch.compile
             return (method.rotate_heads(query, method.layer_rotation(layer_idx, query_positions, call.seq_len)),
                     method.rotate_heads(key, method.layer_rotation(layer_idx, key_positions, call.seq_len)))
-        return (method.rotate_heads(query, self.rotation_of(query_positions, layer_idx)),
-                method.rotate_heads(key, self.rotation_of(key_positions, layer_idx)))
+        query_rotation, key_rotation = self.rotation_of(query_positions, layer_idx), self.rotation_of(key_positions,
+                                                                                                   layer_idx)
+        if query_rotation is key_rotation and query.dtype == key.dtype and query.shape[1] % key.shape[1] == 0:
+            return method.rotate_together(query, key, query_rotation)
+        return method.rotate_heads(query, query_rotation), method.rotate_heads(key, key_rotation)
 
     def rotation_of(self, positions: torch.Tensor, layer_idx: int = 0):
         """The method's rotation of `positions` [B or 1, n] in the current forward: computed by the first layer that

@@ -181,6 +181,11 @@ class RotaryMethod(PositionalMethod):
         cos, sin = rotation
         return rotate(x, cos[:, None].to(x.dtype), sin[:, None].to(x.dtype))
 
+    def rotate_together(self, query: torch.Tensor, key: torch.Tensor, rotation) -> tuple[torch.Tensor, torch.Tensor]:
+        """query [B, H, n, D] and key [B, H_kv, n, D] at the same n positions (a full forward), both rotated by
+        `rotation`; a method whose rotation is a matrix product per position does both in one product."""
+        return self.rotate_heads(query, rotation), self.rotate_heads(key, rotation)
+
     def rotate_query_key(self, query: torch.Tensor, key: torch.Tensor, query_positions: torch.Tensor,
                          key_positions: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """query [B, H, q, D], key [B, H_kv, kv, D] -> both rotated (used by the shared attention path)."""

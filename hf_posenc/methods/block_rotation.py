@@ -152,6 +152,15 @@ class BlockRotationMethod(RotaryMethod):
     def rotation(self, positions, seq_len=0):
         return block_exponentials(self.generators(), positions)
 
+    def rotate_together(self, query, key, rotation):
+        # Each key head beside its group of query heads, so that a per-head rotation groups them as it groups
+        # either alone. One product of H + H_kv vectors per position and block: two products (H, then H_kv) took
+        # 4x as long, forward and backward (SmolLM2's 9 + 3 heads, 512 positions, b = 64).
+        kv_heads = key.shape[1]
+        both = torch.cat((query.unflatten(1, (kv_heads, -1)), key[:, :, None]), dim=2)  # [B, H_kv, group + 1, n, D]
+        rotated = self.rotate_heads(both.flatten(1, 2), rotation).unflatten(1, (kv_heads, -1))
+        return rotated[:, :, :-1].flatten(1, 2), rotated[:, :, -1]
+
     def rotate_heads(self, x, rotation):
         dim = self.rotary_dim
         rotary, rest = x[..., :dim], x[..., dim:]

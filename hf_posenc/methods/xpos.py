@@ -86,7 +86,7 @@ class Xpos(RotaryMethod):
         cos_q, sin_q = self.cos_sin(query_positions, seq_len)
         cos_k, sin_k = self.cos_sin(key_positions, seq_len)
         # Exponents in float64: a float32 product offset * log zeta near 30 is off by up to 1e-6, which the two
-        # factors would not cancel (Apple GPUs have no float64; their float32 fits the fp16 spread's exponents).
+        # factors would not cancel (Apple GPUs have no float64: there they stay float32, that far off at the edge).
         exact = torch.float32 if query.device.type == "mps" else torch.float64
         log_zeta = self._log_zeta.to(query.device, exact)
         centre = query_positions.amax(-1, keepdim=True)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The GPU checks still open on issue 17, in one run of at most 12 minutes (a lent GPU session has 15 in all, start
+# The GPU checks still open on issue 17, in one run of at most 13 minutes (a lent GPU session has 15 in all, start
 # included): the tests of the paths that differ off the CPU (`--device cuda`), the compiled content blocks' tests,
-# flex against blocked for learned tables in bf16, the compiled content path, and Sandwich under CUDA graphs
-# (reduce-overhead failed with a bare AssertionError on an H100; bench_finetune now prints the traceback). Each
+# flex against blocked for learned tables in bf16, the compiled content path, Sandwich under CUDA graphs
+# (reduce-overhead failed with a bare AssertionError on an H100; bench_finetune now prints the traceback), and xPos
+# in bf16 (one causal flash call per layer since 843d734: its attention calls should read "causal"). Each
 # stage, in order of priority, has its own time limit and writes under OUT (default runs/gpu_checks) as it goes.
 #
 #     bash scripts/gpu_checks.sh [OUT]
@@ -58,6 +59,7 @@ timeout 90 python3 benchmarks/bench_flex_options.py --lengths 8192 --dtypes floa
 bench compiled_path 120 --layers 4 --lengths 2048 --methods "cope;stick-breaking" --attention-path compiled
 bench compile_reduce_overhead 100 --layers 2 --lengths 512 --methods "sandwich" --compile inductor \
   --compile-fullgraph --compile-mode reduce-overhead
+bench xpos_bf16 60 --layers 2 --lengths 4096 --methods "xpos"
 # The device tool brings back at most 8 files: the two logs and the JSON, not the plots.
 find "$OUT" -name '*.png' -delete
 stage done

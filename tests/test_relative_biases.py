@@ -13,7 +13,8 @@ from transformers import DynamicCache
 import hf_posenc
 from hf_posenc.tools.finetune import enable_gradient_checkpointing
 from hf_posenc import PosEncError
-from helpers import TOL, assert_same_fingerprint, decode_token_by_token, max_diff, model_fingerprint
+from helpers import (TOL, assert_same_fingerprint, decode_token_by_token, left_pad, max_diff, model_fingerprint,
+                     positions_from_mask)
 from tiny_models import FAMILIES, random_ids, tiny_model
 
 
@@ -214,6 +215,42 @@ def test_xpos_takes_one_causal_call_when_the_forward_fits_its_spread(scale_base,
     model.double()(ids).logits.logsumexp(-1).sum().backward()
     for grad, parameter in zip(grads, model.parameters()):
         assert max_diff(grad, parameter.grad) <= 1e-4 * max(1.0, parameter.grad.abs().max().item())
+
+
+@pytest.mark.parametrize("length,per_block", [(40, False), (200, True)])
+def test_xpos_rotates_a_padded_batch_and_a_cached_prefill_once_when_they_fit_its_spread(monkeypatch, length,
+                                                                                         per_block):
+    """Not only a causal square: a left-padded batch and a prefill after a cache, on the blocked path in query blocks
+    of 8 rows, are rotated once per layer when their queries fit the spread (96 tokens for float32 at scale_base 4),
+    else once per block around its own centre. Both equal the float64 run and each sequence alone."""
+    from hf_posenc.engine import attention as attention_module
+    from hf_posenc.methods.xpos import Xpos
+
+    monkeypatch.setattr(attention_module, "block_rows", lambda *args, **kwargs: 8)
+    calls = []
+    rotate = Xpos.rotate_query_key
+    monkeypatch.setattr(Xpos, "rotate_query_key", lambda self, *args: calls.append(1) or rotate(self, *args))
+    model = hf_posenc.patch_model(tiny_model("llama"), "xpos", scale_base=4.0)
+    layers = model.config.num_hidden_layers
+    ids, mask = left_pad([random_ids(1, length, seed=3)[0], random_ids(1, length - 15, seed=4)[0]])
+    positions = positions_from_mask(mask)
+    with torch.no_grad():
+        reference = model.double()(ids, attention_mask=mask, position_ids=positions).logits
+        model.float()
+        calls.clear()
+        padded = model(ids, attention_mask=mask, position_ids=positions).logits
+        padded_calls = len(calls)
+        alone = model(ids[1:, 15:]).logits
+        cache = DynamicCache(config=model.config)
+        model(ids[:1, :length // 2], past_key_values=cache, use_cache=True)
+        calls.clear()
+        rest = model(ids[:1, length // 2:], past_key_values=cache, use_cache=True).logits
+        prefill_calls = len(calls)
+    assert (padded_calls > layers, prefill_calls > layers) == (per_block, per_block and length // 2 > 96)
+    assert padded_calls >= layers and prefill_calls >= layers
+    assert max_diff(padded, reference) <= 1e-5
+    assert max_diff(padded[1:, 15:], alone) <= 1e-5
+    assert max_diff(rest, reference[:1, length // 2:]) <= 1e-5
 
 
 def test_xpos_blockwise_causal_attention_limits_the_context():

@@ -265,14 +265,19 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if rotary and state.method.scores_per_query_block:
         return _scored_blocks(module, state, query, key, value, attention_mask, scaling, dropout, query_slots,
                               key_slots, query_positions, key_positions)
-    if rotary and not state.method.rotates_per_query_block:
-        # Keys are cached un-rotated; rotating the whole cache here costs O(kv * D) per layer and step, the same
-        # order as attention itself, and is what keeps length-dependent scalings exact under a KV cache.
-        query, key = state.rotate_query_key(query, key, query_positions, key_positions,  # once per forward
-                                            getattr(module, "layer_idx", 0) or 0)
+    layer_idx = getattr(module, "layer_idx", 0) or 0
+    # Keys are cached un-rotated; rotating the whole cache here costs O(kv * D) per layer and step, the same order
+    # as attention itself, and is what keeps length-dependent scalings exact under a KV cache. A method rotated per
+    # query block (xPos) is rotated here too when the call's queries fit its spread (under torch.compile: always, as
+    # one block, since the spread is a value); otherwise each block of the blocked path is rotated around its own
+    # centre (rotate_blocks).
+    rotate_blocks = False
+    if rotary and (state.call.traced or _one_query_block(state, query_positions, query.dtype)):
+        query, key = state.rotate_query_key(query, key, query_positions, key_positions, layer_idx)
+    else:
+        rotate_blocks = rotary
     dropout = dropout if module.training else 0.0
     eager = state.eager
-    layer_idx = getattr(module, "layer_idx", 0) or 0
     if state.call.traced:
         return _traced(module, state, layer_idx, query, key, value, attention_mask, scaling, dropout, eager,
                        query_slots, key_slots, query_positions, key_positions)
@@ -282,23 +287,22 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                                 key_slots, query_positions, key_positions, kwargs)
         if output is not None:
             return output, None
-    if (not has_bias and not eager and _causal_square(attention_mask, query.shape[2], key.shape[2], query_slots,
-                                                      key_slots) and not state.method.masks_keys
-            and _one_query_block(state, query_positions, query.dtype)):
+    if (not has_bias and not eager and not rotate_blocks and not state.method.masks_keys
+            and _causal_square(attention_mask, query.shape[2], key.shape[2], query_slots, key_slots)):
         # No bias and a plain causal square (a full forward without padding): SDPA's own causal kernel.
-        if rotary and state.method.rotates_per_query_block:
-            query, key = state.method.rotate_query_key(query, key, query_positions, key_positions, state.call.seq_len)
         last_paths["causal"] += 1
         output = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=True,
                                                 enable_gqa=query.shape[1] != key.shape[1])
         return output.transpose(1, 2).contiguous(), None
     last_paths["blocked"] += 1
     return _blocked(module, state, layer_idx, query, key, value, attention_mask, scaling, dropout, eager,
-                    query_slots, key_slots, query_positions, key_positions)
+                    query_slots, key_slots, query_positions, key_positions, rotate_blocks)
 
 
 def _blocked(module, state, layer_idx, query, key, value, attention_mask, scaling, dropout, eager, query_slots,
-             key_slots, query_positions, key_positions):
+             key_slots, query_positions, key_positions, rotate_blocks: bool = False):
+    """The attention of any call, by query blocks (O(block x kv) memory). rotate_blocks: the queries and keys are
+    not rotated yet; each block rotates its own around its centre (xPos beyond its spread, see xpos.py)."""
     batch, heads, q, _ = query.shape
     kv = key.shape[2]
     groups = heads // key.shape[1]
@@ -322,7 +326,6 @@ def _blocked(module, state, layer_idx, query, key, value, attention_mask, scalin
         padded = padded_table(table, step, query.dtype if as_view else torch.float32)
     else:
         step = block_rows(batch, heads, kv, state.method.block_cost, query.device)
-    rotate_blocks = isinstance(state.method, RotaryMethod) and state.method.rotates_per_query_block
     if as_view and dropout == 0.0 and _needs_grad(state, query, key, value) and (
             padded.requires_grad or sdpa_keeps_block_masks(query.device)):
         # A learned table in training: SDPA takes the bias as a constant, the backward recomputes each block and
@@ -1130,8 +1133,6 @@ def _traced(module, state, layer_idx, query, key, value, attention_mask, scaling
     `last_paths` bookkeeping: dynamo would guard on the counter and recompile on every call."""
     groups = query.shape[1] // key.shape[1]
     rows = slice(0, query.shape[2])
-    if isinstance(state.method, RotaryMethod) and state.method.rotates_per_query_block:
-        query, key = state.method.rotate_query_key(query, key, query_positions, key_positions, state.call.seq_len)
     mask = block_mask(state, layer_idx, rows, query_slots, key_slots, query_positions, key_positions, attention_mask,
                       query.dtype)
     if not eager:
@@ -1149,7 +1150,8 @@ def _traced(module, state, layer_idx, query, key, value, attention_mask, scaling
 
 def _one_query_block(state, query_positions: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether all queries can be rotated together: always, but for methods rotated per query block (xPos), whose
-    queries must then lie within the method's spread for the dtype."""
+    queries must then lie within the method's spread for the dtype (a padded batch's pads included: their positions
+    are the model's, often 1)."""
     method = state.method
     return not (isinstance(method, RotaryMethod) and method.rotates_per_query_block) or \
         _within_spread(query_positions, method.max_query_spread(dtype))

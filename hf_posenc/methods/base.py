@@ -127,9 +127,9 @@ class RotaryMethod(PositionalMethod):
     # For length-dependent methods: when the scale changes, run the text so far again so that cached decoding equals a
     # full forward (engine/replay.py); False keeps only the in-attention rotation.
     exact_cache: bool = False
-    # Rotate each query block with the keys it sees, inside the shared attention path (rather than all queries and
-    # keys once): for methods whose factors are only bounded relative to a centre near the queries (xPos). The
-    # positions of a block's queries then lie within `max_query_spread(dtype)` of each other.
+    # Rotate each query block with the keys it sees, inside the shared attention path, when a call's queries lie
+    # further apart than `max_query_spread(dtype)` (else all queries and keys once, as other methods): for methods
+    # whose factors are only bounded relative to a centre near the queries (xPos).
     rotates_per_query_block: ClassVar[bool] = False
     # Compute each query block's attention scores with `block_scores` from un-rotated queries and keys (needs
     # rotates_in_attention): for methods that give a query two position assignments, one for the keys near it and

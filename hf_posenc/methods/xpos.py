@@ -5,9 +5,9 @@ attention path, per query block: the factors are taken relative to a centre c, t
 as zeta ** ((i - c) / scale_base) and zeta ** ((c - j) / scale_base). Their product is unchanged, the key factors
 are at most 1, and the query factors at most e ** LOG_SCALE_LIMITS[dtype] because the attention path keeps a block's
 query positions within `max_query_spread(dtype)` of each other; so every dtype stays finite at any length (one
-centre for a whole long prefill overflowed fp16 from about 4,600 tokens and fp32 from about 37,000). Where a whole
-causal forward fits in one spread (float32 and bfloat16 up to about 12,000 tokens at scale_base 512), the attention
-path rotates it once and takes SDPA's causal kernel.
+centre for a whole long prefill overflowed fp16 from about 4,600 tokens and fp32 from about 37,000). Where a call's
+queries fit in one spread (float32 and bfloat16 up to about 12,000 tokens at scale_base 512; padded batches and
+cached prefills alike), the attention path rotates them once, and a causal forward takes SDPA's causal kernel.
 
 Extrapolation: "bca" is the paper's blockwise causal attention: positions are cut into blocks of `window`
 tokens and a query sees the keys of its own and the previous block only."""

@@ -1,0 +1,61 @@
+"""Every relative link in README.md and docs/*.md reaches a file of the repository, and every #anchor a heading of
+the page it names, with headings turned into anchors as GitHub does. Pages move (benchmarks.md's superseded runs
+went to benchmarks-history.md); a link left behind would otherwise rot silently."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but '-' and '_' dropped, spaces as '-'."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    found = set()
+    for line in FENCE.sub("", page.read_text()).splitlines():
+        if not line.startswith("#"):
+            continue
+        base = anchor(line.lstrip("#"))
+        count = seen.get(base, 0)
+        found.add(base if count == 0 else f"{base}-{count}")
+        seen[base] = count + 1
+    return found
+
+
+def links(page: Path):
+    for target in LINK.findall(FENCE.sub("", page.read_text())):
+        if not re.match(r"^[a-z]+:", target):  # http:, https:, mailto: are not checked (no network)
+            yield target
+
+
+def test_the_anchor_rule_matches_github():
+    assert anchor(" On an H200 (CUDA), 2026-11-27: content blocks, Sandwich's peak") == \
+        "on-an-h200-cuda-2026-11-27-content-blocks-sandwichs-peak"
+    assert anchor(" The last 4 layers, distilled: within 10 % on both texts") == \
+        "the-last-4-layers-distilled-within-10--on-both-texts"  # the dropped '%' leaves two spaces, two hyphens
+    assert anchor(" A compiled fine-tune step (`torch.compile`, CPU)") == "a-compiled-fine-tune-step-torchcompile-cpu"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_relative_link_reaches_a_file_and_a_heading(page):
+    broken = []
+    for target in links(page):
+        path, _, fragment = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(f"{target}: no file {file.relative_to(REPO) if file.is_relative_to(REPO) else file}")
+        elif fragment and file.suffix == ".md" and fragment not in anchors(file):
+            broken.append(f"{target}: no heading with the anchor #{fragment} in {file.name}")
+    assert not broken, f"{page.name} has broken links:\n" + "\n".join(broken)

@@ -253,6 +253,31 @@ def test_xpos_rotates_a_padded_batch_and_a_cached_prefill_once_when_they_fit_its
     assert max_diff(rest, reference[:1, length // 2:]) <= 1e-5
 
 
+def test_xpos_reads_its_spread_once_per_forward(monkeypatch):
+    """Whether the queries fit xPos's spread is a tensor's value (on a GPU, reading it waits for the device): it is
+    read by the first layer of a forward and reused by the others, and read again in the next forward, whose
+    positions may differ. The logits are the same as when each layer reads it."""
+    from hf_posenc.engine import attention as attention_module
+
+    reads = []
+    within = attention_module._within_spread
+    monkeypatch.setattr(attention_module, "_within_spread", lambda *args: reads.append(1) or within(*args))
+    model = hf_posenc.patch_model(tiny_model("llama"), "xpos", scale_base=4.0)
+    assert model.config.num_hidden_layers > 1
+    ids = random_ids(2, 40, seed=3)
+    with torch.no_grad():
+        first = model(ids).logits
+        assert len(reads) == 1
+        far = model(ids, position_ids=torch.arange(40).expand(2, -1) * 5).logits  # 195 apart: per block
+        assert len(reads) > 1
+        reads.clear()
+        monkeypatch.setattr(hf_posenc.engine.state.CallPositions, "facts",
+                            property(lambda self: {}, lambda self, value: None), raising=False)
+        again, far_again = model(ids).logits, model(ids, position_ids=torch.arange(40).expand(2, -1) * 5).logits
+    assert len(reads) >= 2 * model.config.num_hidden_layers
+    assert torch.equal(first, again) and torch.equal(far, far_again)
+
+
 def test_xpos_blockwise_causal_attention_limits_the_context():
     model = hf_posenc.patch_model(tiny_model("llama"), "xpos", extrapolation="bca", window=4)
     a, b = random_ids(1, 14, seed=5), random_ids(1, 14, seed=6)
@@ -298,6 +323,24 @@ def test_fire_past_the_threshold_normalises_by_the_query_position():
     query = torch.tensor([[7]])
     direct = fire.mlp(0, psi((7 - torch.arange(8)).float()) / psi(8.0)).T
     assert max_diff(fire.bias(0, query, torch.arange(8)[None])[0, :, 0], direct) <= 1e-6
+
+
+def test_fire_reads_its_learned_threshold_again_after_each_update():
+    """The threshold decides between the distance table and the per-query form as a Python float, read once per
+    change of the parameter (an optimizer step, a load), not per layer: after a step that moves it, the decision
+    follows."""
+    fire = module_of("fire", threshold=8.0, learn_threshold=True)
+    assert fire.bias_table(0, 21, max_position=20) is None
+    optimizer = torch.optim.SGD([fire.log_threshold], lr=1.0)
+    fire.log_threshold.grad = torch.full_like(fire.log_threshold, -math.log(32.0 / 8.0))
+    optimizer.step()  # the threshold 8 -> 32
+    assert fire.threshold_values()[0] == pytest.approx(32.0)
+    assert fire.bias_table(0, 21, max_position=20) is not None
+    with torch.no_grad():
+        fire.log_threshold.copy_(torch.full_like(fire.log_threshold, math.log(4.0)))
+    assert fire.bias_table(0, 21, max_position=8) is None
+    fire.load_state_dict({**fire.state_dict(), "log_threshold": torch.full_like(fire.log_threshold, math.log(16.0))})
+    assert fire.bias_table(0, 21, max_position=8) is not None and fire.bias_table(0, 21, max_position=20) is None
 
 
 def test_fire_piecewise_linear_form_equals_the_mlp_with_its_gradients():

@@ -288,7 +288,7 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         if output is not None:
             return output, None
     if (not has_bias and not eager and not rotate_blocks and not state.method.masks_keys
-            and _causal_square(attention_mask, query.shape[2], key.shape[2], query_slots, key_slots)):
+            and _causal_square(attention_mask, query.shape[2], key.shape[2])):
         # No bias and a plain causal square (a full forward without padding): SDPA's own causal kernel.
         last_paths["causal"] += 1
         output = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=True,
@@ -308,13 +308,13 @@ def _blocked(module, state, layer_idx, query, key, value, attention_mask, scalin
     groups = heads // key.shape[1]
     if eager and groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    first_key = int(key_slots[0]) if kv else 0
-    query_offset = int(query_slots[0]) - first_key  # slot distance of the first query to the first key
+    query_offset = state.query_offset(q, kv)  # slot distance of the first query to the first key
     table = None
     # A distance table indexed by slot distance needs position distances to be slot distances (state.py's shift);
     # eager returns attention weights, in key order: both others take the generic path.
     if not eager and state.call.shift is not None:
-        table = distance_table(state.method, layer_idx, query_offset + q, int(query_positions.max()), query.device)
+        table = distance_table(state.method, layer_idx, query_offset + q, _max_position(state, query_positions),
+                               query.device)
     if table is not None:
         # Keys in reversed order (see toeplitz_view); softmax does not care about the order of keys.
         key, value, key_slots, key_positions = key.flip(2), value.flip(2), key_slots.flip(0), key_positions.flip(-1)
@@ -382,14 +382,18 @@ def _blocked(module, state, layer_idx, query, key, value, attention_mask, scalin
     return output.transpose(1, 2).contiguous(), attn_weights
 
 
-def causal_blocks(query_slots: torch.Tensor, key_slots: torch.Tensor, step: int, full_width: bool):
-    """(rows, columns) per query block of `step` rows, keys in slot order: keys past the block's last query slot are
-    masked for all its rows and left out, unless `full_width` (eager: attention weights over every key)."""
-    q, kv = query_slots.shape[0], key_slots.shape[0]
-    query_offset = int(query_slots[0]) - (int(key_slots[0]) if kv else 0)
+def causal_blocks(q: int, kv: int, query_offset: int, step: int, full_width: bool):
+    """(rows, columns) per block of `step` of the q query rows, keys in slot order, the first query `query_offset`
+    slots after the first key (PositionState.query_offset): keys past the block's last query slot are masked for all
+    its rows and left out (causal_columns), unless `full_width` (eager: attention weights over every key)."""
     for start in range(0, q, step):
         rows = slice(start, min(q, start + step))
-        yield rows, slice(0, kv if full_width else max(1, min(kv, query_offset + rows.stop)))
+        yield rows, slice(0, kv) if full_width else causal_columns(rows, kv, query_offset)
+
+
+def causal_columns(rows: slice, kv: int, query_offset: int) -> slice:
+    """The keys a block of query rows may attend: those up to its last query's slot (at least one)."""
+    return slice(0, max(1, min(kv, query_offset + rows.stop)))
 
 
 def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dropout, query_slots, key_slots,
@@ -399,7 +403,7 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
     holds a few [B, H, rows, keys] tensors (the method's `block_cost`), never [L, L] for the whole sequence.
     Returns (output [B, q, H, D], attention weights [B, H, q, kv] in eager mode, else None)."""
     last_paths["scored"] += 1
-    batch, heads = query.shape[:2]
+    batch, heads, q = query.shape[:3]
     kv = key.shape[2]
     groups = heads // key.shape[1]
     if groups > 1:
@@ -407,8 +411,9 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
     eager = state.eager
     dropout = dropout if module.training else 0.0
     low = torch.finfo(torch.float32).min
-    if (not eager and dropout == 0.0 and _causal_square(attention_mask, query.shape[2], kv, query_slots, key_slots)
-            and state.method.window_holds(query_positions, key_positions)):
+    if (not eager and dropout == 0.0 and _causal_square(attention_mask, query.shape[2], kv)
+            and state.once_per_forward(("window holds", q, kv),
+                                       lambda: state.method.window_holds(query_positions, key_positions))):
         # Every pair within the window: ordinary RoPE attention, one causal call (as native), not two per block.
         last_paths["scored causal"] += 1
         near_query, near_key = state.method.window_heads(query, key, query_positions)
@@ -421,7 +426,7 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
         # most 2r wide, shared by the forward's layers): O(r) memory per block and query row, not O(r k)
         step = block_rows(batch, 1, 2 * kv, device=query.device)
         step = min(step, PARTS_BLOCK_ROWS) if query.device.type == "cpu" else step
-        blocks = list(causal_blocks(query_slots, key_slots, step, False))
+        blocks = list(causal_blocks(q, kv, state.query_offset(q, kv), step, False))
         block_masks = functools.partial(_near_far_masks, state, attention_mask, query_slots=query_slots,
                                         key_slots=key_slots, query_positions=query_positions,
                                         key_positions=key_positions)
@@ -430,7 +435,7 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
             # The kernel scores every causal key, near or far: not for a method that masks keys (sinks)
             if (plans is not None and far_rows is not None and _path == "auto" and state.method.fused_near_far
                     and not state.method.masks_keys and fused_kernels_enabled()
-                    and _causal_square(attention_mask, query.shape[2], kv, query_slots, key_slots)):
+                    and _causal_square(attention_mask, query.shape[2], kv)):
                 output = serve_checked(_fused_near_far_call(state, query, keys, value, scaling, far_rows,
                                                             query_positions, key_positions))
                 if output is not None:
@@ -446,18 +451,25 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
                 return output.transpose(1, 2).contiguous(), None
         elif (first := block_masks(*blocks[0])) is not None:
             last_paths["scored parts"] += 1
+            # The key columns each part needs (read from the masks) are the same in every layer that sees this mask:
+            # read in the first (held with the mask, so that its id stays its own for the forward).
+            by_mask = state.once_per_forward(("near far columns", q, kv), dict)
+            part_columns = by_mask.setdefault(id(attention_mask), (attention_mask, {}))[1]
             outputs = []
             for index, (rows, columns) in enumerate(blocks):
                 masks = functools.partial(block_masks, rows, columns)
+                block_masks_now = first if index == 0 else masks()
+                if (rows.start, rows.stop) not in part_columns:
+                    part_columns[rows.start, rows.stop] = near_far_columns(*block_masks_now)
                 outputs.append(_near_far_attention(
                     state.method, query[:, :, rows], tuple(part[:, :, columns] for part in keys),
                     query_positions[:, rows], key_positions[:, columns], value[:, :, columns],
-                    first if index == 0 else masks(), masks, scaling))
+                    block_masks_now, masks, scaling, part_columns[rows.start, rows.stop]))
             output = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
             return output.transpose(1, 2).contiguous(), None
     outputs, weights = [], []
     step = block_rows(batch, heads, kv, state.method.block_cost, query.device)
-    for rows, columns in causal_blocks(query_slots, key_slots, step, eager):
+    for rows, columns in causal_blocks(q, kv, state.query_offset(q, kv), step, eager):
         scores = state.method.block_scores(query[:, :, rows], tuple(part[:, :, columns] for part in keys),
                                            query_positions[:, rows], key_positions[:, columns]) * scaling
         allowed = key_slots[None, columns] <= query_slots[rows, None]
@@ -578,14 +590,15 @@ def _near_far_masks(state, attention_mask, rows, columns, *, query_slots, key_sl
     return mask & near, mask & ~near
 
 
-def _near_far_attention(method, query, keys, query_positions, key_positions, value, masks, rebuild, scaling):
+def _near_far_attention(method, query, keys, query_positions, key_positions, value, masks, rebuild, scaling,
+                        part_columns):
     """One block of a `block_near` method off the CPU kernel (there, NearFarAttention serves every block): softmax
     over the allowed keys of q_n . k_n where near, else q_f . k_f, as one SDPA call over the keys twice, [near ones;
     far ones], with the queries [q_n, q_f] and the keys [k_n, 0] and [0, k_f] along the head dimension, so that each
     copy scores with its own query. masks: the block's (near allowed, far allowed) (_near_far_masks); with gradients
     the call is checkpointed and rebuild() gives them again in the recomputation, rather than keep them. Only the key
-    columns where some row uses a part are given to it."""
-    near_columns, far_columns = near_far_columns(*masks)
+    columns where some row uses a part are given to it (`part_columns`: near_far_columns of the masks)."""
+    near_columns, far_columns = part_columns
     far = far_columns is not None
     (near_query, near_key), far_pair = method.block_parts(query, keys, query_positions, key_positions, far)
 
@@ -632,7 +645,8 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
     batch, heads, q, _ = query.shape
     kv = key.shape[2]
     layer_input, query_state, key_state = layer_state(state, layer_idx, q, key_slots)
-    query, key, value = method.prepare_heads(layer_idx, query, key, value, layer_input, key_state, key_slots)
+    query, key, value = method.prepare_heads(layer_idx, query, key, value, layer_input, key_state,
+                                             state.first_key_slot(q, kv))
     eager = state.eager
     dropout = dropout if module.training else 0.0
     outputs, weights, mixed = [], [], []
@@ -647,14 +661,13 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
             return _content_mask(state, layer_idx, attention_mask, rows, columns, query_slots, key_slots,
                                  query_positions, key_positions)
 
-        if _plain_causal(method, layer_idx, attention_mask, q, kv, query_slots, key_slots, query_positions,
-                         key_positions):
+        if _plain_causal(method, layer_idx, attention_mask, q, kv, query_positions, key_positions):
             last_paths["separable causal"] += 1
             output = causal_separable_attention(query, _match_heads(key, heads), _match_heads(value, heads), *terms,
                                                 scaling)
         else:
-            blocks = list(causal_blocks(query_slots, key_slots, block_rows(batch, heads, kv, device=query.device),
-                                        False))
+            separable_rows = block_rows(batch, heads, kv, device=query.device)
+            blocks = list(causal_blocks(q, kv, state.query_offset(q, kv), separable_rows, False))
             output = SeparableBiasAttention.apply(query, _match_heads(key, heads), _match_heads(value, heads), *terms,
                                                   blocks, block_mask, scaling)
         return method.finish_output(layer_idx, output, layer_input).transpose(1, 2).contiguous(), None
@@ -673,8 +686,8 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
     key, value = _match_heads(key, heads), _match_heads(value, heads)
     if _path == "auto" and method.has_fused_causal and query.device.type == "cpu" and fused_kernels_enabled() \
             and not eager and dropout == 0.0 and query_state is None and key_state is None \
-            and _plain_causal(method, layer_idx, attention_mask, q, kv, query_slots, key_slots, query_positions,
-                              key_positions) and method.fused_causal_applies(layer_idx, query_positions):
+            and _plain_causal(method, layer_idx, attention_mask, q, kv, query_positions, key_positions) \
+            and method.fused_causal_applies(layer_idx, query_positions):
         output = serve_checked(_fused_content_call(state, layer_idx, scaling, query, key, value, attention_mask,
                                                    query_slots, key_slots, query_positions, key_positions))
         if output is not None:
@@ -690,7 +703,7 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
             last_paths["compiled content"] += 1
             output = method.finish_output(layer_idx, output.transpose(1, 2), layer_input)
             return output.transpose(1, 2).contiguous(), None
-    blocks = list(causal_blocks(query_slots, key_slots, step, eager))
+    blocks = list(causal_blocks(q, kv, state.query_offset(q, kv), step, eager))
     if not eager and torch.is_grad_enabled() and dropout == 0.0 and not method.mixes_state:
         # Recomputed in the backward pass (the blocks' masks too): otherwise every block's [B, H, rows, keys]
         # temporaries would be kept for it, O(L^2) in all; this way a forward+backward holds one block at a time.
@@ -724,16 +737,16 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
     return output.transpose(1, 2).contiguous(), attn_weights
 
 
-def _causal_square(attention_mask, q: int, kv: int, query_slots, key_slots) -> bool:
-    """Whether query i is key i and nothing is masked but causality: no padding mask, no cache before the call."""
-    return attention_mask is None and q == kv and int(query_slots[0]) == int(key_slots[0])
+def _causal_square(attention_mask, q: int, kv: int) -> bool:
+    """Whether query i is key i and nothing is masked but causality: no padding mask, no cache before the call. (With
+    q == kv the first query is the first key: PositionState.first_key_slot.)"""
+    return attention_mask is None and q == kv
 
 
-def _plain_causal(method, layer_idx, attention_mask, q, kv, query_slots, key_slots, query_positions,
-                  key_positions) -> bool:
+def _plain_causal(method, layer_idx, attention_mask, q, kv, query_positions, key_positions) -> bool:
     """Whether a content call's allowed keys are exactly the causal ones with query i being key i (a causal square,
     no key mask or native bias of the method): then one causal kernel call serves it."""
-    return (_causal_square(attention_mask, q, kv, query_slots, key_slots) and not method.masks_keys
+    return (_causal_square(attention_mask, q, kv) and not method.masks_keys
             and method.native_bias(layer_idx, query_positions[:, :1], key_positions[:, :1]) is None)
 
 
@@ -761,7 +774,7 @@ def _kernel_content(state, layer_idx, heads_form, value, attention_mask, scaling
     method = state.method
     query, key = heads_form
     dim, batch, kv = value.shape[-1], query.shape[0], key.shape[2]
-    heads = query.shape[1]
+    heads, q = query.shape[1:3]
     values = value.to(query.dtype)
     if method.mixes_state and key_state is not None:
         features = key_state.to(query.dtype).flatten(3)
@@ -771,10 +784,11 @@ def _kernel_content(state, layer_idx, heads_form, value, attention_mask, scaling
     key, values = _match_heads(key, heads), _match_heads(values, heads)
     width = max(query.shape[-1], values.shape[-1])
     used = values.shape[-1]
-    if _plain_causal(method, layer_idx, attention_mask, query.shape[2], kv, query_slots, key_slots, query_positions,
-                     key_positions):
+    if _plain_causal(method, layer_idx, attention_mask, query.shape[2], kv, query_positions, key_positions):
         # Query i is key i: every attended key's position is at most the query's iff positions never go back.
-        if method.kernel_needs_ordered_keys and not bool((key_positions.cummax(-1).values <= query_positions).all()):
+        if method.kernel_needs_ordered_keys and not state.once_per_forward(
+                ("keys precede their queries", q, kv),
+                lambda: bool((key_positions.cummax(-1).values <= query_positions).all())):
             return None
         output = None
         if query.shape[-1] != used and fused:
@@ -788,7 +802,8 @@ def _kernel_content(state, layer_idx, heads_form, value, attention_mask, scaling
     else:
         query, key, values = (_pad_heads(x, width) for x in (query, key, values))
         low = torch.finfo(query.dtype).min
-        blocks = list(causal_blocks(query_slots, key_slots, block_rows(batch, 1, kv, device=query.device), False))
+        kernel_rows = block_rows(batch, 1, kv, device=query.device)
+        blocks = list(causal_blocks(q, kv, state.query_offset(q, kv), kernel_rows, False))
         if method.kernel_needs_ordered_keys and not _attended_keys_precede(
                 state, layer_idx, attention_mask, blocks, query_slots, key_slots, query_positions, key_positions):
             return None
@@ -838,8 +853,11 @@ def _attended_keys_precede(state, layer_idx, attention_mask, blocks, query_slots
     """Whether no query attends a key at a later position, decided before any kernel call. Usually by the slots
     alone (no key up to a query's slot is at a later position); where positions go back (packed documents, left
     padding), by each block's mask."""
-    last_key = torch.searchsorted(key_slots, query_slots, right=True).clamp_min(1) - 1
-    if bool((key_positions.cummax(-1).values[:, last_key] <= query_positions).all()):
+    def by_slots() -> bool:
+        last_key = torch.searchsorted(key_slots, query_slots, right=True).clamp_min(1) - 1
+        return bool((key_positions.cummax(-1).values[:, last_key] <= query_positions).all())
+
+    if state.once_per_forward(("attended keys precede by slot", query_slots.shape[0], key_slots.shape[0]), by_slots):
         return True
     for rows, columns in blocks:
         allowed, _ = _content_mask(state, layer_idx, attention_mask, rows, columns, query_slots, key_slots,
@@ -934,10 +952,10 @@ def _compiled_content_call(state, layer_idx, scaling, query, key, value, attenti
     kv = key.shape[2]
     needs_grad = _needs_grad(state, query, key, value)
     fixed = (attention_mask, query_slots, key_slots, query_positions, key_positions, query_state, key_state)
-    blocks = list(causal_blocks(query_slots, key_slots, step, False))
+    blocks = list(causal_blocks(q, kv, state.query_offset(q, kv), step, False))
 
     def reference(rows: slice) -> torch.Tensor:
-        _, columns = next(causal_blocks(query_slots[rows], key_slots, rows.stop - rows.start, False))
+        columns = causal_columns(rows, kv, state.query_offset(q, kv))
         return _content_block(state, layer_idx, scaling,
                               *_cut_block(rows, columns, query, key, value, query_state, key_state), attention_mask,
                               rows, columns, query_slots, key_slots, query_positions, key_positions, 0.0,
@@ -963,6 +981,7 @@ def _fused_content_call(state, layer_idx, scaling, query, key, value, attention_
     (engine/fused_cpu.py), checked against the eager blocks like any kernel; its kind: the method, dtype, grad mode and
     the length's size class (one compiled kernel serves every shape; its tiles split differently by length)."""
     method = state.method
+    q, kv = query.shape[2], key.shape[2]
     needs_grad = _needs_grad(state, query, key, value)
     fixed = (attention_mask, query_slots, key_slots, query_positions, key_positions, None, None)
 
@@ -970,7 +989,7 @@ def _fused_content_call(state, layer_idx, scaling, query, key, value, attention_
         return method.fused_causal(layer_idx, query, key, value, scaling, positions).transpose(1, 2)
 
     def reference(rows: slice) -> torch.Tensor:
-        _, columns = next(causal_blocks(query_slots[rows], key_slots, rows.stop - rows.start, False))
+        columns = causal_columns(rows, kv, state.query_offset(q, kv))
         return _content_block(state, layer_idx, scaling, *_cut_block(rows, columns, query, key, value, None, None),
                               attention_mask, rows, columns, query_slots, key_slots, query_positions, key_positions,
                               0.0, False)[0].transpose(1, 2)
@@ -1148,13 +1167,26 @@ def _traced(module, state, layer_idx, query, key, value, attention_mask, scaling
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 
 
+def _max_position(state, query_positions: torch.Tensor) -> int:
+    """The highest query position (what a distance table must reach), read once per forward for its own queries."""
+    if query_positions is not state.call.query_positions:
+        return int(query_positions.max())
+    return state.once_per_forward("max query position", lambda: int(query_positions.max()))
+
+
 def _one_query_block(state, query_positions: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether all queries can be rotated together: always, but for methods rotated per query block (xPos), whose
     queries must then lie within the method's spread for the dtype (a padded batch's pads included: their positions
     are the model's, often 1)."""
     method = state.method
-    return not (isinstance(method, RotaryMethod) and method.rotates_per_query_block) or \
-        _within_spread(query_positions, method.max_query_spread(dtype))
+    if not (isinstance(method, RotaryMethod) and method.rotates_per_query_block):
+        return True
+    def within() -> bool:
+        return _within_spread(query_positions, method.max_query_spread(dtype))
+
+    if query_positions is not state.call.query_positions:
+        return within()
+    return state.once_per_forward(("queries within spread", dtype), within)
 
 
 def _within_spread(positions: torch.Tensor, max_spread: float) -> bool:
@@ -1258,8 +1290,8 @@ def _flex_call(module, state, layer_idx, query, key, value, attention_mask, scal
     valid = _key_validity(attention_mask, batch, kv)
     if valid is None:
         return None
-    offset = int(query_slots[0]) - int(key_slots[0])
-    table = distance_table(state.method, layer_idx, offset + q, int(query_positions.max()), query.device)
+    offset = state.query_offset(q, kv)
+    table = distance_table(state.method, layer_idx, offset + q, _max_position(state, query_positions), query.device)
     if table is None:
         return None
     valid = valid.to(query.device)
@@ -1362,7 +1394,7 @@ def _flash_call(module, state, layer_idx, query, key, value, attention_mask, sca
                                            and bool(attention_mask[:, :, -1, :].all())):
         return None
     # flash-attn aligns causal attention to the lower right: key slots must be exactly 0..offset+q-1.
-    if int(key_slots[0]) != 0 or int(query_slots[-1]) != kv - 1:
+    if state.first_key_slot(q, kv) != 0 or int(state.call.slot_offset) + q != kv:
         return None
     try:
         from flash_attn import flash_attn_func

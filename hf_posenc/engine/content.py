@@ -185,7 +185,7 @@ def layer_state(state: PositionState, layer_idx: int, q: int, key_slots: torch.T
             "KV cache was filled without it (by another model or before the patch): start from an empty cache.")
     every = method.extend_token_state(past.to(new.device) if past is not None else None, new)
     content.states[layer_idx] = every
-    first = int(key_slots[0]) if key_slots.numel() else 0
+    first = state.first_key_slot(q, key_slots.numel())
     keys = every[:, :, first:first + key_slots.numel()]
     missing = key_slots.numel() - keys.shape[2]
     if missing > 0:  # a StaticCache's free slots (masked)

@@ -62,6 +62,9 @@ class CallPositions:
     # `key_positions` holds only the position of slot 0 [B or 1, 1]: each key sits at its slot plus that.
     traced: bool = False
     content: Any = None  # a content method's per-token state of this forward (engine/content.py ContentCall)
+    # Facts about this forward's positions that the layers need as Python values (PositionState.once_per_forward):
+    # read once, not once per layer, since reading a tensor's value waits for the device.
+    facts: dict = field(default_factory=dict)
     # ((method, attention mask, dtype, kv, blocks), each block's kernel calls) for a `block_near` method on the
     # CPU kernel, made by the first layer that asks (attention.py _near_far_plans) and reused by the others
     near_far_plans: list = field(default_factory=list)
@@ -186,8 +189,7 @@ class PositionState:
         call = self.call
         if call.key_coordinates is None:
             return None
-        _, key_slots = self.slots(call.query_coordinates.shape[-2], kv, device)
-        first_key = int(key_slots[0]) if kv else 0
+        first_key = self.first_key_slot(call.query_coordinates.shape[-2], kv)
         keys = call.key_coordinates[:, first_key:first_key + kv].to(device)
         missing = kv - keys.shape[-2]
         if missing > 0:
@@ -223,8 +225,8 @@ class PositionState:
         call = self.call
         layer = layer_idx if self.method.per_layer_rotation else None
         for known_layer, known, rotation in call.rotations:
-            if known_layer == layer and known.shape == positions.shape and known.device == positions.device \
-                    and torch.equal(known, positions):
+            if known_layer == layer and (known is positions or known.shape == positions.shape
+                                         and known.device == positions.device and torch.equal(known, positions)):
                 return rotation
         rotation = self.method.layer_rotation(layer_idx, positions, call.seq_len)
         call.rotations.append((layer, positions, rotation))
@@ -239,11 +241,28 @@ class PositionState:
                 if isinstance(offset, torch.Tensor) else max(0, offset + q - kv) + torch.arange(kv, device=device)
             return query_slots, key_slots
         query_slots = torch.arange(offset, offset + q, device=device)
-        # A dynamic cache holds exactly offset + q keys, a static one more (the extra slots are masked), a
-        # sliding-window cache fewer (only the last kv).
-        first_key = max(0, offset + q - kv)
+        first_key = self.first_key_slot(q, kv)
         key_slots = torch.arange(first_key, first_key + kv, device=device)
         return query_slots, key_slots
+
+    def first_key_slot(self, q: int, kv: int) -> int:
+        """The cache slot of the first of the kv keys attention sees, from the sizes alone (no read of a tensor on
+        the device): a dynamic cache holds exactly offset + q keys, a static one more (the extra slots are masked), a
+        sliding-window cache fewer (only the last kv). So where q == kv the first query is the first key."""
+        return max(0, int(self.call.slot_offset) + q - kv)
+
+    def query_offset(self, q: int, kv: int) -> int:
+        """The slot distance from the first of the kv keys to the first of the q queries (`slots`' first entries)."""
+        return int(self.call.slot_offset) - self.first_key_slot(q, kv)
+
+    def once_per_forward(self, key, compute: Callable[[], Any]) -> Any:
+        """compute() the first time a layer of this forward asks for `key`, then its value: for facts about the
+        forward's positions that every layer reads as Python values (so the device is waited for once per forward,
+        not once per layer). `key` must name everything the value depends on besides the forward."""
+        facts = self.call.facts
+        if key not in facts:
+            facts[key] = compute()
+        return facts[key]
 
     def relative_positions(self, q: int, kv: int, device: torch.device):
         """(query_slots [q], key_slots [kv], query_positions [B or 1, q], key_positions [B or 1, kv]): each token's
@@ -253,7 +272,7 @@ class PositionState:
         call = self.call
         if call.traced:
             return query_slots, key_slots, call.query_positions.to(device), call.key_positions.to(device) + key_slots
-        first_key = int(key_slots[0]) if kv else 0
+        first_key = self.first_key_slot(q, kv)
         key_positions = call.key_positions[:, first_key:first_key + kv].to(device)
         missing = kv - key_positions.shape[-1]
         if missing > 0:

@@ -330,8 +330,8 @@ class ContentMethod(PositionalMethod):
 
     def prepare_heads(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       layer_input: torch.Tensor | None, key_state: torch.Tensor | None = None,
-                      key_slots: torch.Tensor | None = None):
-        """query [B, H, q, D], key/value [B, H_kv, kv, D] (the whole cache, at cache slots `key_slots` [kv], with
+                      first_key_slot: int = 0):
+        """query [B, H, q, D], key/value [B, H_kv, kv, D] (the whole cache, from cache slot `first_key_slot` on, with
         their carried state `key_state` [B, S, kv, ...]) -> the three the blocks use (QK-norm, a token shift, say);
         by default unchanged."""
         return query, key, value

@@ -89,6 +89,16 @@ class Fire(DistanceBiasMethod):
     def threshold(self, layer_idx: int) -> torch.Tensor:
         return self.log_threshold[layer_idx].float().exp()
 
+    def threshold_values(self) -> list[float]:
+        """Every layer's threshold as a Python float, read from the device once per change of the parameter (its
+        version counter moves with each in-place update: an optimizer step, a load), not once per layer and forward."""
+        parameter = self.log_threshold
+        stamp = (parameter._version, parameter.data_ptr(), parameter.device)
+        if getattr(self, "_threshold_stamp", None) != stamp:
+            self._threshold_floats = parameter.detach().float().exp().tolist()
+            self._threshold_stamp = stamp
+        return self._threshold_floats
+
     def psi(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
         return torch.log1p(self.log_c[layer_idx].float().exp() * x)
 
@@ -103,7 +113,7 @@ class Fire(DistanceBiasMethod):
         return self.mlp(layer_idx, u).T
 
     def bias_table(self, layer_idx, num_distances, max_position=None, device=None):
-        if max_position is None or max_position > float(self.threshold(layer_idx).detach()):
+        if max_position is None or max_position > self.threshold_values()[layer_idx]:
             return None
         return super().bias_table(layer_idx, num_distances, max_position, device)
 
@@ -128,7 +138,7 @@ class Fire(DistanceBiasMethod):
     def bias(self, layer_idx, query_positions, key_positions):
         # (Under torch.compile the general form below serves: the test reads tensor values.)
         if not torch.compiler.is_compiling() and \
-                int(query_positions.max()) <= float(self.threshold(layer_idx).detach()):
+                int(query_positions.max()) <= self.threshold_values()[layer_idx]:
             return super().bias(layer_idx, query_positions, key_positions)
         # Past the threshold the normaliser psi(i) differs per query, so every (i, j) needs its own value: the
         # MLP's piecewise-linear form gives it with one lookup and one multiply-add per head, about 4x faster on

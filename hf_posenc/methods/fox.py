@@ -159,21 +159,21 @@ class ForgettingAttention(ContentAttention):
         rest = new[:, heads:] if past is None or past.shape[2] == 0 else torch.cat((past[:, heads:], new[:, heads:]), 2)
         return torch.cat((cumulative, rest), dim=1)
 
-    def prepare_heads(self, layer_idx, query, key, value, layer_input, key_state=None, key_slots=None):
+    def prepare_heads(self, layer_idx, query, key, value, layer_input, key_state=None, first_key_slot=0):
         if self.shifts:
-            key, value = self.token_shift(key, value, key_state, key_slots)
+            key, value = self.token_shift(key, value, key_state, first_key_slot)
         if self.config.qk_norm:
             query = rms_norm(query, self.query_norm[layer_idx][None, :, None, :])
             key = rms_norm(key, self.key_norm[layer_idx][None, :, None, :])
         return query, key, value
 
-    def token_shift(self, key, value, key_state, key_slots):
+    def token_shift(self, key, value, key_state, first_key_slot: int = 0):
         """FoX-Pro's token shift of the whole cache's keys and values [B, H_kv, kv, D] with the carried a_t and
         padding flags (`key_state` [B, H + S, kv]): x'_t = (1 - a_t) x_t + a_t x_{t-1} real_{t-1}."""
-        if key_slots is not None and key_slots.numel() and int(key_slots[0]) > 0:
+        if key.shape[2] and first_key_slot > 0:
             raise PosEncError(
                 f"FoX's token shift (key_shift/value_shift) mixes each key and value with its predecessor, and this KV "
-                f"cache no longer holds the predecessor of its first key (slot {int(key_slots[0])}): a sliding-window "
+                f"cache no longer holds the predecessor of its first key (slot {first_key_slot}): a sliding-window "
                 "or evicting cache. Use a DynamicCache or StaticCache with room for every token, or patch without "
                 "key_shift/value_shift.")
         rows = key_state[:, self.num_heads:]

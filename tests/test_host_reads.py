@@ -1,0 +1,127 @@
+"""A patched model reads tensor values into Python (`int(t)`, `bool(t)`, `.item()`: aten's _local_scalar_dense) a
+fixed number of times per forward, not once or more per layer: on a GPU each read waits for the device to finish
+all the work queued before it, so a read per layer stops Python from running ahead of the kernels (SmolLM2's step
+on an H200 is bound by launches, docs/benchmarks.md). Facts about the forward's positions are read once
+(PositionState.once_per_forward) and slots come from the cache's sizes (PositionState.first_key_slot).
+
+Counted on the CPU with the paths a GPU takes: the fused CPU kernels off (HF_POSENC_CPU_KERNELS=0), FoX's CPU
+separable path off, and fill_disallowed_'s column count at 0 as off the CPU; those CPU-only paths read per block,
+which costs nothing where the tensors are on the CPU. Each method is counted with 2 and with 4 layers, in a training
+step, a left-padded forward, and a decoding step after a padded prefill."""
+
+from __future__ import annotations
+
+import collections
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM, DynamicCache
+
+import hf_posenc
+from helpers import CONTRACT, ContractCase, patch_for_contract
+from tiny_models import CONFIGS, random_ids
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the reads, by the hf_posenc line that made each (for the failure message)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sites = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            ours = [f"{Path(frame.filename).name}:{frame.lineno}" for frame in traceback.extract_stack()
+                    if "hf_posenc" in frame.filename]
+            self.sites[ours[-1] if ours else "outside hf_posenc"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def gpu_paths(monkeypatch):
+    from hf_posenc.engine import attention
+    from hf_posenc.methods import base
+
+    monkeypatch.setenv("HF_POSENC_CPU_KERNELS", "0")
+    monkeypatch.setattr(attention, "separable_path_applies", lambda query: False)
+    from hf_posenc.methods import stick_breaking
+
+    for module in (base, stick_breaking):
+        monkeypatch.setattr(module, "unmasked_columns", lambda mask: 0)
+
+
+def model_with(method: str, layers: int):
+    config = CONFIGS["llama"]()
+    config.num_hidden_layers = layers
+    torch.manual_seed(0)
+    return patch_for_contract(AutoModelForCausalLM.from_config(config), method)
+
+
+def reads_in(run) -> collections.Counter:
+    with HostReads() as reads:
+        run()
+    return reads.sites
+
+
+def training_step(model):
+    model.train()
+    ids = random_ids(2, 24, seed=1)
+    model(ids)  # the first call of a process may check kernels: count the second
+    return reads_in(lambda: model(ids).logits.logsumexp(-1).sum().backward())
+
+
+def padded_forward_and_decoding(model):
+    model.eval()
+    ids = random_ids(2, 24, seed=2)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    longer = torch.cat((mask, torch.ones(2, 1, dtype=mask.dtype)), dim=-1)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, position_ids=positions)
+        padded = reads_in(lambda: model(ids, attention_mask=mask, position_ids=positions))
+        cache = DynamicCache(config=model.config)
+        model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        decoding = reads_in(lambda: model(ids[:, -1:], attention_mask=longer, position_ids=positions[:, -1:] + 1,
+                                          past_key_values=cache, use_cache=True))
+    return padded, decoding
+
+
+# Known to read per layer off the CPU, and why it was left.
+READS_PER_LAYER = {
+    "cape": "its MLP's bias input comes from the bias method's bias() per block, which sizes the distance table from "
+            "the block's positions (DistanceBiasMethod.bias); CAPE's fused kernel, on the CPU only, takes a table",
+}
+
+
+@pytest.mark.parametrize("method", [m for m in hf_posenc.available_methods() if m not in READS_PER_LAYER])
+def test_host_reads_do_not_grow_with_depth(gpu_paths, method):
+    shallow, deep = model_with(method, 2), model_with(method, 4)
+    counts = {"a training step": (training_step(shallow), training_step(deep))}
+    if "left_padding" not in CONTRACT.get(method, ContractCase()).unsupported:  # rope-2d: 2-D position_ids only
+        for name, two, four in zip(("a left-padded forward", "a decoding step"), padded_forward_and_decoding(shallow),
+                                   padded_forward_and_decoding(deep)):
+            counts[name] = (two, four)
+    growing = {name: dict(four) for name, (two, four) in counts.items() if two != four}
+    assert not growing, f"reads that grow with depth (2 -> 4 layers; where each was made at 4): {growing}"
+
+
+def test_the_count_sees_a_read_per_layer(gpu_paths, monkeypatch):
+    """The counter is not blind: a read added to every layer's attention shows up, and CAPE's reads still grow (when
+    they stop, take it off READS_PER_LAYER)."""
+    from hf_posenc.engine import state
+
+    first_key_slot = state.PositionState.first_key_slot
+
+    def reading(self, q, kv):
+        torch.tensor(kv).item()
+        return first_key_slot(self, q, kv)
+
+    monkeypatch.setattr(state.PositionState, "first_key_slot", reading)
+    assert training_step(model_with("alibi", 2)).total() < training_step(model_with("alibi", 4)).total()
+    monkeypatch.setattr(state.PositionState, "first_key_slot", first_key_slot)
+    for method in READS_PER_LAYER:
+        assert training_step(model_with(method, 2)).total() < training_step(model_with(method, 4)).total()

@@ -1250,10 +1250,10 @@ def size_class(n: int) -> int:
     return int(n).bit_length()
 
 
-def _key_validity(attention_mask, batch: int, kv: int):
+def _key_validity(attention_mask, batch: int, kv: int, device=None):
     """[B, kv] bool: keys the last query row may see (padding masked), from a boolean mask; None if unusable."""
-    if attention_mask is None:
-        return torch.ones(batch, kv, dtype=torch.bool)
+    if attention_mask is None:  # made where it is used: a copy to a GPU waits for the work queued before it
+        return torch.ones(batch, kv, dtype=torch.bool, device=device)
     if attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
         return None
     return attention_mask[:, 0, -1, :].expand(batch, kv)
@@ -1287,7 +1287,7 @@ def _flex_call(module, state, layer_idx, query, key, value, attention_mask, scal
     needs_grad = _needs_grad(state, query, key, value)
     if needs_grad and query.device.type not in FLEX_BACKWARD_DEVICES:
         return None
-    valid = _key_validity(attention_mask, batch, kv)
+    valid = _key_validity(attention_mask, batch, kv, query.device)
     if valid is None:
         return None
     offset = state.query_offset(q, kv)

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The GPU checks still open on issue 17, in one run of at most 13 minutes (a lent GPU session has 15 in all, start
-# included): the tests of the paths that differ off the CPU (`--device cuda`), the compiled content blocks' tests,
-# flex against blocked for learned tables in bf16, the compiled content path, Sandwich under CUDA graphs
-# (reduce-overhead failed with a bare AssertionError on an H100; bench_finetune now prints the traceback), and xPos
-# in bf16 (one causal flash call per layer since 843d734: its attention calls should read "causal"). Each
-# stage, in order of priority, has its own time limit and writes under OUT (default runs/gpu_checks) as it goes.
+# The GPU checks still open on issue 17: the tests of the paths that differ off the CPU (`--device cuda`), the compiled
+# content blocks' tests, flex against blocked for learned tables in bf16, the compiled content path, Sandwich under
+# CUDA graphs (reduce-overhead failed with a bare AssertionError on an H100; bench_finetune now prints the traceback),
+# xPos in bf16 (one causal flash call per layer since 843d734: its attention calls should read "causal"), and the
+# 512-token step without per-layer reads of tensor values. Each stage, in order of priority, has its own time limit
+# (about 14 minutes in all) and writes under OUT (default runs/gpu_checks) as it goes. A lent GPU session has 15
+# minutes, start included, and 10 per call: run it with `timeout_s` 600 and read what the stages that fit wrote.
 #
 #     bash scripts/gpu_checks.sh [OUT]
 #
@@ -60,6 +61,9 @@ bench compiled_path 120 --layers 4 --lengths 2048 --methods "cope;stick-breaking
 bench compile_reduce_overhead 100 --layers 2 --lengths 512 --methods "sandwich" --compile inductor \
   --compile-fullgraph --compile-mode reduce-overhead
 bench xpos_bf16 60 --layers 2 --lengths 4096 --methods "xpos"
+# No reads of tensor values per layer since f324afb (docs/attention-paths.md, "Reads of tensor values"): against the
+# H200's 512-token column of 2026-11-26 (trainable ALiBi 0.74, FIRE 0.61, FoX 0.64, sinks 0.57, xPos 0.74).
+bench host_reads_512 90 --layers 30 --lengths 512 --methods "alibi:trainable=true;fire;fox;sinks;xpos"
 # The device tool brings back at most 8 files: the two logs and the JSON, not the plots.
 find "$OUT" -name '*.png' -delete
 stage done

@@ -64,7 +64,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections import Counter
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -452,9 +454,12 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
         elif (first := block_masks(*blocks[0])) is not None:
             last_paths["scored parts"] += 1
             # The key columns each part needs (read from the masks) are the same in every layer that sees this mask:
-            # read in the first (held with the mask, so that its id stays its own for the forward).
+            # read in the first. A weak reference tells a mask freed since, whose id a new one may have taken.
             by_mask = state.once_per_forward(("near far columns", q, kv), dict)
-            part_columns = by_mask.setdefault(id(attention_mask), (attention_mask, {}))[1]
+            held = by_mask.get(id(attention_mask))
+            if held is None or held[0]() is not attention_mask:
+                held = by_mask[id(attention_mask)] = (_weak(attention_mask), {})
+            part_columns = held[1]
             outputs = []
             for index, (rows, columns) in enumerate(blocks):
                 masks = functools.partial(block_masks, rows, columns)
@@ -588,6 +593,10 @@ def _near_far_masks(state, attention_mask, rows, columns, *, query_slots, key_sl
     if near is None:
         return None
     return mask & near, mask & ~near
+
+
+def _weak(tensor: torch.Tensor | None) -> Callable[[], torch.Tensor | None]:
+    return weakref.ref(tensor) if tensor is not None else lambda: None
 
 
 def _near_far_attention(method, query, keys, query_positions, key_positions, value, masks, rebuild, scaling,

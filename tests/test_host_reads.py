@@ -125,3 +125,31 @@ def test_the_count_sees_a_read_per_layer(gpu_paths, monkeypatch):
     monkeypatch.setattr(state.PositionState, "first_key_slot", first_key_slot)
     for method in READS_PER_LAYER:
         assert training_step(model_with(method, 2)).total() < training_step(model_with(method, 4)).total()
+
+
+@pytest.mark.parametrize("method", ["self-extend", "rerope", "sinks", "xpos", "fire", "alibi", "transformer-xl", "fox"])
+def test_facts_read_once_give_the_logits_of_reading_them_in_every_layer(gpu_paths, monkeypatch, method):
+    """What the first layer reads is what every layer would read: the same logits, bit for bit, for a left-padded
+    forward and the decoding step after it, with the facts kept and with them read again by each layer."""
+    from hf_posenc.engine import state
+
+    def logits(model):
+        model.eval()
+        ids = random_ids(2, 24, seed=2)
+        mask = torch.ones_like(ids)
+        mask[1, :5] = 0
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        longer = torch.cat((mask, torch.ones(2, 1, dtype=mask.dtype)), dim=-1)
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            padded = model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                           use_cache=True).logits
+            step = model(ids[:, -1:], attention_mask=longer, position_ids=positions[:, -1:] + 1,
+                         past_key_values=cache, use_cache=True).logits
+        return padded, step
+
+    kept = logits(model_with(method, 4))
+    monkeypatch.setattr(state.CallPositions, "facts", property(lambda self: {}, lambda self, value: None),
+                        raising=False)
+    again = logits(model_with(method, 4))
+    assert all(torch.equal(a, b) for a, b in zip(kept, again))

@@ -343,6 +343,16 @@ def test_fire_reads_its_learned_threshold_again_after_each_update():
     assert fire.bias_table(0, 21, max_position=8) is not None and fire.bias_table(0, 21, max_position=20) is None
 
 
+def test_fire_patched_under_inference_mode_runs():
+    """Parameters made under torch.inference_mode have no version counter: the threshold is read all the same."""
+    with torch.inference_mode():
+        model = hf_posenc.patch_model(tiny_model("llama"), "fire", threshold=8.0)
+        fire = hf_posenc.get_positional_module(model)
+        assert fire.log_threshold.is_inference()
+        assert fire.threshold_values()[0] == pytest.approx(8.0)
+        assert torch.isfinite(model(random_ids(1, 20, seed=2)).logits).all()
+
+
 def test_fire_piecewise_linear_form_equals_the_mlp_with_its_gradients():
     """Past the threshold the bias comes from the MLP's piecewise-linear form: same values and gradients, for a
     random init with rising, falling and flat (w1 = 0) units."""

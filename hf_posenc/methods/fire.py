@@ -93,7 +93,10 @@ class Fire(DistanceBiasMethod):
         """Every layer's threshold as a Python float, read from the device once per change of the parameter (its
         version counter moves with each in-place update: an optimizer step, a load), not once per layer and forward."""
         parameter = self.log_threshold
-        stamp = (parameter._version, parameter.data_ptr(), parameter.device)
+        if parameter.is_inference():  # made under torch.inference_mode: no version counter, and it cannot change
+            stamp = ("inference", parameter.data_ptr(), parameter.device)
+        else:
+            stamp = (parameter._version, parameter.data_ptr(), parameter.device)
         if getattr(self, "_threshold_stamp", None) != stamp:
             self._threshold_floats = parameter.detach().float().exp().tolist()
             self._threshold_stamp = stamp

@@ -1177,10 +1177,9 @@ def _traced(module, state, layer_idx, query, key, value, attention_mask, scaling
 
 
 def _max_position(state, query_positions: torch.Tensor) -> int:
-    """The highest query position (what a distance table must reach), read once per forward for its own queries."""
-    if query_positions is not state.call.query_positions:
-        return int(query_positions.max())
-    return state.once_per_forward("max query position", lambda: int(query_positions.max()))
+    """The highest of the call's query positions (what a distance table must reach), read once per forward."""
+    return state.once_per_forward(("max query position", query_positions.shape[-1]),
+                                  lambda: int(query_positions.max()))
 
 
 def _one_query_block(state, query_positions: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -1190,12 +1189,8 @@ def _one_query_block(state, query_positions: torch.Tensor, dtype: torch.dtype) -
     method = state.method
     if not (isinstance(method, RotaryMethod) and method.rotates_per_query_block):
         return True
-    def within() -> bool:
-        return _within_spread(query_positions, method.max_query_spread(dtype))
-
-    if query_positions is not state.call.query_positions:
-        return within()
-    return state.once_per_forward(("queries within spread", dtype), within)
+    return state.once_per_forward(("queries within spread", dtype, query_positions.shape[-1]),
+                                  lambda: _within_spread(query_positions, method.max_query_spread(dtype)))
 
 
 def _within_spread(positions: torch.Tensor, max_spread: float) -> bool:

@@ -73,13 +73,18 @@ def training_step(model):
     return reads_in(lambda: model(ids).logits.logsumexp(-1).sum().backward())
 
 
-def padded_forward_and_decoding(model):
-    model.eval()
+def padded_batch():
+    """(ids, mask, positions) of a left-padded batch of 2 x 24, and the mask one decoding step later."""
     ids = random_ids(2, 24, seed=2)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
-    longer = torch.cat((mask, torch.ones(2, 1, dtype=mask.dtype)), dim=-1)
+    return ids, mask, positions, torch.cat((mask, torch.ones(2, 1, dtype=mask.dtype)), dim=-1)
+
+
+def padded_forward_and_decoding(model):
+    model.eval()
+    ids, mask, positions, longer = padded_batch()
     with torch.no_grad():
         model(ids, attention_mask=mask, position_ids=positions)
         padded = reads_in(lambda: model(ids, attention_mask=mask, position_ids=positions))
@@ -135,11 +140,7 @@ def test_facts_read_once_give_the_logits_of_reading_them_in_every_layer(gpu_path
 
     def logits(model):
         model.eval()
-        ids = random_ids(2, 24, seed=2)
-        mask = torch.ones_like(ids)
-        mask[1, :5] = 0
-        positions = (mask.cumsum(-1) - 1).clamp_min(0)
-        longer = torch.cat((mask, torch.ones(2, 1, dtype=mask.dtype)), dim=-1)
+        ids, mask, positions, longer = padded_batch()
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
             padded = model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache,

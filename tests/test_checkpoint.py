@@ -73,8 +73,9 @@ def test_standalone_code_is_the_library_code_with_a_versioned_header(contract_ch
     # kernel forms of Transformer-XL and TAPE and the masks rebuilt in the backward, 4,979 with the compiled content
     # blocks (the "compiled" path and its checks), 5,146 with the near/far plans per forward and the far keys' causal
     # triangle as one call, 5,521 with the fused CPU kernels' loader and calls (engine/fused_cpu.py; a standalone
-    # checkpoint ships no C++ source, so its models take the blocked path)
-    assert sum(len(p.read_text().splitlines()) for p in directory.glob("*.py")) < 5700
+    # checkpoint ships no C++ source, so its models take the blocked path), 5,734 with the forward's position span
+    # that per-block biases size their tables from (methods/base.py PositionSpan)
+    assert sum(len(p.read_text().splitlines()) for p in directory.glob("*.py")) < 5800
 
 
 def test_export_command_writes_what_save_pretrained_standalone_writes(contract_checkpoints, tmp_path):

@@ -7,7 +7,8 @@ on an H200 is bound by launches, docs/benchmarks.md). Facts about the forward's 
 Counted on the CPU with the paths a GPU takes: the fused CPU kernels off (HF_POSENC_CPU_KERNELS=0), FoX's CPU
 separable path off, and fill_disallowed_'s column count at 0 as off the CPU; those CPU-only paths read per block,
 which costs nothing where the tensors are on the CPU. Each method is counted with 2 and with 4 layers, in a training
-step, a left-padded forward, and a decoding step after a padded prefill."""
+step, a left-padded forward, a decoding step after a padded prefill, and a forward of two sequences packed into each
+row (positions that restart)."""
 
 from __future__ import annotations
 
@@ -95,28 +96,53 @@ def padded_forward_and_decoding(model):
     return padded, decoding
 
 
-# Known to read per layer off the CPU, and why it was left.
+def packed_positions():
+    """(ids, position_ids) of two sequences packed into each row (positions 0..9, then 0..13), no mask: the keys'
+    positions are not a shift of their slots, so bias methods take the generic per-block bias."""
+    return random_ids(2, 24, seed=3), torch.cat((torch.arange(10), torch.arange(14))).expand(2, -1)
+
+
+def packed_forward(model):
+    model.eval()
+    ids, positions = packed_positions()
+    with torch.no_grad():
+        model(ids, position_ids=positions)
+        return reads_in(lambda: model(ids, position_ids=positions))
+
+
+def counted_runs(method: str) -> dict:
+    """name -> function(model) -> reads, for the runs `method` supports."""
+    runs = {"a training step": training_step}
+    if "left_padding" not in CONTRACT.get(method, ContractCase()).unsupported:  # rope-2d: 2-D position_ids only
+        runs["a left-padded forward"] = lambda model: padded_forward_and_decoding(model)[0]
+        runs["a decoding step"] = lambda model: padded_forward_and_decoding(model)[1]
+        runs["a packed forward"] = packed_forward
+    return runs
+
+
+# Known to read per layer off the CPU in one run, and why it was left.
 READS_PER_LAYER = {
-    "cape": "its MLP's bias input comes from the bias method's bias() per block, which sizes the distance table from "
-            "the block's positions (DistanceBiasMethod.bias); CAPE's fused kernel, on the CPU only, takes a table",
+    ("transformer-xl", "a packed forward"):
+        "where keys follow their queries in position (restarting positions) its kernel form does not serve, and its "
+        "content blocks size their table of distances from each block's distances: a table over the forward's span "
+        "would do up to twice the position logits' work",
 }
 
 
-@pytest.mark.parametrize("method", [m for m in hf_posenc.available_methods() if m not in READS_PER_LAYER])
+@pytest.mark.parametrize("method", hf_posenc.available_methods())
 def test_host_reads_do_not_grow_with_depth(gpu_paths, method):
     shallow, deep = model_with(method, 2), model_with(method, 4)
-    counts = {"a training step": (training_step(shallow), training_step(deep))}
-    if "left_padding" not in CONTRACT.get(method, ContractCase()).unsupported:  # rope-2d: 2-D position_ids only
-        for name, two, four in zip(("a left-padded forward", "a decoding step"), padded_forward_and_decoding(shallow),
-                                   padded_forward_and_decoding(deep)):
-            counts[name] = (two, four)
-    growing = {name: dict(four) for name, (two, four) in counts.items() if two != four}
+    growing = {}
+    for name, run in counted_runs(method).items():
+        two, four = run(shallow), run(deep)
+        if two != four and (method, name) not in READS_PER_LAYER:
+            growing[name] = dict(four)
     assert not growing, f"reads that grow with depth (2 -> 4 layers; where each was made at 4): {growing}"
 
 
 def test_the_count_sees_a_read_per_layer(gpu_paths, monkeypatch):
-    """The counter is not blind: a read added to every layer's attention shows up, and CAPE's reads still grow (when
-    they stop, take it off READS_PER_LAYER)."""
+    """The counter is not blind: a read added to every layer's attention shows up, and the reads left in
+    READS_PER_LAYER still grow (when they stop, take them off it)."""
     from hf_posenc.engine import state
 
     first_key_slot = state.PositionState.first_key_slot
@@ -128,14 +154,17 @@ def test_the_count_sees_a_read_per_layer(gpu_paths, monkeypatch):
     monkeypatch.setattr(state.PositionState, "first_key_slot", reading)
     assert training_step(model_with("alibi", 2)).total() < training_step(model_with("alibi", 4)).total()
     monkeypatch.setattr(state.PositionState, "first_key_slot", first_key_slot)
-    for method in READS_PER_LAYER:
-        assert training_step(model_with(method, 2)).total() < training_step(model_with(method, 4)).total()
+    for method, name in READS_PER_LAYER:
+        run = counted_runs(method)[name]
+        assert run(model_with(method, 2)).total() < run(model_with(method, 4)).total()
 
 
-@pytest.mark.parametrize("method", ["self-extend", "rerope", "sinks", "xpos", "fire", "alibi", "transformer-xl", "fox"])
+@pytest.mark.parametrize("method", ["self-extend", "rerope", "sinks", "xpos", "fire", "alibi", "transformer-xl", "fox",
+                                    "t5", "cape"])
 def test_facts_read_once_give_the_logits_of_reading_them_in_every_layer(gpu_paths, monkeypatch, method):
     """What the first layer reads is what every layer would read: the same logits, bit for bit, for a left-padded
-    forward and the decoding step after it, with the facts kept and with them read again by each layer."""
+    forward, the decoding step after it and a packed forward, with the facts kept and with them read again by each
+    layer."""
     from hf_posenc.engine import state
 
     def logits(model):
@@ -147,7 +176,8 @@ def test_facts_read_once_give_the_logits_of_reading_them_in_every_layer(gpu_path
                            use_cache=True).logits
             step = model(ids[:, -1:], attention_mask=longer, position_ids=positions[:, -1:] + 1,
                          past_key_values=cache, use_cache=True).logits
-        return padded, step
+            packed_ids, packed = packed_positions()
+            return padded, step, model(packed_ids, position_ids=packed).logits
 
     kept = logits(model_with(method, 4))
     monkeypatch.setattr(state.CallPositions, "facts", property(lambda self: {}, lambda self, value: None),

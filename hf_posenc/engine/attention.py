@@ -77,8 +77,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kernel_check import (PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, KernelCheckWarning,  # noqa: F401
                            kernel_status, reset_kernel_status, serve as serve_checked, table_attention_reference)
-from ..methods.base import (AttentionBiasMethod, ContentBlock, ContentMethod, PositionalMethod, RotaryMethod,
-                           fill_disallowed_)
+from ..methods.base import (AttentionBiasMethod, ContentBlock, ContentMethod, PositionalMethod, PositionSpan,
+                           RotaryMethod, fill_disallowed_)
 from .fused_cpu import causal_attention, fused_kernels_enabled, near_far_causal
 from .content import layer_state
 from .state import STATE_ATTR, PositionState
@@ -363,7 +363,8 @@ def _blocked(module, state, layer_idx, query, key, value, attention_mask, scalin
         elif table is not None:
             bias = toeplitz_view(padded, step, query_offset + start, stop - start, keys).contiguous()[None]
         else:
-            bias = state.method.bias(layer_idx, query_positions[:, rows], key_positions[:, columns])
+            bias = state.method.block_bias(layer_idx, query_positions[:, rows], key_positions[:, columns],
+                                           position_span(state, query_positions, key_positions))
         given = attention_mask[..., rows, columns] if attention_mask is not None else None
         mask = _combine(state, allowed, bias, given, query_positions[:, rows], key_positions[:, columns],
                         query.dtype, fresh=table is not None)
@@ -713,12 +714,14 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
             output = method.finish_output(layer_idx, output.transpose(1, 2), layer_input)
             return output.transpose(1, 2).contiguous(), None
     blocks = list(causal_blocks(q, kv, state.query_offset(q, kv), step, eager))
+    # Read now, not in the backward's recomputation (when the state may hold a later forward).
+    span = position_span(state, query_positions, key_positions) if method.reads_position_span else None
     if not eager and torch.is_grad_enabled() and dropout == 0.0 and not method.mixes_state:
         # Recomputed in the backward pass (the blocks' masks too): otherwise every block's [B, H, rows, keys]
         # temporaries would be kept for it, O(L^2) in all; this way a forward+backward holds one block at a time.
         def block_output(rows, columns, *heads):
             return _content_block(state, layer_idx, scaling, *heads, attention_mask, rows, columns, query_slots,
-                                  key_slots, query_positions, key_positions, 0.0, False)[0]
+                                  key_slots, query_positions, key_positions, 0.0, False, span)[0]
 
         tensors = (query, key, value, query_state, key_state)
         parameters = [parameter for parameter in method.parameters() if parameter.requires_grad]
@@ -728,7 +731,8 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
         for rows, columns in blocks:
             arguments = (state, layer_idx, scaling,
                          *_cut_block(rows, columns, query, key, value, query_state, key_state), attention_mask, rows,
-                         columns, query_slots, key_slots, query_positions, key_positions, dropout, module.training)
+                         columns, query_slots, key_slots, query_positions, key_positions, dropout, module.training,
+                         span)
             if eager or not torch.is_grad_enabled():
                 output, probs, mixed_state = _content_block(*arguments)
             else:  # dropout (its mask drawn again in the recomputation), or blocks that also mix the keys' state
@@ -904,12 +908,12 @@ def _cut_block(rows, columns, query, key, value, query_state, key_state) -> tupl
 
 
 def _content_block_of(state, layer_idx, scaling, query_state, key_state, attention_mask, rows, columns, query_slots,
-                      key_slots, query_positions, key_positions) -> ContentBlock:
+                      key_slots, query_positions, key_positions, span=None) -> ContentBlock:
     """The ContentBlock of query rows `rows` against key columns `columns` in `_content_blocks` (the states cut)."""
     mask, bias = _content_mask(state, layer_idx, attention_mask, rows, columns, query_slots, key_slots,
                                query_positions, key_positions)
     return ContentBlock(layer_idx, scaling, mask, bias, query_positions[:, rows], key_positions[:, columns],
-                        query_state, key_state, query_slots[rows], key_slots[columns])
+                        query_state, key_state, query_slots[rows], key_slots[columns], span)
 
 
 def content_probabilities(method: ContentMethod, query, key, block: ContentBlock) -> torch.Tensor:
@@ -931,13 +935,14 @@ def content_block_output(method: ContentMethod, query, key, value, block: Conten
 
 
 def _content_block(state, layer_idx, scaling, query, key, value, query_state, key_state, attention_mask, rows, columns,
-                   query_slots, key_slots, query_positions, key_positions, dropout, training):
+                   query_slots, key_slots, query_positions, key_positions, dropout, training, span=None):
     """Query rows `rows` against key columns `columns` in `_content_blocks`, from the block's cut of the queries, keys,
     values and states (`_cut_block`): (output [B, H, r, D], attention weights float32 [B, H, r, k], for `mixes_state`
-    methods the same weights applied to the keys' state [B, H, r, ...] in float32, else None)."""
+    methods the same weights applied to the keys' state [B, H, r, ...] in float32, else None). `span`: the call's
+    `position_span`, for methods that read it (else None)."""
     method = state.method
     block = _content_block_of(state, layer_idx, scaling, query_state, key_state, attention_mask, rows, columns,
-                              query_slots, key_slots, query_positions, key_positions)
+                              query_slots, key_slots, query_positions, key_positions, span)
     probs = F.dropout(content_probabilities(method, query, key, block), p=dropout, training=training)
     mixed = None
     if method.mixes_state and key_state is not None:
@@ -1180,6 +1185,13 @@ def _max_position(state, query_positions: torch.Tensor) -> int:
     """The highest of the call's query positions (what a distance table must reach), read once per forward."""
     return state.once_per_forward(("max query position", query_positions.shape[-1]),
                                   lambda: int(query_positions.max()))
+
+
+def position_span(state, query_positions: torch.Tensor, key_positions: torch.Tensor) -> PositionSpan:
+    """What the call's positions span (what a bias method sizes a table of distances from), read once per forward."""
+    lowest_key = state.once_per_forward(("min key position", key_positions.shape[-1]),
+                                        lambda: int(key_positions.min()))
+    return PositionSpan(_max_position(state, query_positions), lowest_key)
 
 
 def _one_query_block(state, query_positions: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -97,12 +97,38 @@ class AbsolutePositionMethod(PositionalMethod):
             *position_ids.shape, -1)
 
 
+@dataclass(frozen=True)
+class PositionSpan:
+    """What the positions of one forward span (read from the device once per forward, engine/attention.py
+    `position_span`): a table of distances sized from it serves every block of every layer, where sizing it from
+    each block's own positions would wait for the device once per block."""
+
+    max_query_position: int
+    min_key_position: int
+
+    @classmethod
+    def of(cls, query_positions: torch.Tensor, key_positions: torch.Tensor) -> PositionSpan:
+        return cls(int(query_positions.max()), int(key_positions.min()))
+
+    @property
+    def distances(self) -> int:
+        """How many distances (0, 1, ...) a table must hold for any query and key of the forward."""
+        return max(1, self.max_query_position - self.min_key_position + 1)
+
+
 class AttentionBiasMethod(PositionalMethod):
     def bias(self, layer_idx: int, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """query_positions [B or 1, q], key_positions [B or 1, kv] -> float32 [B or 1, heads, q, kv]: each token's
         own position id. Entries whose key slot is after the query's are masked; a key whose position is not
         before the query's (position ids that restart) gets the bias at distance 0."""
         raise NotImplementedError
+
+    def block_bias(self, layer_idx: int, query_positions: torch.Tensor, key_positions: torch.Tensor,
+                   span: PositionSpan | None) -> torch.Tensor:
+        """`bias` of one block of a forward whose positions span `span` (None: unknown), which the attention path
+        calls: a method that sizes something from the positions (a table of distances) sizes it from the span
+        instead of reading the block's positions. Default: `bias`."""
+        return self.bias(layer_idx, query_positions, key_positions)
 
     def bias_table(self, layer_idx: int, num_distances: int, max_position: int | None = None,
                    device: torch.device | None = None) -> torch.Tensor | None:
@@ -275,6 +301,7 @@ class ContentBlock:
     key_state: torch.Tensor | None  # ... and of the keys [B, S, k, ...]
     query_slots: torch.Tensor  # [r] cache slots of the rows
     key_slots: torch.Tensor  # [k] cache slots of the keys (a key at a row's own slot is that row's token)
+    span: PositionSpan | None = None  # what the forward's positions span (for a bias method's block_bias)
 
 
 class ContentMethod(PositionalMethod):
@@ -285,6 +312,9 @@ class ContentMethod(PositionalMethod):
     # Needs the attention layer's input x [B, q, hidden] (captured by a forward pre-hook on each attention module):
     # for per-token state (`token_state`) and for `finish_output`.
     reads_layer_input: ClassVar[bool] = False
+    # Reads `ContentBlock.span` (CAPE, to size its bias method's table of distances); the attention path reads the
+    # forward's positions for it once per forward, and leaves it None for other methods.
+    reads_position_span: ClassVar[bool] = False
     # Computes each block's attention weights itself (`content_weights`) instead of logits for a softmax
     # (stick-breaking).
     replaces_softmax: ClassVar[bool] = False

@@ -67,6 +67,7 @@ class CapeConfig(ContentConfig):
 class ContextAdaptivePositions(ContentAttention):
     fresh_scores = True
     has_fused_causal = True
+    reads_position_span = True
 
     def __init__(self, config: CapeConfig, info: ModelInfo):
         super().__init__(config, info)
@@ -100,7 +101,8 @@ class ContextAdaptivePositions(ContentAttention):
     def content_scores(self, query, key, block):
         layer = block.layer_idx
         logits = torch.matmul(query, key.transpose(2, 3)).float() * block.scaling
-        bias = self.bias_method.bias(layer, block.query_positions, block.key_positions).float().expand_as(logits)
+        bias = self.bias_method.block_bias(layer, block.query_positions, block.key_positions, block.span)
+        bias = bias.float().expand_as(logits)
         pairs = torch.cat((logits, bias), dim=1).permute(0, 2, 3, 1)  # [B, r, k, 2H]
         hidden = F.gelu(F.linear(pairs, self.input_weight[layer].float(), self.input_bias[layer].float()))
         correction = F.linear(hidden, self.output_weight[layer].float(), self.output_bias[layer].float())

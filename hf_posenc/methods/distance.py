@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import AttentionBiasMethod
+from .base import AttentionBiasMethod, PositionSpan
 
 
 def table_lookup(table: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
@@ -15,10 +15,6 @@ def table_lookup(table: torch.Tensor, query_positions: torch.Tensor, key_positio
     by the caller) read distance 0."""
     distance = (query_positions[:, :, None] - key_positions[:, None, :]).clamp(0, table.shape[-1] - 1)
     return table[:, distance].transpose(0, 1)
-
-
-def distances_needed(query_positions: torch.Tensor, key_positions: torch.Tensor) -> int:
-    return max(1, int(query_positions.max()) - int(key_positions.min()) + 1)
 
 
 class DistanceBiasMethod(AttentionBiasMethod):
@@ -36,8 +32,11 @@ class DistanceBiasMethod(AttentionBiasMethod):
         return self.distance_bias(layer_idx, distance)
 
     def bias(self, layer_idx, query_positions, key_positions):
-        n = distances_needed(query_positions, key_positions)
-        table = self.bias_table(layer_idx, n, int(query_positions.max()), query_positions.device)
+        return self.block_bias(layer_idx, query_positions, key_positions, None)
+
+    def block_bias(self, layer_idx, query_positions, key_positions, span):
+        span = span or PositionSpan.of(query_positions, key_positions)
+        table = self.bias_table(layer_idx, span.distances, span.max_query_position, query_positions.device)
         return table_lookup(table, query_positions, key_positions)
 
     def _device(self) -> torch.device:

@@ -21,6 +21,7 @@ from ..config import FLOAT32_MAX, FLOAT32_TINY, MAX_DISTANCE, PosEncConfig
 from ..model_info import ModelInfo
 from ..registry import register_method
 from .alibi import bloom_slopes
+from .base import PositionSpan
 from .distance import DistanceBiasMethod
 
 DEFAULT_THRESHOLD = 2048
@@ -138,11 +139,12 @@ class Fire(DistanceBiasMethod):
         active = torch.where(w1 == 0, b1 > 0, active).float()  # [W + 1, W]
         return sorted_knots, active @ (w1[:, None] * w2), b2 + active @ (b1[:, None] * w2)
 
-    def bias(self, layer_idx, query_positions, key_positions):
+    def block_bias(self, layer_idx, query_positions, key_positions, span):
         # (Under torch.compile the general form below serves: the test reads tensor values.)
-        if not torch.compiler.is_compiling() and \
-                int(query_positions.max()) <= self.threshold_values()[layer_idx]:
-            return super().bias(layer_idx, query_positions, key_positions)
+        if not torch.compiler.is_compiling():
+            span = span or PositionSpan.of(query_positions, key_positions)
+            if span.max_query_position <= self.threshold_values()[layer_idx]:
+                return super().block_bias(layer_idx, query_positions, key_positions, span)
         # Past the threshold the normaliser psi(i) differs per query, so every (i, j) needs its own value: the
         # MLP's piecewise-linear form gives it with one lookup and one multiply-add per head, about 4x faster on
         # CPU than running the MLP's [.., W] hidden layer on every pair.

@@ -110,14 +110,13 @@ def packed_forward(model):
         return reads_in(lambda: model(ids, position_ids=positions))
 
 
-def counted_runs(method: str) -> dict:
-    """name -> function(model) -> reads, for the runs `method` supports."""
-    runs = {"a training step": training_step}
+def reads_per_run(method: str, model) -> dict:
+    """run name -> the reads it made, for each run `method` supports."""
+    reads = {"a training step": training_step(model)}
     if "left_padding" not in CONTRACT.get(method, ContractCase()).unsupported:  # rope-2d: 2-D position_ids only
-        runs["a left-padded forward"] = lambda model: padded_forward_and_decoding(model)[0]
-        runs["a decoding step"] = lambda model: padded_forward_and_decoding(model)[1]
-        runs["a packed forward"] = packed_forward
-    return runs
+        reads["a left-padded forward"], reads["a decoding step"] = padded_forward_and_decoding(model)
+        reads["a packed forward"] = packed_forward(model)
+    return reads
 
 
 # Known to read per layer off the CPU in one run, and why it was left.
@@ -131,12 +130,9 @@ READS_PER_LAYER = {
 
 @pytest.mark.parametrize("method", hf_posenc.available_methods())
 def test_host_reads_do_not_grow_with_depth(gpu_paths, method):
-    shallow, deep = model_with(method, 2), model_with(method, 4)
-    growing = {}
-    for name, run in counted_runs(method).items():
-        two, four = run(shallow), run(deep)
-        if two != four and (method, name) not in READS_PER_LAYER:
-            growing[name] = dict(four)
+    shallow, deep = reads_per_run(method, model_with(method, 2)), reads_per_run(method, model_with(method, 4))
+    growing = {name: dict(deep[name]) for name in shallow
+               if shallow[name] != deep[name] and (method, name) not in READS_PER_LAYER}
     assert not growing, f"reads that grow with depth (2 -> 4 layers; where each was made at 4): {growing}"
 
 
@@ -155,8 +151,8 @@ def test_the_count_sees_a_read_per_layer(gpu_paths, monkeypatch):
     assert training_step(model_with("alibi", 2)).total() < training_step(model_with("alibi", 4)).total()
     monkeypatch.setattr(state.PositionState, "first_key_slot", first_key_slot)
     for method, name in READS_PER_LAYER:
-        run = counted_runs(method)[name]
-        assert run(model_with(method, 2)).total() < run(model_with(method, 4)).total()
+        two, four = (reads_per_run(method, model_with(method, layers))[name] for layers in (2, 4))
+        assert two.total() < four.total()
 
 
 @pytest.mark.parametrize("method", ["self-extend", "rerope", "sinks", "xpos", "fire", "alibi", "transformer-xl", "fox",

@@ -12,7 +12,7 @@
 # It uses the python3 it finds (the GPU machine's own torch), with this checkout on PYTHONPATH; wheels in .whl/
 # (transformers 5.23.0, say, where the machine has an older one) are installed first into a private folder:
 #     python3 -m pip download --no-deps --only-binary=:all: -d .whl transformers==5.23.0
-# What the runs printed (torch 2.11): docs/benchmarks.md, "On an H200 (CUDA), 2026-11-27" and "On an H100".
+# What the runs printed (torch 2.11): docs/benchmarks.md, "Fine-tune throughput" (On GPUs) and "Known gaps".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-${OUT:-runs/gpu_checks}}"

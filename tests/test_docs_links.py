@@ -1,6 +1,6 @@
 """Every relative link in README.md and docs/*.md reaches a file of the repository, and every #anchor a heading of
-the page it names, with headings turned into anchors as GitHub does. Pages move (benchmarks.md's superseded runs
-went to benchmarks-history.md); a link left behind would otherwise rot silently."""
+the page it names, with headings turned into anchors as GitHub does. Pages and headings change (benchmarks.md keeps
+only current figures); a link left behind would otherwise rot silently."""
 
 from __future__ import annotations
 
@@ -59,3 +59,36 @@ def test_every_relative_link_reaches_a_file_and_a_heading(page):
         elif fragment and file.suffix == ".md" and fragment not in anchors(file):
             broken.append(f"{target}: no heading with the anchor #{fragment} in {file.name}")
     assert not broken, f"{page.name} has broken links:\n" + "\n".join(broken)
+
+
+MENTION = re.compile(r"docs/figures/[\w\-./]+")
+
+
+def test_every_figure_file_is_shown_or_named_by_a_page():
+    """docs/figures holds what the pages show: each file there is linked from a page, sits beside a linked file of the
+    same name (the JSON of a plotted PNG), or lies under a path a page names (`docs/figures/run/`). Runs that the
+    pages no longer cite leave with their text; git keeps both."""
+    linked, named = set(), set()
+    for page in PAGES:
+        text = page.read_text()
+        for target in links(page):
+            path = (page.parent / target.partition("#")[0]).resolve()
+            linked.add(path)
+            if path.is_dir():
+                named.add(f"{path}/")
+        named.update(str(REPO / m.rstrip(".,)")) for m in MENTION.findall(text))
+    stems = {path.with_suffix("") for path in linked}
+    unreferenced = [
+        str(file.relative_to(REPO)) for file in sorted((REPO / "docs" / "figures").rglob("*")) if file.is_file()
+        and file not in linked and file.with_suffix("") not in stems and not any(str(file).startswith(n) for n in named)]
+    assert not unreferenced, "files no page links or names (git rm them, or link them):\n" + "\n".join(unreferenced)
+
+
+def test_the_benchmarks_page_is_a_reference_not_a_notebook():
+    """docs/benchmarks.md keeps one current table per benchmark (issue 52): no commit hashes or dates of runs, and short
+    enough to read; the runs behind earlier figures are in git."""
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    hashes = [h for h in re.findall(r"\b[0-9a-f]{7,40}\b", text) if re.search(r"[a-f]", h) and re.search(r"\d", h)]
+    dates = re.findall(r"\b20\d\d-\d\d-\d\d\b", text)
+    assert not hashes and not dates, f"commit hashes {hashes[:5]}, dates {dates[:5]}: say what the code is, not when"
+    assert len(text.splitlines()) <= 400, "docs/benchmarks.md over 400 lines: keep the current figures only"

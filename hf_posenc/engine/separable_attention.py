@@ -115,7 +115,7 @@ def causal_separable_attention(query, key, value, query_term, key_term, scaling:
     """The same logits with plain causal masking (no padding, queries are the keys): one causal SDPA call on the
     terms folded into the heads, Q' = [Q, u / scale, 1], K' = [K, 1, -w / scale], V' = [V, 0], widened with zeros
     to a multiple of 8 (see _wide_head_dim), autograd through the kernel as it is. The kernel's causal flag skips the
-    keys past each query, which a call with a mask computes (FoX's step at 4096 tokens: docs/benchmarks-history.md)."""
+    keys past each query, which a call with a mask computes (FoX's step at 4096 tokens: docs/benchmarks.md, FoX)."""
     head_dim, dtype = query.shape[-1], query.dtype
     width = _wide_head_dim(head_dim + 1)  # two more columns, rounded up to a multiple of 8
 

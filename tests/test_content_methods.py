@@ -62,8 +62,8 @@ def causal_softmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
 
 
-def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 # --- FoX ------------------------------------------------------------------------------------------------------------
@@ -92,16 +92,17 @@ def fox_reference(module, layer: int, record: dict) -> torch.Tensor:
                     amount[:, :, t] * tensor[:, :, t - 1] if t > 0 else 0.0)
             k, v = (shifted, v) if name == "key" else (k, shifted)
     if config.qk_norm:
-        q = rms(q, module.query_norm[layer].double().repeat_interleave(1, 0)[None, :, None])
+        q = rms(q, module.query_norm[layer].double().repeat_interleave(1, 0)[None, :, None], eps=1e-5)
         kv_norm = module.key_norm[layer].double()
-        k = rms(k, kv_norm.repeat_interleave(heads // kv_norm.shape[0], 0)[None, :, None])
+        k = rms(k, kv_norm.repeat_interleave(heads // kv_norm.shape[0], 0)[None, :, None], eps=1e-5)
     logits = q @ k.transpose(-1, -2) / math.sqrt(head_dim) + decay
     out = causal_softmax(logits) @ v
     if config.output_norm:
         out = rms(out, module.output_norm_weight[layer].double()[None, :, None])
     out = out.transpose(1, 2).reshape(batch, length, heads * head_dim)
     if config.output_gate:
-        out = out * 2 * torch.sigmoid(x @ module.output_gate_weight[layer].double().T)
+        factor = 2 if config.output_gate_form == "identity" else 1
+        out = out * factor * torch.sigmoid(x @ module.output_gate_weight[layer].double().T)
     return out
 
 

@@ -20,10 +20,14 @@ logits are the original ones (up to the attention path's rounding, <= 1e-5); gra
 the gate's weights and bias only once it has moved off 0.
 
 FoX-Pro parts (each off by default):
-- `qk_norm`: RMSNorm of each head's query and key (per-head weights, init 1): NOT the identity at init;
-- `output_norm`: RMSNorm of each head's attention output (per-head weights, init 1): NOT the identity at init;
-- `output_gate`: output * 2 sigmoid(W_o x_t) per channel, W_o zero-initialised: exactly the identity at init (the
-  factor 2 makes it so; the paper's gate is sigmoid(W_o x_t), the same family of functions up to that factor).
+- `qk_norm`: RMSNorm of each head's query and key (per-head weights, init 1, eps 1e-5 as the authors' GroupNorm):
+  NOT the identity at init;
+- `output_norm`: RMSNorm of each head's attention output (per-head weights, init 1, eps 1e-6 as the authors'
+  `norm_eps`): NOT the identity at init;
+- `output_gate`: a per-channel gate on the output, of the form `output_gate_form` says: "identity" (default),
+  output * 2 sigmoid(W_o x_t) with W_o = 0, exactly the identity at init (the factor 2 makes it so); "authors",
+  output * sigmoid(W_o x_t) with W_o ~ N(0, 0.02^2), the authors' code: about half the output at init, so with
+  base="native" it changes the model at init. The same family of functions up to the factor 2.
 - `key_shift` / `value_shift`: the data-dependent token shift of keys / values (FoX-Pro's "ShiftLinear"): per
   key-value head h,  k'_t = (1 - a_t) k_t + a_t k_{t-1},  a_t = sigmoid(w_h . x_t)  (no bias, w_h ~ N(0, 0.02^2) as
   the gate weights), the same with its own weights for values; k_{t-1} = 0 for the first token and where token t-1
@@ -55,6 +59,11 @@ from ..registry import register_method
 from .content import ContentAttention, ContentConfig, rms_norm
 
 GATE_INIT_STD = 0.02
+# The authors' QK-norm is GroupNorm(is_rms_norm=True) at its default eps 1e-5; their output norm takes norm_eps, 1e-6
+# (forgetting-transformer, src/forgetting_transformer/model/forgetting_transformer/modeling_forgetting_transformer.py).
+QK_NORM_EPS = 1e-5
+OUTPUT_NORM_EPS = 1e-6
+OUTPUT_GATE_FORMS = ("identity", "authors")
 
 
 @dataclass
@@ -64,7 +73,8 @@ class FoxConfig(ContentConfig):
     decay_time: list[float] = field(default_factory=lambda: [16.0, 4096.0])  # [T_min, T_max] for "decay-time"
     qk_norm: bool = False  # FoX-Pro: RMSNorm of each head's query and key (not the identity at init)
     output_norm: bool = False  # FoX-Pro: RMSNorm of each head's output (not the identity at init)
-    output_gate: bool = False  # FoX-Pro: output * 2 sigmoid(W_o x), W_o = 0 (the identity at init)
+    output_gate: bool = False  # FoX-Pro: a per-channel output gate, of the form output_gate_form says
+    output_gate_form: str = "identity"  # "identity": 2 sigmoid(W_o x), W_o = 0; "authors": sigmoid(W_o x), N(0, 0.02^2)
     key_shift: bool = False  # FoX-Pro: k'_t = (1 - a_t) k_t + a_t k_{t-1}, a_t = sigmoid(w . x_t) (not the identity)
     value_shift: bool = False  # FoX-Pro: the same for values, with its own weights (not the identity at init)
 
@@ -77,6 +87,7 @@ class FoxConfig(ContentConfig):
             self.refuse("decay_time", "is not [T_min, T_max] with T_min <= T_max", "two numbers, e.g. [16, 4096]")
         for name in ("qk_norm", "output_norm", "output_gate", "key_shift", "value_shift"):
             self.require_bool(name)
+        self.require_choice("output_gate_form", OUTPUT_GATE_FORMS)
 
 
 def decay_time_bias(num_heads: int, low: float, high: float) -> torch.Tensor:
@@ -110,7 +121,12 @@ class ForgettingAttention(ContentAttention):
         if config.output_norm:
             self.output_norm_weight = nn.Parameter(torch.ones(layers, heads, head_dim))
         if config.output_gate:
-            self.output_gate_weight = nn.Parameter(torch.zeros(layers, heads * head_dim, hidden))
+            shape = (layers, heads * head_dim, hidden)
+            if config.output_gate_form == "authors":  # their ogate_proj: nn.Linear initialised N(0, 0.02^2)
+                gate_generator = torch.Generator().manual_seed(2)  # its own seed: the other parameters stay as they were
+                self.output_gate_weight = nn.Parameter(torch.randn(shape, generator=gate_generator) * GATE_INIT_STD)
+            else:
+                self.output_gate_weight = nn.Parameter(torch.zeros(shape))
         self.num_heads, self.num_kv_heads = heads, info.num_kv_heads
         # The token shifts' mixing weights, one row per key-value head (seeded on their own: enabling one leaves
         # the other parameters' initial values as they were).
@@ -163,8 +179,8 @@ class ForgettingAttention(ContentAttention):
         if self.shifts:
             key, value = self.token_shift(key, value, key_state, first_key_slot)
         if self.config.qk_norm:
-            query = rms_norm(query, self.query_norm[layer_idx][None, :, None, :])
-            key = rms_norm(key, self.key_norm[layer_idx][None, :, None, :])
+            query = rms_norm(query, self.query_norm[layer_idx][None, :, None, :], eps=QK_NORM_EPS)
+            key = rms_norm(key, self.key_norm[layer_idx][None, :, None, :], eps=QK_NORM_EPS)
         return query, key, value
 
     def token_shift(self, key, value, key_state, first_key_slot: int = 0):
@@ -206,9 +222,11 @@ class ForgettingAttention(ContentAttention):
 
     def finish_output(self, layer_idx, output, layer_input):
         if self.config.output_norm:
-            output = rms_norm(output, self.output_norm_weight[layer_idx][None, :, None, :])
+            output = rms_norm(output, self.output_norm_weight[layer_idx][None, :, None, :], eps=OUTPUT_NORM_EPS)
         if self.config.output_gate:
             batch, heads, q, head_dim = output.shape
-            gate = 2 * torch.sigmoid(layer_input.float() @ self.output_gate_weight[layer_idx].float().T)
+            gate = torch.sigmoid(layer_input.float() @ self.output_gate_weight[layer_idx].float().T)
+            if self.config.output_gate_form == "identity":
+                gate = 2 * gate
             output = output * gate.view(batch, q, heads, head_dim).transpose(1, 2).to(output.dtype)
         return output

@@ -8,7 +8,8 @@ transformers' `rope_parameters` and the YaRN paper use.
 
 Length-dependent types (`dynamic`, `dynamic-yarn`, `longrope`) rotate queries and the un-rotated key cache
 inside the shared attention path, so that at every decoding step the logits equal a fresh full forward of
-the text so far (transformers' own dynamic NTK caches keys rotated with an older base and drifts).
+the text so far (transformers' own dynamic NTK caches keys rotated with an older base and drifts). In a batch each
+row rotates at its own length's scale (`LengthDependentRope.cos_sin`), as it would alone.
 """
 
 from __future__ import annotations

@@ -18,9 +18,8 @@ computed (DynamicCache and StaticCache alike: a StaticCache's free slots get zer
 needs nothing more: padding tokens get a state like any token, and their keys are masked.
 
 The state follows the cache's own batch edits, which `generate` makes for beam search and contrastive search:
-`reorder_cache`, `batch_select_indices` and `batch_repeat_interleave` of a cache that carries the state are wrapped
-on that cache instance (bound methods, so a deep copy of the cache rebinds them to the copy) to apply the same
-edit to the state. Under torch.compile (where the position capture traces) content methods refuse to run.
+`reorder_cache`, `batch_select_indices` and `batch_repeat_interleave` (engine/cache_rows.py). Under torch.compile
+(where the position capture traces) content methods refuse to run.
 """
 
 from __future__ import annotations
@@ -28,13 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import types
-
 import torch
 from torch import nn
 
 from ..errors import PosEncError
 from .cache_names import cache_argument, cache_output
+from .cache_rows import carries_rows, follow_batch_edits
 from .state import PositionState, attended_tokens
 
 CONTENT_STATE_ATTR = "hf_posenc_content_state"  # on a KV cache: {layer index: float32 [B, H, n, ...]}
@@ -119,38 +117,7 @@ class RecordContentState:
         return output
 
 
-def _select_rows(state: torch.Tensor, indices) -> torch.Tensor:
-    return state.index_select(0, torch.as_tensor(indices, device=state.device))
-
-
-def _repeat_rows(state: torch.Tensor, repeats) -> torch.Tensor:
-    return state.repeat_interleave(repeats, dim=0)
-
-
-BATCH_EDITS = {"reorder_cache": _select_rows, "batch_select_indices": _select_rows,
-               "batch_repeat_interleave": _repeat_rows}
-
-
-def _edited(name: str):
-    def method(cache, argument):
-        result = getattr(type(cache), name)(cache, argument)
-        states = getattr(cache, CONTENT_STATE_ATTR, None)
-        if states:
-            setattr(cache, CONTENT_STATE_ATTR, {layer: BATCH_EDITS[name](state, argument)
-                                                for layer, state in states.items()})
-        return result
-    return method
-
-
-_EDITED = {name: _edited(name) for name in BATCH_EDITS}
-
-
-def follow_batch_edits(cache) -> None:
-    """Make the cache's batch edits (beam search's reorder, ...) apply to the content state on it too."""
-    for name, method in _EDITED.items():
-        current = cache.__dict__.get(name)
-        if hasattr(type(cache), name) and not (isinstance(current, types.MethodType) and current.__func__ is method):
-            setattr(cache, name, types.MethodType(method, cache))
+carries_rows(CONTENT_STATE_ATTR, lambda states, edit: {layer: edit.rows(state) for layer, state in states.items()})
 
 
 def layer_state(state: PositionState, layer_idx: int, q: int, key_slots: torch.Tensor):

@@ -10,21 +10,27 @@ positions only. Cost: one full forward of the text so far at each step that chan
 past the window for `dynamic` and `dynamic-yarn`; once, on crossing it, for `longrope`). With
 `exact_cache=False` the method keeps only the in-attention rotation (cheap, approximate in deeper layers).
 
+Each row's scale follows its own length (engine/state.py `row_lengths`), so a left-padded batch replays when any
+row's scale changes, and every row then equals that row decoded alone.
+
 What was seen since the cache was empty is kept on the cache object itself (`REPLAY_ATTR`), so any number of
 caches (and threads) can use one model; what one forward must remember until its outputs are cut is per thread.
+The record has one row per batch row and follows the cache's batch edits (beam search's `reorder_cache`, ...:
+engine/cache_rows.py), so beam search decodes exactly too.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import PosEncError
 from .cache_names import cache_output
+from .cache_rows import BatchEdit, carries_rows
+from .state import attended_tokens, row_lengths
 
 REPLAY_ATTR = "hf_posenc_replay"  # on a KV cache: the ReplayRecord of the text it holds
 
@@ -33,8 +39,14 @@ REPLAY_ATTR = "hf_posenc_replay"  # on a KV cache: the ReplayRecord of the text 
 class ReplayRecord:
     embeds: torch.Tensor  # [B, n, hidden]: the input embeddings seen since the cache was empty
     positions: torch.Tensor  # [B, n]
-    scale_key: Any  # the scale the cache was built at
+    lengths: torch.Tensor  # [B]: each row's length (`row_lengths`) when its cached state was computed: its scale
     replays: int = 0  # how often the text was run again since the cache was empty
+
+    def edited(self, edit: BatchEdit) -> "ReplayRecord":
+        return ReplayRecord(edit.rows(self.embeds), edit.rows(self.positions), edit.rows(self.lengths), self.replays)
+
+
+carries_rows(REPLAY_ATTR, ReplayRecord.edited)
 
 
 def replay_count(cache) -> int:
@@ -70,22 +82,25 @@ class PrefixReplay:
             embeds = embed_tokens(arguments["input_ids"])
         arguments.update(input_ids=None, inputs_embeds=embeds)
         positions = positions.expand(embeds.shape[0], -1)
+        attended = attended_tokens(arguments.get("attention_mask"), offset + embeds.shape[1])
         if offset == 0:
-            self._calls.record = ReplayRecord(embeds.detach(), positions,
-                                              self.method.scale_key(int(positions.max()) + 1))
+            self._calls.record = ReplayRecord(embeds.detach(), positions, row_lengths(positions, attended))
             return arguments, positions, offset
         seen: ReplayRecord | None = getattr(cache, REPLAY_ATTR, None)
         if seen is None or seen.embeds.shape[1] < offset or seen.embeds.shape[0] != embeds.shape[0]:
             raise PosEncError(
                 f"{self.method.config.method!r} with exact_cache=True replays the text when its scale changes, but "
-                "this KV cache was filled outside the patched model's view (or its batch was reordered, as beam "
-                "search does). Start from an empty cache, or patch with exact_cache=False."
+                "this KV cache was filled outside the patched model's view (or its rows were changed other than by "
+                "its reorder_cache, batch_select_indices or batch_repeat_interleave). Start from an empty cache, or "
+                "patch with exact_cache=False."
             )
         all_embeds = torch.cat((seen.embeds[:, :offset], embeds.detach()), dim=1)
         all_positions = torch.cat((seen.positions[:, :offset], positions), dim=1)
-        scale_key = self.method.scale_key(int(all_positions.max()) + 1)
-        replaying = scale_key != seen.scale_key
-        self._calls.record = ReplayRecord(all_embeds, all_positions, scale_key, seen.replays + replaying)
+        lengths = row_lengths(all_positions, attended)
+        scale_key = self.method.scale_key
+        replaying = any(scale_key(now) != scale_key(built)
+                        for now, built in zip(lengths.tolist(), seen.lengths.tolist()))
+        self._calls.record = ReplayRecord(all_embeds, all_positions, lengths, seen.replays + replaying)
         if not replaying:
             return arguments, positions, offset
         cache.reset()

@@ -24,6 +24,7 @@ from torch import nn
 from ..errors import PosEncError
 from ..methods.base import AbsolutePositionMethod, PositionalMethod, RotaryMethod
 from .cache_names import cache_argument, cache_output
+from .cache_rows import carries_rows, follow_batch_edits
 from .sink_cache import SinkCache
 
 STATE_ATTR = "hf_posenc_state"
@@ -33,6 +34,8 @@ KEY_POSITIONS_ATTR = "hf_posenc_key_positions"  # on a KV cache: [B or 1, n] pos
 KEY_COORDINATES_ATTR = "hf_posenc_key_coordinates"
 # On a KV cache after a compiled forward, instead: [B or 1, 1], each cached token's position is its slot plus this.
 KEY_SHIFT_ATTR = "hf_posenc_key_shift"
+for _attribute in (KEY_POSITIONS_ATTR, KEY_COORDINATES_ATTR, KEY_SHIFT_ATTR):  # beam search reorders them too
+    carries_rows(_attribute, lambda value, edit: edit.rows_or_shared(value))
 
 
 @dataclass
@@ -49,7 +52,10 @@ class CallPositions:
     key_positions: torch.Tensor  # [B or 1, slot_offset + q] long
     slot_offset: int
     shift: torch.Tensor | None
-    seq_len: int = 0  # highest position + 1: what length-dependent rotary scalings depend on
+    # What a length-dependent rotary scaling follows: each row's highest position + 1 among its tokens that are not
+    # padding, this forward's and the cached ones (`row_lengths`); an int where every row has the same scale, else a
+    # tuple with one length per row (0 for other methods).
+    seq_len: int | tuple[int, ...] = 0
     rotation: Any = None  # a rotary method's rotation of the queries (its `rotation()`: by default cos/sin)
     # (layer index, positions, rotation) computed in this forward (PositionState.rotation_of): the layer index is
     # None where every layer shares the rotation, as all but `per_layer_rotation` methods do
@@ -161,7 +167,8 @@ class PositionState:
             key_positions = torch.cat((past_positions.expand(rows, -1), query_positions.expand(rows, -1)), dim=-1)
         call = CallPositions(query_positions, key_positions, slot_offset, uniform_shift(key_positions, attended))
         if isinstance(self.method, RotaryMethod):
-            call.seq_len = int(query_positions.max()) + 1 if self.method.length_dependent else 0
+            if self.method.length_dependent:
+                call.seq_len = self.scaled_lengths(key_positions, attended)
             call.rotation = self.method.rotation(query_positions if coordinates is None else coordinates, call.seq_len)
             call.rotations.append((None, query_positions if coordinates is None else coordinates, call.rotation))
             if coordinates is not None:
@@ -170,6 +177,14 @@ class PositionState:
                                                              past_coordinates)
         self._calls.current = call
         return call
+
+    def scaled_lengths(self, key_positions: torch.Tensor, attended: torch.Tensor | None) -> int | tuple[int, ...]:
+        """`CallPositions.seq_len` for a length-dependent method: each row's scale follows its own length, as the
+        row alone would (a left-padded batch is not scaled by its longest row; issue 51)."""
+        lengths = row_lengths(key_positions, attended).tolist()
+        if len({self.method.scale_key(length) for length in lengths}) == 1:
+            return max(lengths)
+        return tuple(lengths)
 
     def _key_coordinates(self, coordinates, key_positions, slot_offset, past_coordinates):
         """The coordinates of every key: the cached ones (else the default coordinates of their positions, for a
@@ -417,6 +432,7 @@ class RecordKeyPositions:
             setattr(cache, KEY_SHIFT_ATTR, None)
             if self.state.call.key_coordinates is not None:
                 setattr(cache, KEY_COORDINATES_ATTR, self.state.call.key_coordinates)
+            follow_batch_edits(cache)
         elif cache is not None:
             # A compiled forward took every cached token to sit at its slot plus one shift per row (its number of
             # tokens may be a tensor there, so no [B, n] positions): that shift is recorded, for later eager calls.
@@ -433,6 +449,14 @@ def cached_key_positions(cache: Any, offset: int) -> torch.Tensor | None:
     if positions is None and shift is not None:
         positions = shift + torch.arange(offset, device=shift.device)
     return positions
+
+
+def row_lengths(positions: torch.Tensor, attended: torch.Tensor | None) -> torch.Tensor:
+    """[B or 1] long: each row's highest position + 1 among its tokens that are not padding (`attended` [B, n] bool,
+    None: all are), 0 for a row of padding only: the length a row alone would have."""
+    if attended is not None and attended.shape[-1] == positions.shape[-1]:
+        positions = torch.where(attended.to(positions.device), positions, -1)
+    return positions.amax(-1) + 1
 
 
 def attended_tokens(attention_mask: Any, length: int) -> torch.Tensor | None:

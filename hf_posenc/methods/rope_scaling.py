@@ -8,7 +8,8 @@ transformers' `rope_parameters` and the YaRN paper use.
 
 Length-dependent types (`dynamic`, `dynamic-yarn`, `longrope`) rotate queries and the un-rotated key cache
 inside the shared attention path, so that at every decoding step the logits equal a fresh full forward of
-the text so far (transformers' own dynamic NTK caches keys rotated with an older base and drifts).
+the text so far (transformers' own dynamic NTK caches keys rotated with an older base and drifts). In a batch each
+row rotates at its own length's scale (`LengthDependentRope.cos_sin`), as it would alone.
 """
 
 from __future__ import annotations
@@ -268,6 +269,19 @@ class LengthDependentRope(ScaledRope):
     @property
     def exact_cache(self) -> bool:
         return self.config.exact_cache
+
+    def cos_sin(self, positions, seq_len=0):
+        """As RotaryMethod.cos_sin; `seq_len` may be a tuple with one length per row (the engine passes one where a
+        batch's rows have different scales): each row then rotates at its own length's frequencies and attention
+        factor, as it would alone, not at the longest row's (a left-padded batch; issue 51)."""
+        if not isinstance(seq_len, tuple):
+            return super().cos_sin(positions, seq_len)
+        per_row = [self.frequencies(length) for length in seq_len]
+        inv_freq = torch.stack([frequencies for frequencies, _ in per_row]).to(positions.device)  # [B, rotary_dim / 2]
+        scaling = torch.tensor([factor for _, factor in per_row], device=positions.device)[:, None, None]
+        freqs = positions[..., None].float() * inv_freq[:, None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos() * scaling, angles.sin() * scaling
 
 
 class DynamicRope(LengthDependentRope):

@@ -147,5 +147,13 @@ def _explain(error: Exception, endpoint: str, repo_id: str) -> str:
         if status in (401, 403):
             return (f"The Hub at {endpoint} refused the token for {repo_id} (HTTP {status}): check that it is valid "
                     "and has write access.")
-        return f"Upload of {repo_id} to {endpoint} failed (HTTP {status}): {error}"
-    return f"Cannot upload {repo_id} to {endpoint} ({type(error).__name__}: {error}). Is the network up?"
+        return f"Upload of {repo_id} to {endpoint} failed (HTTP {status}): {_one_line(error)}"
+    return f"Cannot upload {repo_id} to {endpoint} ({type(error).__name__}: {_one_line(error)}). Is the network up?"
+
+
+def _one_line(error: Exception) -> str:
+    """The error's message on one line (a command prints one ``error:`` line): httpx puts "For more information
+    check: <an MDN page on the status>" on a line of its own, and huggingface_hub adds the server's message on
+    others."""
+    lines = [line.strip() for line in str(error).splitlines()]
+    return " ".join(line for line in lines if line and not line.startswith("For more information check:"))

@@ -71,9 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"UTF-8 text to evaluate on (default: {DEFAULT_TEXT} in --data-dir)")
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="the folder of the shared text files (default: $HF_POSENC_DATA)")
-    parser.add_argument("--start-text", default=DEFAULT_START,
-                        help="evaluate from the first occurrence of this string, if present "
-                             "(default: %(default)r; '' = from the beginning)")
+    parser.add_argument("--start-text", default=None,
+                        help="evaluate from the first occurrence of this string, which must occur in the text ('' = "
+                             f"from the beginning; default: from {DEFAULT_START!r} where it occurs, else the "
+                             "beginning)")
     parser.add_argument("--window", type=int, default=None, help="tokens per window (default 1024, quick 512)")
     parser.add_argument("--max-windows", type=int, default=None, help="windows per method (default 4, quick 1)")
     parser.add_argument("--stride", type=int, default=None,
@@ -104,8 +105,18 @@ def apply_defaults(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def resolve_methods(requested: list[str] | None, quick: bool, available: list[str]) -> list[str]:
+    """The methods to run; an unknown name is refused here, before the model loads (not reported as a failed row)."""
     if requested:
-        return [name for item in requested for name in item.split(",") if name]
+        import hf_posenc
+
+        names = [name for item in requested for name in item.split(",") if name]
+        for name in names:
+            if name != UNPATCHED:
+                try:
+                    hf_posenc.get_method(name)
+                except hf_posenc.PosEncError as error:
+                    raise UsageError(f"--methods: {error} ('{UNPATCHED}': the model unpatched)") from None
+        return names
     if quick:
         patched = next((m for m in QUICK_PATCHED_PREFERENCE if m in available), None)
         patched = patched or (available[0] if available else None)
@@ -205,17 +216,28 @@ def write_outputs(output_dir: Path, meta: dict, results: list[MethodResult]) -> 
                                 f"{meta['max_windows']} x {meta['window']}-token windows", UNPATCHED)
 
 
-def evaluation_text(args: argparse.Namespace, text_path: Path, tokenizer) -> tuple[torch.LongTensor, str, int]:
-    """(the token ids the windows cover, the prompt, the character the text starts at, -1: from the beginning)."""
-    text = read_text(text_path)
-    offset = text.find(args.start_text) if args.start_text else -1
+def start_of_text(args: argparse.Namespace, text_path: Path, text: str) -> tuple[str | None, int]:
+    """(the text evaluation starts at, the character it first occurs at), or (None, -1): from the beginning. A
+    --start-text that does not occur is refused before the model loads (it silently evaluated the front matter);
+    the default, which is Pride and Prejudice's first line, only where it occurs."""
+    start = DEFAULT_START if args.start_text is None else args.start_text
+    offset = text.find(start) if start else -1
+    if offset < 0 and args.start_text:
+        raise UsageError(f"--start-text {args.start_text!r} does not occur in {text_path}; give text that does, or "
+                         "--start-text '' to evaluate from the beginning")
+    return (start, offset) if offset >= 0 else (None, -1)
+
+
+def evaluation_text(args: argparse.Namespace, text_path: Path, text: str, offset: int,
+                    tokenizer) -> tuple[torch.LongTensor, str]:
+    """(the token ids the windows cover, the prompt), from character ``offset`` of ``text`` (-1: the beginning)."""
     region = text[offset:] if offset >= 0 else text
     n_tokens = args.window + (args.max_windows - 1) * args.stride
     ids = tokenize_documents(tokenizer, [Document(text_path.name, region)], n_tokens)[0]
     if ids.numel() < n_tokens:
         raise UsageError(f"{args.max_windows} window(s) of {args.window} tokens need {n_tokens} tokens, "
                          f"{text_path} has {ids.numel()} (after character {max(offset, 0)})")
-    return ids, default_prompt(region), offset
+    return ids, default_prompt(region)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -228,6 +250,8 @@ def run(args: argparse.Namespace) -> int:
     check_output_dir(args.output_dir, "demo", args.overwrite)
     methods = resolve_methods(args.methods, args.quick, hf_posenc.available_methods())
     text_path = args.text_file or data_dir(args.data_dir) / DEFAULT_TEXT
+    text = read_text(text_path)
+    start_text, offset = start_of_text(args, text_path, text)
     estimate = estimate_seconds(methods, args.window, args.max_windows, args.gen_tokens, is_cached(args.cache_dir))
     print(f"hf_posenc demo: {len(methods)} methods ({', '.join(methods)}) x {args.max_windows} window(s) of "
           f"{args.window} tokens on {text_path.name}, {torch.get_num_threads()} threads")
@@ -237,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
     run_start = time.perf_counter()
     model, tokenizer = load_smollm2(dtype=getattr(torch, args.dtype), cache_dir=args.cache_dir)
     load_seconds = time.perf_counter() - run_start
-    ids, prompt, offset = evaluation_text(args, text_path, tokenizer)
+    ids, prompt = evaluation_text(args, text_path, text, offset, tokenizer)
     check_ids = ids[:CHECK_TOKENS]
     ref = reference_logits(model, check_ids)
     # The first forward at a new length is several times slower (allocator, thread pool);
@@ -268,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"Prompt: {prompt!r}")
     print(f"Perplexity over {args.max_windows} window(s) of {args.window} tokens"
           + (f" (stride {args.stride})" if args.stride != args.window else "")
-          + f" of {text_path.name}" + (f", from {args.start_text!r}" if offset >= 0 else "") + ":")
+          + f" of {text_path.name}" + (f", from {start_text!r}" if start_text else "") + ":")
     print()
     print(report.demo_markdown(results))
     print()
@@ -283,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "text_file": str(text_path),
         "text_name": text_path.name,
-        "start_text": args.start_text if offset >= 0 else None,
+        "start_text": start_text,
         "start_char": max(offset, 0),
         "window": args.window,
         "stride": args.stride,

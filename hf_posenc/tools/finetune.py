@@ -14,7 +14,9 @@ when saved, or ``--save adapter``: the PEFT adapter alone, carrying the patch an
 The output folder is written only at the end, atomically: the patched model (``save_pretrained``; reload with
 ``hf_posenc.from_pretrained(dir)``), its tokenizer, ``training_args.json`` (every setting and what the run saw),
 ``loss_log.csv`` / ``loss_log.json``. Resumable checkpoints (``--save-every``) go to ``--checkpoint-dir`` (default
-``<output-dir>-checkpoints``), which survives a failed run; ``--resume-from`` takes one of them or ``latest``.
+``<output-dir>-checkpoints``), which survives a failed run; ``--resume-from`` takes one of them or ``latest``
+(the newest complete one; see train_checkpoints.py). Where the output folder cannot be written at the end (a full
+disk), the run goes into a new folder under $TMPDIR instead, and the one error line says where.
 Tracker logs (``--report-to tensorboard`` etc.) are written live to ``--logging-dir`` (default ``<output-dir>-logs``).
 """
 
@@ -26,7 +28,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -39,15 +40,16 @@ if TYPE_CHECKING:  # annotations only; torch is imported where it is used, so th
 from .estimates import check_memory, estimate_training_bytes
 from ..registry import get_family
 from .models import SMOLLM2, load_model
-from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir_on_main, output_path, write_json
+from .outputs import (OVERWRITE_HELP, check_output_dir_on_main, output_path, raise_on_every_process, remove_leftovers,
+                      write_json, write_or_rescue)
 from .runtime import (DTYPES, UNPATCHED, MethodRequest, UsageError, check_at_least, check_number, parse_options,
                       set_threads, settings_from, settings_of, uncompiled, versions)
 from .text import DataError, add_text_arguments, check_encoding, documents_of, pack_blocks, tokenize_documents
+from .train_checkpoints import STATE_FILE, IncompleteCheckpoint, latest_checkpoint, read_state, save_checkpoint
 from .training_positions import pack_documents
 
 TRAIN_ONLY = ("positional", "all", "lora")
 SAVE_FORMS = ("merged", "adapter")
-STATE_FILE = "trainer_state.json"
 # What a resumed run must share with the run that saved the checkpoint: the model, what trains, the data, the schedule.
 # (--method is compared as the method and options it resolves to, whichever way it was spelled.)
 RESUME_SETTINGS = ("model", "dtype", "train_only", "lora_r", "lora_alpha", "lora_dropout", "text_file", "encoding",
@@ -318,11 +320,15 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
     logging_dir = args.logging_dir or _beside(output_dir, "-logs")
     trackers = _trackers(args.report_to, logging_dir)
     accelerator = make_accelerator(args, trackers, logging_dir)
-    check_output_dir_on_main(accelerator, output_dir, "finetune", args.overwrite)
+    checkpoint_dir = output_path(args.checkpoint_dir or _beside(output_dir, "-checkpoints"))
+    # Before any training: a folder that cannot be written would otherwise fail the run at its end, or at a save.
+    check_output_dir_on_main(accelerator, output_dir, "finetune", args.overwrite,
+                             also_writable={"--checkpoint-dir": checkpoint_dir} if args.save_every else None)
+    if accelerator.is_main_process:
+        remove_leftovers(checkpoint_dir)  # a killed run's partial checkpoints
     set_seed(args.seed)
-    checkpoint_dir = args.checkpoint_dir or _beside(output_dir, "-checkpoints")
     run_settings = resume_settings(args, request)
-    resume = resume_point(args, checkpoint_dir, run_settings)
+    resume = resume_point(args, checkpoint_dir, run_settings, accelerator.is_main_process)
 
     docs = documents_of(args)  # text first: a missing or too-short corpus fails before the model is loaded
     model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype], tokenizer=args.tokenizer,
@@ -352,7 +358,7 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
         with attention_path(args.attention_path):
             train(args, training, progress, checkpoint_dir, started, bool(trackers), run_settings)
         summary = run_summary(args, training, progress, request, posenc, data, started)
-        save_output(args, training, tokenizer, posenc, summary, progress.log)
+        save_output(args, training, tokenizer, posenc, summary, progress.log, checkpoint_dir)
     finally:  # a run stopped by a raise (a diverging loss, an interrupt) too
         release_prepared(training)
         # It also destroys the process group, without which a rank can abort at exit under DDP.
@@ -447,17 +453,23 @@ def resume_settings(args: argparse.Namespace, request: MethodRequest | None) -> 
     return json.loads(json.dumps(settings, default=str))
 
 
-def resume_point(args: argparse.Namespace, checkpoint_dir: Path, run_settings: dict[str, Any]) -> Path | None:
-    """The checkpoint ``--resume-from`` names (a folder, or ``latest`` in ``checkpoint_dir``), or None; refused when
-    it was saved with other settings (another --method would fail on loading, another --max-length would go on
-    silently with other data)."""
+def resume_point(args: argparse.Namespace, checkpoint_dir: Path, run_settings: dict[str, Any],
+                 verbose: bool = True) -> Path | None:
+    """The checkpoint ``--resume-from`` names (a folder, or ``latest`` in ``checkpoint_dir``: the newest complete
+    one), or None; refused when it is not complete, or was saved with other settings (another --method would fail
+    on loading, another --max-length would go on silently with other data)."""
     if not args.resume_from:
         return None
-    resume = _latest_checkpoint(checkpoint_dir) if args.resume_from == "latest" else Path(args.resume_from)
+    say = (lambda line: print(line, file=sys.stderr, flush=True)) if verbose else None
+    resume = latest_checkpoint(checkpoint_dir, say) if args.resume_from == "latest" else Path(args.resume_from)
     if resume is None or not (resume / STATE_FILE).is_file():
         raise UsageError(f"--resume-from {args.resume_from}: no checkpoint there "
                          f"(looked for {STATE_FILE} in {resume or checkpoint_dir})")
-    saved = json.loads((resume / STATE_FILE).read_text()).get("settings")
+    try:
+        saved = read_state(resume).get("settings")
+    except IncompleteCheckpoint as why:
+        raise UsageError(f"--resume-from {resume} is not a complete checkpoint ({why}); resume from an earlier one, "
+                         "or pass --resume-from latest to take the newest complete one") from None
     if saved is None:
         return resume  # written before the settings were recorded
     differ = [name for name in run_settings if saved.get(name) != run_settings[name]]
@@ -478,19 +490,6 @@ def _shown(value: Any) -> str:
         options = {key: option for key, option in value.items() if key != "method"}
         return value["method"] + (f" {json.dumps(options)}" if options else "")
     return "unset" if value is None else str(value)
-
-
-def _checkpoints(directory: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of the resumable checkpoints in ``directory`` (ours: they hold STATE_FILE), oldest first."""
-    if not directory.is_dir():
-        return []
-    return sorted((int(p.name.split("-")[1]), p) for p in directory.glob("step-*")
-                  if p.name.split("-")[1].isdigit() and (p / STATE_FILE).is_file())
-
-
-def _latest_checkpoint(directory: Path) -> Path | None:
-    steps = _checkpoints(directory)
-    return steps[-1][1] if steps else None
 
 
 def training_data(args: argparse.Namespace, tokenizer, docs, world: int) -> TrainingData:
@@ -557,7 +556,7 @@ def resume_progress(accelerator, resume: Path | None) -> Progress:
     if resume is None:
         return Progress()
     accelerator.load_state(str(resume))
-    state = json.loads((resume / STATE_FILE).read_text())
+    state = read_state(resume)
     if accelerator.is_main_process:
         print(f"resumed from {resume} at step {state['step']}", flush=True)
     return Progress(state["step"], state["epoch"], state["batches_in_epoch"], state["log"])
@@ -798,9 +797,10 @@ def run_summary(args: argparse.Namespace, training: Training, progress: Progress
 
 
 def save_output(args: argparse.Namespace, training: Training, tokenizer, posenc, summary: dict,
-                log: list[dict]) -> None:
+                log: list[dict], checkpoint_dir: Path | None = None) -> None:
     """Write ``--output-dir`` (from the main process): the model (LoRA merged, or the adapter alone with
-    ``--save adapter``), tokenizer, settings, loss log."""
+    ``--save adapter``), tokenizer, settings, loss log. Where that fails (a full disk) they go into a new folder
+    under $TMPDIR, and every process stops with the one line that says where (outputs.write_or_rescue)."""
     from hf_posenc.checkpoints.saving import share_weight_files
 
     accelerator = training.accelerator
@@ -811,23 +811,29 @@ def save_output(args: argparse.Namespace, training: Training, tokenizer, posenc,
     state_dict = None
     if accelerator.distributed_type.name in ("FSDP", "DEEPSPEED") and args.train_only != "lora":
         state_dict = accelerator.get_state_dict(training.model)  # a collective: every process takes part
-    main_process = accelerator.is_main_process
-    # checked at the start: a --checkpoint-dir or --logging-dir inside --output-dir may have appeared since
-    with atomic_output_dir(args.output_dir, "finetune", args.overwrite, enabled=main_process, checked=True) as out:
-        if main_process:
-            if adapter_only and posenc is not None:
-                from hf_posenc import save_adapter
 
-                save_adapter(unwrapped, out)
-            else:
-                unwrapped.save_pretrained(out, state_dict=state_dict)
-            share_weight_files(out)  # also for a model saved without hf_posenc's save_pretrained (no --method)
-            tokenizer.save_pretrained(out)
-            if posenc is not None and not (out / "posenc_config.json").is_file():
-                write_json(out / "posenc_config.json", posenc.to_dict())  # a save_pretrained without the hook
-            write_json(out / "training_args.json", summary)
-            write_loss_log(out, log)
-    accelerator.wait_for_everyone()
+    def write(out: Path) -> None:
+        if adapter_only and posenc is not None:
+            from hf_posenc import save_adapter
+
+            save_adapter(unwrapped, out)
+        else:
+            unwrapped.save_pretrained(out, state_dict=state_dict)
+        share_weight_files(out)  # also for a model saved without hf_posenc's save_pretrained (no --method)
+        tokenizer.save_pretrained(out)
+        if posenc is not None and not (out / "posenc_config.json").is_file():
+            write_json(out / "posenc_config.json", posenc.to_dict())  # a save_pretrained without the hook
+        write_json(out / "training_args.json", summary)
+        write_loss_log(out, log)
+
+    failure = None
+    if accelerator.is_main_process:
+        newest = latest_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
+        # checked at the start: a --checkpoint-dir or --logging-dir inside --output-dir may have appeared since
+        failure = write_or_rescue(args.output_dir, "finetune", args.overwrite, write, "the trained model",
+                                  if_lost=f"the newest checkpoint is {newest} (--resume-from latest)" if newest
+                                  else "the trained weights are lost")
+    raise_on_every_process(accelerator, failure)  # also the barrier that keeps the others until the files are written
 
 
 def _beside(output_dir: Path, suffix: str) -> Path:
@@ -862,21 +868,6 @@ def evaluate_loss(model, loader, accelerator, restarts: bool = False) -> float:
                       else {"input_ids": batch})
             losses.append(accelerator.gather_for_metrics(model(**inputs, labels=batch).loss.detach()[None]))
     return float(torch.cat(losses).float().mean()) if losses else float("nan")
-
-
-def save_checkpoint(accelerator, directory: Path, progress: Progress, limit: int, run_settings: dict[str, Any]) -> None:
-    """A resumable checkpoint ``step-N`` in ``directory`` (with the settings a resumed run must share); only the newest
-    ``limit`` of ours are kept."""
-    path = directory / f"step-{progress.step}"
-    accelerator.save_state(str(path))
-    if accelerator.is_main_process:
-        (path / STATE_FILE).write_text(json.dumps({"step": progress.step, "epoch": progress.epoch,
-                                                   "batches_in_epoch": progress.batches_in_epoch,
-                                                   "log": progress.log, "settings": run_settings}, indent=2))
-        old = _checkpoints(directory)
-        for _, stale in old[: max(0, len(old) - limit)]:
-            shutil.rmtree(stale, ignore_errors=True)
-    accelerator.wait_for_everyone()
 
 
 def write_loss_log(directory: Path, log: list[dict]) -> None:

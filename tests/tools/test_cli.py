@@ -173,3 +173,59 @@ def test_one_method_syntax_everywhere():
     assert (swap.name, swap.options) == ("kerple", {"variant": "power"})
     args = main_job.apply_defaults(main_job.build_parser().parse_args(["--swap", "kerple:variant=\"power\""]))
     assert MethodRequest.parse(args.swap).options == {"variant": "power"}
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err  # one line, no traceback
+    return err
+
+
+@pytest.mark.skipif(not BOOK.is_file(), reason="../shared/data is not there")
+def test_demo_refuses_unknown_methods_and_absent_start_text_before_loading(tmp_path, capsys, monkeypatch):
+    """`demo --methods zzz` loaded SmolLM2 and exited 0 with an error row, and a --start-text that the file does not
+    hold was ignored (issue 51, item 9): both are one line and exit 2, before the model loads."""
+    from hf_posenc.tools import demo
+
+    monkeypatch.setattr(demo, "load_smollm2", lambda *a, **k: pytest.fail("the model loaded"))
+    out = tmp_path / "out"
+    assert run_cli("demo", ["--methods", "alibi,zzz", "--output-dir", str(out)]) == 2
+    assert _one_error_line(capsys).startswith("error: --methods: Unknown positional method 'zzz'. Available methods: ")
+    assert run_cli("demo", ["--quick", "--text-file", str(BOOK), "--start-text", "no such words",
+                            "--output-dir", str(out)]) == 2
+    assert _one_error_line(capsys) == (f"error: --start-text 'no such words' does not occur in {BOOK}; give text "
+                                       "that does, or --start-text '' to evaluate from the beginning\n")
+    assert not out.exists()
+    # the default start is Pride and Prejudice's first line: another file starts at its beginning
+    args = demo.build_parser().parse_args(["--text-file", str(BOOK)])
+    assert demo.start_of_text(args, BOOK, "Call me Ishmael.") == (None, -1)
+    assert demo.start_of_text(args, BOOK, f"front matter. {demo.DEFAULT_START}") == (demo.DEFAULT_START, 14)
+
+
+def test_publish_network_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    """An HTTP error of the Hub printed httpx's "For more information check: <MDN page>" as a second line (issue 51,
+    item 12); every network error is one line ``error: ...``, exit 2."""
+    import httpx2
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils import hf_raise_for_status
+
+    hf_posenc.patch_model(tiny_model("llama"), "alibi").save_pretrained(tmp_path / "saved")
+    capsys.readouterr()  # its progress bar
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.example")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    url = "https://hub.example/api/repos/create"
+
+    def bad_gateway(*args, **kwargs):
+        hf_raise_for_status(httpx2.Response(502, request=httpx2.Request("POST", url)))
+
+    def refused(*args, **kwargs):
+        raise httpx2.ConnectError("[Errno 111] Connection refused\nwhile connecting to hub.example:443")
+
+    for create_repo, shown in ((bad_gateway, f"failed (HTTP 502): Server error '502 Bad Gateway' for url '{url}'\n"),
+                               (refused, "(ConnectError: [Errno 111] Connection refused while connecting to "
+                                         "hub.example:443). Is the network up?\n")):
+        monkeypatch.setattr(HfApi, "create_repo", create_repo)
+        assert run_cli("publish", [str(tmp_path / "saved"), "acme/tiny-alibi"]) == 2
+        line = _one_error_line(capsys)
+        assert line.startswith("error: ") and line.endswith(shown) and "For more information" not in line, line

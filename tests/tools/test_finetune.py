@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -437,3 +440,118 @@ def test_the_wrapped_model_goes_before_the_process_group(tmp_path):
         assert torch.distributed.is_initialized()
     finally:
         torch.distributed.destroy_process_group()
+
+
+def _last_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return err.rstrip().splitlines()[-1]
+
+
+def test_a_full_disk_at_the_final_save_keeps_the_model_in_tmpdir(tiny_dir, tmp_path, capsys, monkeypatch):
+    """The weights cannot be written into --output-dir at the end (safetensors: "No space left on device"; it was a
+    SafetensorError traceback and the trained model lost, issue 51, item 6): the run goes into a new folder under
+    $TMPDIR, named in the one error line, exit 2, and reloads from there. When that fails too, the line says what
+    is left: the newest checkpoint."""
+    import re
+    import tempfile
+
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+
+    rescue_root = tmp_path / "tmpdir"
+    rescue_root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(rescue_root))  # as TMPDIR=... would
+    real_save = transformers.modeling_utils.safe_save_file
+    full_disk = "Error while serializing: I/O error: No space left on device (os error 28)"
+
+    def save_where_there_is_room(tensors, filename, *args, **kwargs):
+        if not str(filename).startswith(str(rescue_root)):
+            raise SafetensorError(full_disk)
+        return real_save(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", save_where_there_is_room)
+    out = tmp_path / "out"
+    assert finetune_main(_args(tiny_dir, out, "--max-steps", "1")) == 2
+    line = _last_line(capsys)
+    assert line.startswith(f"error: could not write --output-dir {out} (SafetensorError: {full_disk}); the trained "
+                           f"model is in {rescue_root}/hf_posenc-finetune-rescued-"), line
+    rescued = Path(re.search(r"is in (\S+) instead", line).group(1))
+    assert hf_posenc.get_posenc_config(hf_posenc.from_pretrained(rescued)).method == "alibi"
+    assert json.loads((rescued / "training_args.json").read_text())["steps_done"] == 1
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+    def no_room_anywhere(tensors, filename, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(filename))
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", no_room_anywhere)
+    assert finetune_main(_args(tiny_dir, out, "--max-steps", "2", "--save-every", "1", "--train-only",
+                               "positional")) == 2
+    line = _last_line(capsys)
+    assert line.startswith(f"error: could not write --output-dir {out} (No space left on device: "), line
+    assert f"), nor a copy in {rescue_root} (No space left on device: {rescue_root}/hf_posenc-finetune-rescued-" in line
+    assert f"; the newest checkpoint is {tmp_path / 'out-checkpoints' / 'step-1'} (--resume-from latest)" in line
+    assert sorted(p.name for p in rescue_root.iterdir()) == [rescued.name]  # the failed copy was removed
+
+
+def test_a_checkpoint_that_cannot_be_saved_is_left_out_and_training_goes_on(tiny_dir, tmp_path, capsys,
+                                                                             monkeypatch):
+    """torch's "[enforce fail at inline_container.cc:672]" while checkpointing (a full disk) was a traceback that
+    ended the run: that checkpoint is left out with one warning line, its partial folder removed, and the run
+    trains on and saves (issue 51, item 6)."""
+    from accelerate import Accelerator
+
+    real_save_state = Accelerator.save_state
+    saves = []
+
+    def save_state_failing_once(self, output_dir=None, **kwargs):
+        saves.append(output_dir)
+        if len(saves) == 2:
+            Path(output_dir, "optimizer.bin").write_bytes(b"half")
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 32\n"
+                               "frame #0: c10::Error::Error(...)")
+        return real_save_state(self, output_dir, **kwargs)
+
+    monkeypatch.setattr(Accelerator, "save_state", save_state_failing_once)
+    out = tmp_path / "out"
+    assert finetune_main(_args(tiny_dir, out, "--max-steps", "4", "--save-every", "1", "--train-only",
+                               "positional")) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    warnings = [line for line in err.splitlines() if line.startswith("warning: checkpoint")]
+    assert warnings == [f"warning: checkpoint step-2 could not be saved in {tmp_path / 'out-checkpoints'} "
+                        "(RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 64 vs 32); "
+                        "training goes on (the newest checkpoint is step-1)"]
+    assert sorted(os.listdir(tmp_path / "out-checkpoints")) == ["step-1", "step-3"]
+    assert json.loads((out / "training_args.json").read_text())["steps_done"] == 4
+
+
+def test_resume_latest_skips_an_incomplete_checkpoint(tiny_dir, tmp_path, capsys):
+    """A kill while trainer_state.json was written left it cut short, and --resume-from latest crashed with a
+    JSONDecodeError traceback (issue 51, item 7). Checkpoints are now renamed into place complete, listing their
+    files' sizes; latest skips one that is not complete (cut short by an older version, damaged since) for the one
+    before it, saying so, and a named one is refused in one line."""
+    common = ["--max-steps", "3", "--train-only", "positional"]
+    assert finetune_main(_args(tiny_dir, tmp_path / "cut", *common, "--save-every", "1")) == 0
+    checkpoints = tmp_path / "cut-checkpoints"
+    assert sorted(os.listdir(checkpoints)) == ["step-1", "step-2"]  # and no partial folder
+    state = json.loads((checkpoints / "step-2" / "trainer_state.json").read_text())
+    assert state["files"]["model.safetensors"] == (checkpoints / "step-2" / "model.safetensors").stat().st_size
+    text = (checkpoints / "step-2" / "trainer_state.json").read_text()
+    (checkpoints / "step-2" / "trainer_state.json").write_text(text[: len(text) // 2])
+    capsys.readouterr()
+    assert finetune_main(_args(tiny_dir, tmp_path / "resumed", *common, "--resume-from", "latest",
+                               "--checkpoint-dir", str(checkpoints))) == 0  # saves no checkpoint over step-2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    assert (f"note: --resume-from latest skips {checkpoints / 'step-2'}, which is not complete (its "
+            "trainer_state.json is cut short or unreadable (JSONDecodeError: ") in captured.err
+    assert f"resumed from {checkpoints / 'step-1'} at step 1" in captured.out
+    for step, damage, reason in (("step-2", None, "its trainer_state.json is cut short or unreadable"),
+                                 ("step-1", "model.safetensors", "its model.safetensors has 10 of its")):
+        if damage:
+            with open(checkpoints / step / damage, "r+b") as weights:
+                weights.truncate(10)
+        out = tmp_path / "refused"
+        assert_failed_cleanly(finetune_main(_args(tiny_dir, out, *common, "--resume-from", str(checkpoints / step))),
+                              capsys, f"--resume-from {checkpoints / step} is not a complete checkpoint ({reason}", out)

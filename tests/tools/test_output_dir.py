@@ -151,3 +151,85 @@ def test_two_processes_refuse_together(tiny_dir, tmp_path):
     assert done.stderr.count(f"error: --output-dir {out} holds files that hf-posenc finetune did not write") == 2
     assert not [line for line in done.stderr.splitlines() if line.lstrip().startswith("File ") and "hf_posenc" in line]
     assert snapshot(out) == {"notes.txt": b"keep"}
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused_before_any_work(tiny_dir, tmp_path, capsys, monkeypatch):
+    """A path under a file was "File exists" after the whole run, and a read-only folder failed at the end too (the
+    model lost; issue 51, item 6): both are refused before the model loads, one line, exit 2. Read-only is made by
+    a probe that fails as on a read-only file system (the tests run as root, whom chmod does not stop)."""
+    import errno
+
+    from hf_posenc.tools import finetune, outputs
+
+    monkeypatch.setattr(finetune, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    (tmp_path / "notes.txt").write_text("keep")
+    before = snapshot(tmp_path)
+    under_a_file = tmp_path / "notes.txt" / "run"
+    for option in ("--output-dir", "--checkpoint-dir"):
+        argv = [*_finetune(tiny_dir), "--save-every", "1", "--output-dir", str(tmp_path / "out"), option,
+                str(under_a_file)]
+        assert_refused(run_cli("finetune", argv), capsys,
+                       f"{option} {under_a_file} lies under {tmp_path / 'notes.txt'}, which is a file, not a folder",
+                       tmp_path, before)
+    real_mkstemp = outputs.tempfile.mkstemp
+
+    def read_only(*args, prefix="", dir=None, **kwargs):
+        if prefix.startswith(outputs.PARTIAL + "probe") and str(dir) == str(tmp_path):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(dir))
+        return real_mkstemp(*args, prefix=prefix, dir=dir, **kwargs)
+
+    monkeypatch.setattr(outputs.tempfile, "mkstemp", read_only)
+    for command in ("finetune", "eval-ppl", "passkey"):
+        assert_refused(run_cli(command, [*ARGUMENTS[command](tiny_dir), "--output-dir", str(tmp_path / "new")]),
+                       capsys, f"--output-dir {tmp_path / 'new'} cannot be written (Read-only file system in {tmp_path})",
+                       tmp_path, before)
+
+
+KILLED_RUN = """
+import os, sys
+from pathlib import Path
+from hf_posenc.tools.outputs import atomic_output_dir
+with atomic_output_dir(sys.argv[1], "eval-ppl") as staging:
+    (Path(staging) / "perplexity.csv").write_text("half")
+    os.kill(os.getpid(), 9)
+"""
+
+
+def test_a_later_run_removes_the_leftovers_of_a_killed_run_and_nothing_else(tmp_path):
+    """kill -9 during a run leaves its staging folder: beside --output-dir (``.NAME.tmp-*``) on a first run, inside it
+    (``.hf_posenc-staging-*``) on a later one. The next run removes those, which our marker says a process that has
+    gone made, and a half-written file of ours where our manifest is; a folder of the same pattern that is not
+    marked, or is a live run's, and the user's files stay (issue 51, item 8)."""
+    import socket
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+
+    def killed_run():
+        done = subprocess.run([sys.executable, "-c", KILLED_RUN, str(out)], capture_output=True, text=True)
+        assert done.returncode == -9, done.stderr
+
+    killed_run()
+    beside = [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
+    assert len(beside) == 1
+    with atomic_output_dir(out, "eval-ppl") as staging:
+        _write(staging, **{"perplexity.csv": "1"})
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
+    killed_run()
+    inside = [p for p in out.iterdir() if p.name.startswith(".hf_posenc-staging-")]
+    assert len(inside) == 1 and (inside[0] / "perplexity.csv").read_text() == "half"
+    (out / ".hf_posenc_output.json.hf_posenc-partial-x1y2").write_text("{\"writ")  # a kill while writing it
+    # not ours to remove: an unmarked folder of the pattern, a live run's staging, the user's files
+    (tmp_path / ".out.tmp-unmarked").mkdir()
+    (tmp_path / ".out.tmp-unmarked" / "x").write_text("keep")
+    live = out / ".hf_posenc-staging-live"
+    live.mkdir()
+    (live / ".hf_posenc-work.json").write_text(json.dumps({"written_by": "hf_posenc", "command": "eval-ppl",
+                                                             "pid": os.getppid(), "host": socket.gethostname()}))
+    (out / "notes.txt").write_text("mine")
+    with atomic_output_dir(out, "eval-ppl") as staging:
+        _write(staging, **{"perplexity.csv": "2"})
+    assert sorted(os.listdir(out)) == sorted([".hf_posenc-staging-live", MANIFEST, "notes.txt", "perplexity.csv"])
+    assert (out / "perplexity.csv").read_text() == "2" and (live / ".hf_posenc-work.json").is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")] == [".out.tmp-unmarked"]

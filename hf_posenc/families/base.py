@@ -32,7 +32,8 @@ class ModelFamily:
     name: ClassVar[str]
     model_types: ClassVar[tuple[str, ...]]
     native_method: ClassVar[str]  # the method that computes what the family's own mechanism does
-    # False when the native mechanism is not in the layers (GPT-2's learned input embedding): a hybrid keeps it.
+    # False when the native mechanism is not in the layers (GPT-2's learned input embedding): a hybrid keeps it,
+    # unless its parts run every layer (then it is the full patch's).
     native_per_layer: ClassVar[bool] = True
     # The projections inside each attention module (queries, keys, values, output): what LoRA adapts.
     attention_projections: ClassVar[tuple[str, ...]]
@@ -126,6 +127,10 @@ class ModelFamily:
         base = self.base_model(model)
         log.set_attr(base, "posenc", hybrid)
         parameter_names = forward_parameter_names(base)
+        # Parts that replace the position of every layer: no layer reads the native mechanism any more, so a family
+        # whose own positions are not a layer's (GPT-2's wpe, added to the input) loses them as with the full patch.
+        every_layer = {index for layers in hybrid.part_layers for index in layers} == set(range(info.num_layers))
+        replaces_all = every_layer and not any(self.keeps_native(method, info) for method in hybrid.parts)
         states = []
         for method, layers in zip(hybrid.parts, hybrid.part_layers):
             state = PositionState(method, model.config)
@@ -135,18 +140,21 @@ class ModelFamily:
             log.add_forward_hook(base, RecordKeyPositions(state), with_kwargs=True)
             if self.keeps_native(method, info):
                 continue
-            if not self.native_per_layer and not isinstance(method, (AttentionBiasMethod, RotaryMethod)):
+            if not self.native_per_layer and not replaces_all and \
+                    not isinstance(method, (AttentionBiasMethod, RotaryMethod)):
                 raise PosEncError(
                     f"On {self.name} models position enters as an embedding added to the input, not inside the "
-                    f"layers, and a hybrid keeps it: {method.config.method!r} on layers {layers} would change "
-                    f"nothing. Patch the whole model with {method.config.method!r} (no layers=), or put a method that "
-                    "acts inside attention on those layers.")
+                    f"layers, and a hybrid that leaves some layers native keeps it: {method.config.method!r} on "
+                    f"layers {layers} would change nothing. Patch the whole model with {method.config.method!r} (no "
+                    "layers=), or put a method that acts inside attention on those layers.")
             self.remove_native(model, state, log, layers)
             rotates_in_attention = isinstance(method, RotaryMethod) and method.rotates_in_attention
             if isinstance(method, AttentionBiasMethod) or rotates_in_attention:
                 self.route_attention(model, state, log, layers)
             elif isinstance(method, RotaryMethod):
                 self.add_rotary(model, method, state, log, layers)
+        if replaces_all and not self.native_per_layer:
+            self.remove_native(model, states[0], log)
         return states[0]
 
     def layer_attention_modules(self, model: nn.Module, layers: list[int] | None) -> list[nn.Module]:

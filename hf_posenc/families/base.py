@@ -179,7 +179,7 @@ class ModelFamily:
 
 
 class RotateProjectionOutput:
-    """Forward hook on a fused qkv projection: rotates its query and key parts with the positions of the
+    """How a family rotates the output of a fused qkv projection: its query and key parts with the positions of the
     current forward, so the KV cache holds rotated keys exactly as a native RoPE model's does.
 
     A family subclasses it with `rotate_qk(output, fn)`, its knowledge of the fused layout: apply fn to the query
@@ -193,6 +193,52 @@ class RotateProjectionOutput:
     def rotate_qk(self, fused: torch.Tensor, rotate_part) -> torch.Tensor:
         raise NotImplementedError
 
-    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    def __call__(self, fused: torch.Tensor) -> torch.Tensor:
         method, rotation = self.state.method, self.state.call.rotation
-        return self.rotate_qk(output, lambda x: method.rotate_heads(x.transpose(1, 2), rotation).transpose(1, 2))
+        return self.rotate_qk(fused, lambda x: method.rotate_heads(x.transpose(1, 2), rotation).transpose(1, 2))
+
+
+def rotate_projection(rotate: RotateProjectionOutput, attention: nn.Module, slot: str, log: UndoLog) -> None:
+    """Rotate the output of `attention.<slot>` (its fused qkv projection) with `rotate`, whatever module holds that
+    place when attention runs: see RotatedProjection."""
+    rotated = RotatedProjection(rotate, attention, slot, log)
+    log.add_forward_hook(attention._modules[slot], rotated)
+    log.add_forward_pre_hook(attention, FollowProjection(rotated))
+
+
+class RotatedProjection:
+    """Forward hook on the module in one attention module's projection place (`attention.<slot>`): rotates its output.
+
+    PEFT's LoRA puts a wrapper in that place after a patch: the projection becomes the wrapper's base_layer, and the
+    wrapper adds its own update to the base layer's output. The rotation must take the sum (else LoRA's query and
+    key updates stay unrotated and merge_and_unload moves the logits), so the hook acts only on the module now in
+    the place; FollowProjection adds it to a module newly put there."""
+
+    def __init__(self, rotate: RotateProjectionOutput, attention: nn.Module, slot: str, log: UndoLog):
+        self.rotate = rotate
+        self.attention = attention
+        self.slot = slot
+        self.log = log  # hooks added later go into the patch's undo log: unpatch_model removes them too
+        self.hooked = [attention._modules[slot]]
+
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        if self.attention._modules.get(self.slot) is not module:
+            return None  # a wrapper's base layer: the wrapper's own hook rotates the whole projection
+        return self.rotate(output)
+
+
+class FollowProjection:
+    """Forward pre-hook on an attention module: gives the module now in its projection's place (a PEFT wrapper put
+    there after the patch) the RotatedProjection hook, once."""
+
+    def __init__(self, rotated: RotatedProjection):
+        self.rotated = rotated
+
+    def __call__(self, attention: nn.Module, args: tuple) -> None:
+        rotated = self.rotated
+        current = attention._modules.get(rotated.slot)
+        if current is rotated.hooked[-1] or current is None:
+            return
+        if not any(current is module for module in rotated.hooked):
+            rotated.log.add_forward_hook(current, rotated)
+        rotated.hooked.append(current)

@@ -18,7 +18,7 @@ from .checkpoints.hub import publish_saved
 from .checkpoints.saving import attach_save_hook, changed_positional_state
 from .config import PosEncConfig
 from .engine.hybrid import REST, HybridConfig, parse_layers, part_config, refuse_per_layer, rest_layers
-from .engine.install import applied_patch, install_patch, remove_patch
+from .engine.install import applied_patch, install_patch, remove_patch, unwrap_peft
 from .engine.sink_cache import SinkCache, num_layers
 from .errors import PosEncError
 from .methods.base import PositionalMethod
@@ -50,15 +50,25 @@ def patch_model(model: nn.Module, method: str | PosEncConfig, layers: Any = None
     'first:N', 'last:N'), the others keep the model's own mechanism. On a model that is already a hybrid, a patch
     on other layers is added to it (its parts and their trained weights are kept); 'rest' names every layer that no
     part runs yet.
+
+    A PEFT model (peft.get_peft_model) is patched inside: its transformers model is patched exactly as without the
+    wrapper, and the patch's weights are frozen as get_peft_model freezes every weight but the adapter's.
     """
+    target = unwrap_peft(model)
     if layers is not None:
-        return _patch_layers(model, method, layers, options)
-    config = resolve_config(method, options)
-    warn_if_discarding_trained_state(model, config)
-    return install_patch(model, config, functools.partial(attach_save_hook, publish=publish_saved))
+        _patch_layers(target, method, layers, options)
+    else:
+        config = resolve_config(method, options)
+        warn_if_discarding_trained_state(target, config)
+        install_patch(target, config, functools.partial(attach_save_hook, publish=publish_saved))
+    if target is not model:
+        # What patching before get_peft_model gives: PEFT trains its adapter alone (to train the positional weights
+        # too, patch first and list them in modules_to_save: hf_posenc.peft_modules_to_save).
+        applied_patch(target).installed.requires_grad_(False)
+    return model
 
 
-def _patch_layers(model: nn.Module, method: str | PosEncConfig, layers: Any, options: dict[str, Any]) -> nn.Module:
+def _patch_layers(model: nn.Module, method: str | PosEncConfig, layers: Any, options: dict[str, Any]) -> None:
     part = part_config(method, options)
     refuse_per_layer(part)
     applied = applied_patch(model)
@@ -83,10 +93,10 @@ def _patch_layers(model: nn.Module, method: str | PosEncConfig, layers: Any, opt
         hybrid = applied_patch(model).method
         for module, state in zip(hybrid.parts, kept):  # the parts already there keep their (trained) weights
             module.load_state_dict(state)
-        return model
+        return
     config = HybridConfig(parts=[new_part])
     warn_if_discarding_trained_state(model, config)
-    return install_patch(model, config, functools.partial(attach_save_hook, publish=publish_saved))
+    install_patch(model, config, functools.partial(attach_save_hook, publish=publish_saved))
 
 
 def warn_if_discarding_trained_state(model: nn.Module, config: PosEncConfig) -> None:
@@ -120,7 +130,7 @@ def sink_cache(model: nn.Module) -> SinkCache:
     """The bounded KV cache for a model patched with `sinks` (what `model.generate` creates by itself): pass it as
     `past_key_values` to your own decoding loop; memory stays at num_sinks + window - 1 keys per layer."""
     applied = applied_patch(model)
-    cache = applied.method.kv_cache(num_layers(model)) if applied is not None else None
+    cache = applied.method.kv_cache(num_layers(unwrap_peft(model))) if applied is not None else None
     if cache is None:
         method = applied.config.method if applied is not None else None
         raise PosEncError(f"sink_cache(model) needs a model patched with 'sinks'; this one is "

@@ -378,3 +378,43 @@ def test_the_flex_path_serves_only_the_patched_layers_of_a_hybrid(monkeypatch):
     assert max_diff(flex, blocked) <= 1e-5
     with torch.no_grad():
         assert max_diff(blocked, assembled_logits("llama", [None, ("t5", {})], ids)) <= 1e-5
+
+
+# --- a hybrid whose parts run every layer ---------------------------------------------------------------------------
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "bloom"])
+@pytest.mark.parametrize("method", ["alibi", "nope", "rope"])
+def test_a_hybrid_over_every_layer_is_the_full_patch(model_type, method):
+    """No layer is native, so nothing reads GPT-2's wpe: it goes as with the full patch (issue 51: alibi on layers
+    [0, 1] of the 2-layer GPT-2 kept wpe and was 0.81 off the full patch; nope there was refused)."""
+    ids = random_ids(2, 11)
+    model = tiny_model(model_type)
+    before = model_fingerprint(model)
+    with torch.no_grad():
+        native = model(ids).logits
+    hf_posenc.patch_model(model, method, layers=[0, 1])
+    full = hf_posenc.patch_model(tiny_model(model_type), method)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, full(ids).logits)
+    hf_posenc.unpatch_model(model)
+    assert_same_fingerprint(before, model_fingerprint(model))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, native)
+
+
+def test_gpt2_parts_that_come_to_run_every_layer_drop_wpe_and_save_so(tmp_path):
+    """The second part (layers="rest") completes the cover: the hybrid computes each layer as the model patched as a
+    whole with that layer's method does, and saves and reloads so (wpe saved as it was, for the original
+    architecture)."""
+    ids = random_ids(2, 11)
+    model = hf_posenc.patch_model(tiny_model("gpt2"), "alibi", layers=[0])
+    assert isinstance(model.transformer.wpe, torch.nn.Embedding)  # layer 1 is native: it reads wpe
+    hf_posenc.patch_model(model, "nope", layers="rest")
+    assert not isinstance(model.transformer.wpe, torch.nn.Embedding)
+    with torch.no_grad():
+        hybrid = model(ids).logits
+    assert max_diff(hybrid, assembled_logits("gpt2", [("alibi", {}), ("nope", {})], ids)) <= 1e-6
+    model.save_pretrained(tmp_path / "saved")
+    loaded = hf_posenc.from_pretrained(tmp_path / "saved")
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, hybrid)
+    assert torch.equal(hf_posenc.unpatch_model(loaded).transformer.wpe.weight, tiny_model("gpt2").transformer.wpe.weight)

@@ -250,3 +250,54 @@ def test_replacing_a_patch_with_trained_positional_weights_warns(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         hf_posenc.patch_model(hf_posenc.unpatch_model(loaded), "alibi")
+
+
+# --- a patched model cast (or moved) before unpatch or save (issue 51, point 5) -------------------------------------
+def tensors(model) -> dict:
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+@pytest.mark.parametrize("model_type, method, options", [
+    ("gpt2", "alibi", {}),  # wpe taken out
+    ("gpt2", "learned", {}),  # wpe's place taken by the method
+    ("llama", "alibi", {}),  # rotary_emb (inv_freq) taken out
+    ("llama", "yarn", {"factor": 2.0}),
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_unpatch_after_a_cast_gives_the_never_patched_model_cast_the_same_way(model_type, method, options, dtype):
+    """The modules a patch took out of the model follow the cast: unpatched GPT-2 crashed ('mixed dtype') with a
+    float32 wpe among bf16 weights, unpatched LLaMA kept a float32 inv_freq and was 2e-3 off."""
+    ids = random_ids(2, 9)
+    never_patched = tiny_model(model_type).to(dtype)
+    model = hf_posenc.patch_model(tiny_model(model_type), method, **options).to(dtype)
+    hf_posenc.unpatch_model(model)
+    expected, restored = tensors(never_patched), tensors(model)
+    assert restored.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert restored[name].dtype == tensor.dtype and torch.equal(restored[name], tensor), name
+    assert not any("_apply" in module.__dict__ for module in model.modules())  # the patch's conversion hook is gone
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, never_patched(ids).logits)
+
+
+def test_unpatch_after_a_move_puts_the_taken_out_modules_on_the_new_device():
+    model = hf_posenc.patch_model(tiny_model("llama"), "alibi").to("meta")
+    hf_posenc.unpatch_model(model)
+    assert {tensor.device.type for tensor in tensors(model).values()} == {"meta"}
+
+
+@pytest.mark.parametrize("model_type, method", [("gpt2", "alibi"), ("gpt2", "rope"), ("llama", "kerple")])
+def test_a_patched_model_saved_after_a_cast_has_one_dtype(tmp_path, model_type, method):
+    """save_pretrained writes the original architecture: GPT-2's wpe, out of the module tree while patched, was saved
+    as float32 beside bf16 weights."""
+    from safetensors import safe_open
+
+    model = hf_posenc.patch_model(tiny_model(model_type), method).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "saved")
+    with safe_open(tmp_path / "saved" / "model.safetensors", framework="pt") as handle:
+        assert {key: handle.get_tensor(key).dtype for key in handle.keys()} == dict.fromkeys(handle.keys(),
+                                                                                              torch.bfloat16)
+    ids = random_ids(2, 9)
+    with torch.no_grad():
+        assert torch.equal(hf_posenc.from_pretrained(tmp_path / "saved", dtype=torch.bfloat16)(ids).logits,
+                           model(ids).logits)

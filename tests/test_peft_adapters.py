@@ -4,7 +4,8 @@ import json
 
 import pytest
 import torch
-from helpers import perturb_positional_state
+from helpers import (assert_same_fingerprint, count_hooks, max_diff, model_fingerprint, patch_for_contract,
+                     perturb_positional_state)
 from tiny_models import random_ids, tiny_model
 
 import hf_posenc
@@ -220,3 +221,85 @@ def test_transformers_add_adapter_and_load_adapter_on_a_patched_model(tmp_path, 
         assert torch.equal(loaded(ids).logits, logits)
     with pytest.raises(hf_posenc.PosEncError, match="carries a PEFT adapter"):
         model.save_pretrained(tmp_path / "standalone", standalone=True)
+
+
+# --- patching a PEFT model (issue 51, point 1): its transformers model is patched, exactly as before get_peft_model --
+def lora_model(model, model_type: str, seed: int = 6):
+    torch.manual_seed(seed)  # LoRA's matrices drawn the same whichever order the patch and the wrapper come in
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=LORA_TARGETS[model_type],
+                                                      init_lora_weights=False))
+
+
+def patched(model, method: str, seed: int = 5):
+    torch.manual_seed(seed)  # the method's initial weights, likewise
+    return patch_for_contract(model, method)
+
+
+def assert_patching_the_peft_model_is_patching_first(model_type: str, method: str):
+    ids = random_ids(2, 9)
+    patched_first = lora_model(patched(tiny_model(model_type), method), model_type)
+    peft_model = lora_model(tiny_model(model_type), model_type)
+    before = model_fingerprint(peft_model)
+    with torch.no_grad():
+        unpatched = peft_model(ids).logits
+    assert patched(peft_model, method) is peft_model
+    with torch.no_grad():
+        assert torch.equal(peft_model(ids).logits, patched_first(ids).logits)
+    assert hf_posenc.get_posenc_config(peft_model) == hf_posenc.get_posenc_config(patched_first)
+    assert hf_posenc.get_positional_module(peft_model) is hf_posenc.get_positional_module(
+        peft_model.get_base_model())
+    # frozen as get_peft_model freezes every weight but the adapter's
+    assert {name: p.requires_grad for name, p in peft_model.named_parameters()} == {
+        name: p.requires_grad for name, p in patched_first.named_parameters()}
+    hf_posenc.unpatch_model(peft_model)
+    assert hf_posenc.get_posenc_config(peft_model) is None
+    assert_same_fingerprint(before, model_fingerprint(peft_model))
+    with torch.no_grad():
+        assert torch.equal(peft_model(ids).logits, unpatched)
+
+
+@pytest.mark.parametrize("method", hf_posenc.available_methods())
+def test_patching_a_peft_model_equals_patching_before_get_peft_model(method):
+    """It used to change nothing (yarn, rope, nope: the patch went on PEFT's wrapper) or raise AttributeError."""
+    assert_patching_the_peft_model_is_patching_first("llama", method)
+
+
+@pytest.mark.parametrize("model_type, method", [("gpt2", "alibi"), ("gpt2", "rope"), ("gpt2", "yarn"),
+                                                ("gpt2", "learned"), ("bloom", "kerple"), ("bloom", "rope"),
+                                                ("bloom", "nope")])
+def test_patching_a_gpt2_or_bloom_peft_model_equals_patching_first(model_type, method):
+    assert_patching_the_peft_model_is_patching_first(model_type, method)
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "bloom"])
+def test_rope_on_a_fused_projection_rotates_lora_updates_too(model_type):
+    """GPT-2's and BLOOM's rotary patches rotate the fused qkv projection's output. LoRA on that projection, added
+    after the patch, wraps it: the rotation must take the wrapper's output (base + LoRA update), or merging the update
+    into the weights moves the logits (0.10 on the tiny GPT-2 before the fix)."""
+    ids = random_ids(2, 9)
+    base = hf_posenc.patch_model(tiny_model(model_type), "rope")
+    with torch.no_grad():
+        patched_base = base(ids).logits
+    peft_model = lora_model(base, model_type)
+    with torch.no_grad():
+        adapted = peft_model(ids).logits
+        with peft_model.disable_adapter():
+            assert torch.equal(peft_model(ids).logits, patched_base)
+    assert max_diff(adapted, patched_base) > 1e-2  # the LoRA update counts
+    merged = peft_model.merge_and_unload()
+    with torch.no_grad():
+        assert max_diff(merged(ids).logits, adapted) < 1e-5
+    assert count_hooks(hf_posenc.unpatch_model(merged)) == 0
+
+
+def test_a_peft_model_patched_after_get_peft_model_saves_and_loads_its_adapter(tmp_path):
+    peft_model = lora_model(tiny_model("llama"), "llama")
+    hf_posenc.patch_model(peft_model, "kerple")
+    perturb_positional_state(peft_model)
+    ids = random_ids(2, 9)
+    with torch.no_grad():
+        logits = peft_model(ids).logits
+    hf_posenc.save_adapter(peft_model, tmp_path / "adapter")
+    loaded = hf_posenc.load_adapter(tmp_path / "adapter", base_model=tiny_model("llama"))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, logits)

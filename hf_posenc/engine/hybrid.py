@@ -15,7 +15,8 @@ layer, not inside a layer; length-dependent RoPE scalings with exact caching rep
 over 2-D positions (`rope-2d`) change the model's position_ids; content-dependent methods (`fox`, `cope`, ...) keep
 per-token state installed for the whole model; and methods that build on another patch (a RoPE scaling on GPT-2 builds
 on a `rope` patch of every layer). Those are refused. On a family whose own positions are an input embedding (GPT-2's
-learned `wpe`), that embedding is not a layer's: it stays, and the parts add their method in their layers.
+learned `wpe`), that embedding is not a layer's: it stays while some layer is native, and the parts add their method in
+their layers; once the parts run every layer, nothing reads it and it goes, as with the full patch (issue 51).
 """
 
 from __future__ import annotations

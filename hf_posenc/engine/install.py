@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -71,15 +72,34 @@ def install_patch(model: nn.Module, config: PosEncConfig, before_install: Before
 
 def remove_patch(model: nn.Module) -> nn.Module:
     """Undo the patch: the model computes exactly what it did before. A no-op on unpatched models."""
-    applied = applied_patch(model)
+    patched = unwrap_peft(model)
+    applied = applied_patch(patched)
     if applied is not None:
         applied.log.undo()
-        delattr(model, PATCH_ATTR)
+        delattr(patched, PATCH_ATTR)
     return model
 
 
 def applied_patch(model: nn.Module) -> AppliedPatch | None:
-    return getattr(model, PATCH_ATTR, None)
+    return getattr(unwrap_peft(model), PATCH_ATTR, None)
+
+
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The transformers model inside PEFT's wrappers (PeftModel.base_model, a tuner's `.model`); `model` itself when
+    it is not wrapped. A patch goes there, where the model's own modules are: on the wrapper it would change nothing
+    (issue 51). Without peft imported, no model can be wrapped by it."""
+    if "peft" not in sys.modules:
+        return model
+    from peft import PeftMixedModel, PeftModel
+    from peft.tuners.tuners_utils import BaseTuner
+
+    while True:
+        if isinstance(model, (PeftModel, PeftMixedModel)):
+            model = model.base_model
+        elif isinstance(model, BaseTuner):
+            model = model.model
+        else:
+            return model
 
 
 def give_own_config(model: nn.Module, log: UndoLog) -> None:

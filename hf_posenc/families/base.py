@@ -32,7 +32,8 @@ class ModelFamily:
     name: ClassVar[str]
     model_types: ClassVar[tuple[str, ...]]
     native_method: ClassVar[str]  # the method that computes what the family's own mechanism does
-    # False when the native mechanism is not in the layers (GPT-2's learned input embedding): a hybrid keeps it.
+    # False when the native mechanism is not in the layers (GPT-2's learned input embedding): a hybrid keeps it,
+    # unless its parts run every layer (then it is the full patch's).
     native_per_layer: ClassVar[bool] = True
     # The projections inside each attention module (queries, keys, values, output): what LoRA adapts.
     attention_projections: ClassVar[tuple[str, ...]]
@@ -126,6 +127,10 @@ class ModelFamily:
         base = self.base_model(model)
         log.set_attr(base, "posenc", hybrid)
         parameter_names = forward_parameter_names(base)
+        # Parts that replace the position of every layer: no layer reads the native mechanism any more, so a family
+        # whose own positions are not a layer's (GPT-2's wpe, added to the input) loses them as with the full patch.
+        every_layer = {index for layers in hybrid.part_layers for index in layers} == set(range(info.num_layers))
+        replaces_all = every_layer and not any(self.keeps_native(method, info) for method in hybrid.parts)
         states = []
         for method, layers in zip(hybrid.parts, hybrid.part_layers):
             state = PositionState(method, model.config)
@@ -135,18 +140,21 @@ class ModelFamily:
             log.add_forward_hook(base, RecordKeyPositions(state), with_kwargs=True)
             if self.keeps_native(method, info):
                 continue
-            if not self.native_per_layer and not isinstance(method, (AttentionBiasMethod, RotaryMethod)):
+            if not self.native_per_layer and not replaces_all and \
+                    not isinstance(method, (AttentionBiasMethod, RotaryMethod)):
                 raise PosEncError(
                     f"On {self.name} models position enters as an embedding added to the input, not inside the "
-                    f"layers, and a hybrid keeps it: {method.config.method!r} on layers {layers} would change "
-                    f"nothing. Patch the whole model with {method.config.method!r} (no layers=), or put a method that "
-                    "acts inside attention on those layers.")
+                    f"layers, and a hybrid that leaves some layers native keeps it: {method.config.method!r} on "
+                    f"layers {layers} would change nothing. Patch the whole model with {method.config.method!r} (no "
+                    "layers=), or put a method that acts inside attention on those layers.")
             self.remove_native(model, state, log, layers)
             rotates_in_attention = isinstance(method, RotaryMethod) and method.rotates_in_attention
             if isinstance(method, AttentionBiasMethod) or rotates_in_attention:
                 self.route_attention(model, state, log, layers)
             elif isinstance(method, RotaryMethod):
                 self.add_rotary(model, method, state, log, layers)
+        if replaces_all and not self.native_per_layer:
+            self.remove_native(model, states[0], log)
         return states[0]
 
     def layer_attention_modules(self, model: nn.Module, layers: list[int] | None) -> list[nn.Module]:
@@ -171,7 +179,7 @@ class ModelFamily:
 
 
 class RotateProjectionOutput:
-    """Forward hook on a fused qkv projection: rotates its query and key parts with the positions of the
+    """How a family rotates the output of a fused qkv projection: its query and key parts with the positions of the
     current forward, so the KV cache holds rotated keys exactly as a native RoPE model's does.
 
     A family subclasses it with `rotate_qk(output, fn)`, its knowledge of the fused layout: apply fn to the query
@@ -185,6 +193,52 @@ class RotateProjectionOutput:
     def rotate_qk(self, fused: torch.Tensor, rotate_part) -> torch.Tensor:
         raise NotImplementedError
 
-    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    def __call__(self, fused: torch.Tensor) -> torch.Tensor:
         method, rotation = self.state.method, self.state.call.rotation
-        return self.rotate_qk(output, lambda x: method.rotate_heads(x.transpose(1, 2), rotation).transpose(1, 2))
+        return self.rotate_qk(fused, lambda x: method.rotate_heads(x.transpose(1, 2), rotation).transpose(1, 2))
+
+
+def rotate_projection(rotate: RotateProjectionOutput, attention: nn.Module, slot: str, log: UndoLog) -> None:
+    """Rotate the output of `attention.<slot>` (its fused qkv projection) with `rotate`, whatever module holds that
+    place when attention runs: see RotatedProjection."""
+    rotated = RotatedProjection(rotate, attention, slot, log)
+    log.add_forward_hook(attention._modules[slot], rotated)
+    log.add_forward_pre_hook(attention, FollowProjection(rotated))
+
+
+class RotatedProjection:
+    """Forward hook on the module in one attention module's projection place (`attention.<slot>`): rotates its output.
+
+    PEFT's LoRA puts a wrapper in that place after a patch: the projection becomes the wrapper's base_layer, and the
+    wrapper adds its own update to the base layer's output. The rotation must take the sum (else LoRA's query and
+    key updates stay unrotated and merge_and_unload moves the logits), so the hook acts only on the module now in
+    the place; FollowProjection adds it to a module newly put there."""
+
+    def __init__(self, rotate: RotateProjectionOutput, attention: nn.Module, slot: str, log: UndoLog):
+        self.rotate = rotate
+        self.attention = attention
+        self.slot = slot
+        self.log = log  # hooks added later go into the patch's undo log: unpatch_model removes them too
+        self.hooked = [attention._modules[slot]]
+
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        if self.attention._modules.get(self.slot) is not module:
+            return None  # a wrapper's base layer: the wrapper's own hook rotates the whole projection
+        return self.rotate(output)
+
+
+class FollowProjection:
+    """Forward pre-hook on an attention module: gives the module now in its projection's place (a PEFT wrapper put
+    there after the patch) the RotatedProjection hook, once."""
+
+    def __init__(self, rotated: RotatedProjection):
+        self.rotated = rotated
+
+    def __call__(self, attention: nn.Module, args: tuple) -> None:
+        rotated = self.rotated
+        current = attention._modules.get(rotated.slot)
+        if current is rotated.hooked[-1] or current is None:
+            return
+        if not any(current is module for module in rotated.hooked):
+            rotated.log.add_forward_hook(current, rotated)
+        rotated.hooked.append(current)

@@ -19,7 +19,7 @@ from ..engine.attention import posenc_attention
 from ..model_info import ModelInfo
 from ..registry import register_family
 from ..engine.state import STATE_ATTR
-from .base import ModelFamily, RotateProjectionOutput
+from .base import ModelFamily, RotateProjectionOutput, rotate_projection
 
 
 def zero_alibi(module: nn.Module, args: tuple, kwargs: dict):
@@ -90,9 +90,9 @@ class BloomFamily(ModelFamily):
             log.set_attr(attention, "forward", types.MethodType(attention_forward, attention))
 
     def add_rotary(self, model, method, state, log, layers=None):
-        hook = RotateBloomQueryKey(state, model.config.n_head, model.config.hidden_size // model.config.n_head)
+        rotate = RotateBloomQueryKey(state, model.config.n_head, model.config.hidden_size // model.config.n_head)
         for attention in self.layer_attention_modules(model, layers):
-            log.add_forward_hook(attention.query_key_value, hook)
+            rotate_projection(rotate, attention, "query_key_value", log)
 
 
 class RotateBloomQueryKey(RotateProjectionOutput):

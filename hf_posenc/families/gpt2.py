@@ -9,7 +9,7 @@ from torch import nn
 from ..methods.base import AbsolutePositionMethod
 from ..model_info import ModelInfo
 from ..registry import register_family
-from .base import ModelFamily, RotateProjectionOutput
+from .base import ModelFamily, RotateProjectionOutput, rotate_projection
 
 
 class TokenEmbeddingDtype:
@@ -96,9 +96,9 @@ class GPT2Family(ModelFamily):
         log.set_attr(base, "wpe", NoPositionEmbedding(model.config.n_embd, TokenEmbeddingDtype(base)))
 
     def add_rotary(self, model, method, state, log, layers=None):
-        hook = RotateGPT2QueryKey(state, model.config.n_head, model.config.n_embd // model.config.n_head)
+        rotate = RotateGPT2QueryKey(state, model.config.n_head, model.config.n_embd // model.config.n_head)
         for attention in self.layer_attention_modules(model, layers):
-            log.add_forward_hook(attention.c_attn, hook)
+            rotate_projection(rotate, attention, "c_attn", log)
 
 
 class RotateGPT2QueryKey(RotateProjectionOutput):

@@ -40,6 +40,9 @@ class PosEncConfig:
     """Options of one positional method. Subclasses are dataclasses that set `method`."""
 
     method: ClassVar[str] = ""
+    # Options added after checkpoints were first saved whose default now differs from what a checkpoint saved before
+    # them computed: {option: the value such a checkpoint meant}. `from_saved_options` fills them in.
+    options_before: ClassVar[dict[str, Any]] = {}
 
     def __post_init__(self) -> None:
         self.validate()
@@ -72,6 +75,11 @@ class PosEncConfig:
                 f"its options are: {valid}."
             )
         return cls(**options)
+
+    @classmethod
+    def from_saved_options(cls, **options: Any) -> "PosEncConfig":
+        """`from_options` for options read from a checkpoint: an option it lacks means what it meant when saved."""
+        return cls.from_options(**{**cls.options_before, **options})
 
     # --- the shared validators ----------------------------------------------------------------------------
     def refuse(self, name: str, problem: str, expected: str, why: str = "") -> None:

@@ -433,15 +433,17 @@ def cape_reference(module, layer: int, record: dict) -> torch.Tensor:
     for i in range(length):
         for j in range(i + 1):
             pair = torch.cat((z[:, :, i, j], bias[:, :, i, j]), dim=-1)  # [B, 2H]
-            correction = F.gelu(pair @ W1.T + b1) @ W2.T + b2
+            hidden = pair @ W1.T + b1
+            hidden = F.gelu(hidden) if module.config.activation == "gelu" else F.leaky_relu(hidden, 0.01)
+            correction = hidden @ W2.T + b2
             logits[:, :, i, j] += correction + (bias[:, :, i, j] if module.config.base == "none" else 0)
     out = causal_softmax(logits) @ v
     return out.transpose(1, 2).reshape(batch, length, heads * head_dim)
 
 
-@pytest.mark.parametrize("bias", ["alibi", "kerple", "fire"])
-def test_cape_matches_a_float64_reference(bias):
-    model = hf_posenc.patch_model(tiny_model("llama"), "cape", bias=bias, mlp_width=8)
+@pytest.mark.parametrize("bias, activation", [("alibi", "leaky_relu"), ("kerple", "leaky_relu"), ("fire", "gelu")])
+def test_cape_matches_a_float64_reference(bias, activation):
+    model = hf_posenc.patch_model(tiny_model("llama"), "cape", bias=bias, mlp_width=8, activation=activation)
     module = hf_posenc.get_positional_module(model)
     with torch.no_grad():
         for param in (module.input_bias, module.output_weight, module.output_bias):

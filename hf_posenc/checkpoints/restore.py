@@ -42,7 +42,7 @@ def method_configs(metadata: dict[str, Any]) -> list[PosEncConfig]:
         if not isinstance(step, dict) or not isinstance(step.get("options"), dict):
             raise PosEncError(f"{POSENC_CONFIG_NAME}: malformed patch entry {step!r}.")
         try:
-            configs.append(get_method(step.get("method")).config_class.from_options(**step["options"]))
+            configs.append(get_method(step.get("method")).config_class.from_saved_options(**step["options"]))
         except PosEncError as error:
             raise PosEncError(f"{POSENC_CONFIG_NAME} cannot be applied: {error}") from None
     return configs

@@ -993,7 +993,8 @@ def _fused_content_call(state, layer_idx, scaling, query, key, value, attention_
                         query_positions, key_positions) -> KernelCall:
     """A content call of a causal square (`_plain_causal`, no per-token state) by the method's fused CPU kernel
     (engine/fused_cpu.py), checked against the eager blocks like any kernel; its kind: the method, dtype, grad mode and
-    the length's size class (one compiled kernel serves every shape; its tiles split differently by length)."""
+    the length's size class (one compiled kernel serves every shape; its tiles split differently by length), and the
+    method's `fused_causal_variant` (the kernel's code paths its options choose)."""
     method = state.method
     q, kv = query.shape[2], key.shape[2]
     needs_grad = _needs_grad(state, query, key, value)
@@ -1008,12 +1009,12 @@ def _fused_content_call(state, layer_idx, scaling, query, key, value, attention_
                               attention_mask, rows, columns, query_slots, key_slots, query_positions, key_positions,
                               0.0, False)[0].transpose(1, 2)
 
-    name, dtype = method.config.method, str(query.dtype)
+    name, dtype, variant = method.config.method, str(query.dtype), method.fused_causal_variant
     return KernelCall(
         kernel=f"fused cpu ({name})", device=query.device,
-        kind=(name, dtype, "grad" if needs_grad else "no grad", size_class(query.shape[2])),
+        kind=(name, *variant, dtype, "grad" if needs_grad else "no grad", size_class(query.shape[2])),
         function=kernel, inputs={"query": query, "key": key, "value": value}, reference=reference,
-        gradient_kind=(name, dtype) if needs_grad else None,
+        gradient_kind=(name, *variant, dtype) if needs_grad else None,
         gradient_probe=lambda: _content_gradient_probe(state, layer_idx, scaling, query, key, value, fixed,
                                                        kernel=kernel))
 

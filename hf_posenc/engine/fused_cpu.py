@@ -162,19 +162,25 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return heads(FusedKernel.apply("causal", (float(scaling),), *rows), value.dtype)
 
 
+# The activations of CAPE's MLP that cape.cpp computes, by its codes (its enum Activation).
+CAPE_ACTIVATIONS = {"gelu": 0, "leaky_relu": 1}
+
+
 def cape_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, table: torch.Tensor,
                 input_weight: torch.Tensor, input_bias: torch.Tensor, output_weight: torch.Tensor,
-                output_bias: torch.Tensor, scaling: float, add_bias: bool) -> torch.Tensor:
+                output_bias: torch.Tensor, scaling: float, add_bias: bool, *, activation: str,
+                negative_slope: float = 0.0) -> torch.Tensor:
     """CAPE's attention (methods/cape.py) on query, key [B, H, L, D] and value [B, H, L, E] (heads matched, query i is
     key i, no other mask), the bias table [H, L] (distances 0..L-1) and the layer's MLP (W1 [W, 2H], b1 [W],
-    W2 [H, W], b2 [H]); `add_bias`: the bias is added to the logits too (base="none") -> output [B, H, L, E] in
-    value's dtype, computed in float32 (float64 for float64 inputs). Gradients reach every input (the table's only
-    where it requires one)."""
+    W2 [H, W], b2 [H]) with `activation` ("leaky_relu", of slope `negative_slope` below zero, or "gelu", erf's);
+    `add_bias`: the bias is added to the logits too (base="none") -> output [B, H, L, E] in value's dtype, computed in
+    float32 (float64 for float64 inputs). Gradients reach every input (the table's only where it requires one)."""
     load()
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     inputs = [x.to(compute).contiguous() for x in (query, key, value, table, input_weight, input_bias, output_weight,
                                                    output_bias)]
-    options = (float(scaling), bool(add_bias), table.requires_grad and torch.is_grad_enabled())
+    options = (float(scaling), bool(add_bias), table.requires_grad and torch.is_grad_enabled(),
+               CAPE_ACTIVATIONS[activation], float(negative_slope))
     return FusedKernel.apply("cape", options, *inputs).to(value.dtype)
 
 

@@ -403,6 +403,9 @@ class ContentMethod(PositionalMethod):
 
     # `fused_causal` computes a whole call of a causal square on the CPU with a fused kernel (engine/fused_cpu.py).
     has_fused_causal: ClassVar[bool] = False
+    # The kernel's code paths this method's options choose (CAPE's activation): part of the kind the kernel check
+    # passes (engine/kernel_check.py), so a check of one path does not vouch for another.
+    fused_causal_variant: tuple = ()
 
     def fused_causal_applies(self, layer_idx: int, positions: torch.Tensor) -> bool:
         """For `has_fused_causal` methods: whether the kernel serves a causal square whose tokens have these position

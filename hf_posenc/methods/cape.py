@@ -4,7 +4,8 @@ MLP corrects a positional bias with the attention's content, per query-key pair.
 
 With z_ij = scaling * q_i . k_j (one value per head), B_ij the bias of any registered attention-bias method (option
 `bias`, default "alibi", built with `bias_options`), and f an MLP across the heads (as in the paper: the 2H values
-[z_ij^(1..H), B_ij^(1..H)] -> `mlp_width` -> GELU -> H values):
+[z_ij^(1..H), B_ij^(1..H)] -> `mlp_width` -> activation -> H values; `activation` "leaky_relu", slope 0.01, the
+authors' in every DAPE module, or "gelu", erf's):
 
     base="none":    logits_ij = z_ij + B_ij + f(z_ij, B_ij)
     base="native":  logits_ij = z_ij + f(z_ij, B_ij)      (+ the model's own mechanism underneath)
@@ -14,17 +15,22 @@ a causal square whose bias is a table of distances (consecutive position ids, a 
 a fused kernel (engine/cpu_kernels/cape.cpp): every head's pairs of a tile in cache, the MLP per chunk of a row's pairs
 on register vectors, flash attention's softmax, the backward recomputing each tile.
 
-On top of the model's own mechanism B enters only through f, whose output layer starts at zero: at init the method
-adds exactly nothing and the logits are the original ones (gradients then reach the output layer at once, the
-first layer once the output layer has moved off zero). Alone (base="none") the output layer starts N(0, 0.02^2) and
-the bias itself is added, as in the paper. The bias method's parameters (FIRE's MLP, ALiBi's slopes with
-trainable=True, ...) are CAPE's, under `bias_method.*`.
+Init: the authors' nn.Linear default for each layer of f (weights and biases U(-1/sqrt(fan_in), 1/sqrt(fan_in))),
+drawn from a generator of its own (seed 0), except that on top of the model's own mechanism (base="native") the
+output layer starts at zero: B enters only through f, so at init the method adds exactly nothing and the logits are
+the original ones, whatever the activation (gradients then reach the output layer at once, the first layer once the
+output layer has moved off zero). Alone (base="none") the bias itself is added too, as in the paper. The bias
+method's parameters (FIRE's MLP, ALiBi's slopes with trainable=True, ...) are CAPE's, under `bias_method.*`.
+
+Checkpoints saved before `activation` existed computed GELU: their saved options, which lack it, load as "gelu"
+(`options_before`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +46,27 @@ from .relative_biases import Fire, Kerple, Sandwich, T5Bias  # noqa: F401
 from .base import AttentionBiasMethod
 from .content import ContentAttention, ContentConfig
 
-OUTPUT_INIT_STD = 0.02
+# nn.LeakyReLU's default slope below zero, which the authors' DAPE modules use (chuanyang-Zheng/CAPE,
+# megatron/model/positional_embeddings.py AliBi_C and DAPE.py: nn.Sequential(Linear, nn.LeakyReLU(), Linear)).
+LEAKY_RELU_SLOPE = 0.01
+
+
+def leaky_relu(x: torch.Tensor) -> torch.Tensor:
+    return F.leaky_relu(x, LEAKY_RELU_SLOPE)
+
+
+ACTIVATIONS = {"leaky_relu": leaky_relu, "gelu": F.gelu}
+
+
+def linear_init(layers: int, out_features: int, in_features: int, generator: torch.Generator):
+    """nn.Linear's default init for each layer (kaiming_uniform_ with a = sqrt(5), i.e. U(-1/sqrt(fan_in),
+    1/sqrt(fan_in)), for the weight and the bias alike) -> (weight [layers, out, in], bias [layers, out])."""
+    bound = 1.0 / math.sqrt(in_features)
+
+    def uniform(*shape):
+        return (torch.rand(*shape, generator=generator) * 2 - 1) * bound
+
+    return uniform(layers, out_features, in_features), uniform(layers, out_features)
 
 
 @dataclass
@@ -48,6 +74,9 @@ class CapeConfig(ContentConfig):
     bias: str = "alibi"  # a registered attention-bias method
     bias_options: dict = field(default_factory=dict)  # its options
     mlp_width: int = 32
+    activation: str = "leaky_relu"  # of the MLP: "leaky_relu" (slope 0.01, the authors') or "gelu"
+    # Checkpoints saved before the option existed computed GELU.
+    options_before: ClassVar[dict[str, Any]] = {"activation": "gelu"}
 
     def validate(self) -> None:
         super().validate()
@@ -58,6 +87,7 @@ class CapeConfig(ContentConfig):
         if not isinstance(self.bias_options, dict):
             self.refuse("bias_options", "is not a dict", "the bias method's options as a dict, e.g. {}")
         self.require_int("mlp_width", 1, 4096)
+        self.require_choice("activation", tuple(ACTIVATIONS))
 
     def sub_configs(self):
         return [get_method(self.bias).config_class.from_options(**self.bias_options)]
@@ -75,13 +105,14 @@ class ContextAdaptivePositions(ContentAttention):
         self.bias_method = spec.module_class(spec.config_class.from_options(**config.bias_options), info)
         layers, heads, width = info.num_layers, info.num_heads, config.mlp_width
         generator = torch.Generator().manual_seed(0)
-        self.input_weight = nn.Parameter(torch.randn(layers, width, 2 * heads, generator=generator)
-                                         / math.sqrt(2 * heads))
-        self.input_bias = nn.Parameter(torch.zeros(layers, width))
-        output = torch.zeros(layers, heads, width) if config.base == "native" else \
-            torch.randn(layers, heads, width, generator=generator) * OUTPUT_INIT_STD
-        self.output_weight = nn.Parameter(output)
-        self.output_bias = nn.Parameter(torch.zeros(layers, heads))
+        input_weight, input_bias = linear_init(layers, width, 2 * heads, generator)
+        output_weight, output_bias = linear_init(layers, heads, width, generator)
+        if config.base == "native":  # f starts at zero: the model's own logits exactly
+            output_weight, output_bias = output_weight.zero_(), output_bias.zero_()
+        self.input_weight = nn.Parameter(input_weight)
+        self.input_bias = nn.Parameter(input_bias)
+        self.output_weight = nn.Parameter(output_weight)
+        self.output_bias = nn.Parameter(output_bias)
         # float32 [B, H, r, k] tensors per block: logits, bias, the MLP's input (2H) and hidden (2 x width) per pair.
         self.block_cost = 4.0 + (2 * heads + 2 * width) / heads
 
@@ -96,16 +127,23 @@ class ContextAdaptivePositions(ContentAttention):
         table = self.bias_method.bias_table(layer_idx, query.shape[2], int(positions.max()), query.device)
         return cape_causal(query, key, value, table, self.input_weight[layer_idx], self.input_bias[layer_idx],
                            self.output_weight[layer_idx], self.output_bias[layer_idx], scaling,
-                           self.config.base == "none")
+                           self.config.base == "none", activation=self.config.activation,
+                           negative_slope=LEAKY_RELU_SLOPE)
+
+    @property
+    def fused_causal_variant(self) -> tuple:
+        return (self.config.activation,)
 
     def content_scores(self, query, key, block):
         layer = block.layer_idx
-        logits = torch.matmul(query, key.transpose(2, 3)).float() * block.scaling
+        compute = torch.promote_types(query.dtype, torch.float32)  # float32, or float64 for float64 inputs
+        logits = torch.matmul(query, key.transpose(2, 3)).to(compute) * block.scaling
         bias = self.bias_method.block_bias(layer, block.query_positions, block.key_positions, block.span)
-        bias = bias.float().expand_as(logits)
+        bias = bias.to(compute).expand_as(logits)
         pairs = torch.cat((logits, bias), dim=1).permute(0, 2, 3, 1)  # [B, r, k, 2H]
-        hidden = F.gelu(F.linear(pairs, self.input_weight[layer].float(), self.input_bias[layer].float()))
-        correction = F.linear(hidden, self.output_weight[layer].float(), self.output_bias[layer].float())
+        activation = ACTIVATIONS[self.config.activation]
+        hidden = activation(F.linear(pairs, self.input_weight[layer].to(compute), self.input_bias[layer].to(compute)))
+        correction = F.linear(hidden, self.output_weight[layer].to(compute), self.output_bias[layer].to(compute))
         scores = logits + correction.permute(0, 3, 1, 2)
         if self.config.base == "none":
             scores = scores + bias

@@ -3,9 +3,10 @@
 //
 // CAPE (Zheng et al., NeurIPS 2024): with z_ij^h = scaling * q_i^h . k_j^h and the bias B_ij^h = table[h, i - j], an
 // MLP across the heads corrects each pair's logits:
-//   x_ij = [z_ij^1..H, B_ij^1..H],  a_ij = W1 x_ij + b1,  c_ij = W2 gelu(a_ij) + b2,
+//   x_ij = [z_ij^1..H, B_ij^1..H],  a_ij = W1 x_ij + b1,  c_ij = W2 act(a_ij) + b2,
 //   l_ij^h = z_ij^h + c_ij^h (+ B_ij^h where the bias is added: base="none"),
-// and each head's output the causal softmax of its l applied to its values. The MLP mixes heads, so a tile holds every
+// act the method's activation (`activation`: LeakyReLU with `negative_slope`, the authors' default, or GELU), and each
+// head's output the causal softmax of its l applied to its values. The MLP mixes heads, so a tile holds every
 // head of one batch row (feature-major: each head's [rows, keys] pairs); the logits z come from BLAS per head, the
 // softmax is flash attention's per head (a running maximum and sum per row; the backward recomputes each tile from the
 // logsumexp).
@@ -16,7 +17,7 @@
 // [W, L] (once per call). E and the table are kept reversed (index u = L - 1 - i + j), so a chunk's consecutive keys
 // read consecutive entries.
 // Backward, per pair from the logsumexp: P = exp(l - lse), dl = P (dO . v - dO_i . o_i) per head; dc = dl,
-// da = (W2^T dc) gelu'(a), dz = dl + W1[:, :H]^T da, da added to dE by distance (and dl to the table's where the bias
+// da = (W2^T dc) act'(a), dz = dl + W1[:, :H]^T da, da added to dE by distance (and dl to the table's where the bias
 // is added and trained); per slab of rows dW2 += dc gelu(a)^T and dW1[:, :H] += da z^T as BLAS products over the
 // slab's pairs; at the end dW1[:, H:] = dE table^T, db1 = dE 1, and (where `table_grad`: a trainable bias; else it
 // stays zero) the table's gradient W1[:, H:]^T dE plus dl's sums; dq = scaling dz k, dk = scaling dz^T q.
@@ -145,21 +146,40 @@ at::Tensor by_distance_from(const at::Tensor& reversed_buffers, int64_t length) 
   return reversed_buffers.sum(0).narrow(1, 0, length).flip(1).contiguous();
 }
 
+// The MLP's activations (methods/cape.py ACTIVATIONS passes these codes).
+enum Activation : int64_t { kGelu = 0, kLeakyRelu = 1 };
+
 template <typename T>
 struct Cape {
   static constexpr int chunk = kChunk<T>;
   int64_t heads, width, reach;  // reach: the reversed rows' length
   bool add_bias;
+  bool gelu;  // else LeakyReLU with negative_slope
+  T negative_slope;
   const T* mlp_in;   // E by reversed distance [W, reach]
   const T* bias_in;  // the table by reversed distance [H, reach]
   const T *w1, *w2t, *b2;  // W1 [W, 2H] (its first H columns here), W2^T [W, H], b2 [H]
 
-  // A chunk's hidden layer gelu(a) [W, chunk] (and gelu'(a) [W, chunk] where `slope` is not null) from its logits z
+  // A chunk's hidden layer act(a) [W, chunk] (and act'(a) [W, chunk] where `slope` is not null) from its logits z
   // (heads `stride` apart); u: its first pair's reversed distance.
   void hidden_of(const T* z, int64_t stride, int64_t u, T* hidden, T* slope) const {
     mix(w1, 2 * heads, int64_t(1), width, heads, z, stride, mlp_in + u, reach, hidden, int64_t(chunk));  // a
     const int64_t n = width * chunk;
-    if (slope == nullptr) {
+    if (!gelu) {  // LeakyReLU; its derivative at 0 is the negative slope, as torch's leaky_relu_backward has it
+      const T low = negative_slope;
+      if (slope == nullptr) {
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) hidden[i] = hidden[i] > T(0) ? hidden[i] : low * hidden[i];
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) {
+          const T x = hidden[i];
+          const bool up = x > T(0);
+          hidden[i] = up ? x : low * x;
+          slope[i] = up ? T(1) : low;
+        }
+      }
+    } else if (slope == nullptr) {
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) hidden[i] *= normal_cdf(hidden[i]);
     } else {
@@ -260,9 +280,10 @@ struct Shared {
     w2t = w2.t().contiguous();
   }
 
-  Cape<T> cape(const at::Tensor& w1, const at::Tensor& b2, bool add_bias) const {
-    return Cape<T>{bias_in.size(0), mlp_in.size(0), reach, add_bias, mlp_in.data_ptr<T>(), bias_in.data_ptr<T>(),
-                   w1.data_ptr<T>(), w2t.data_ptr<T>(), b2.data_ptr<T>()};
+  Cape<T> cape(const at::Tensor& w1, const at::Tensor& b2, bool add_bias, int64_t activation,
+              double negative_slope) const {
+    return Cape<T>{bias_in.size(0), mlp_in.size(0), reach, add_bias, activation == kGelu, T(negative_slope),
+                   mlp_in.data_ptr<T>(), bias_in.data_ptr<T>(), w1.data_ptr<T>(), w2t.data_ptr<T>(), b2.data_ptr<T>()};
   }
 };
 
@@ -270,10 +291,10 @@ template <typename T>
 std::vector<at::Tensor> forward_impl(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                      const at::Tensor& table, const at::Tensor& w1, const at::Tensor& b1,
                                      const at::Tensor& w2, const at::Tensor& b2, double scaling, bool add_bias,
-                                     int64_t rows, int64_t keys) {
+                                     int64_t activation, double negative_slope, int64_t rows, int64_t keys) {
   const Sizes n = sizes_of(query, value, w1);
   const Shared<T> shared(table, w1, b1, w2, rows);
-  const Cape<T> cape = shared.cape(w1, b2, add_bias);
+  const Cape<T> cape = shared.cape(w1, b2, add_bias, activation, negative_slope);
   constexpr int chunk = Cape<T>::chunk;
   auto output = at::empty({n.batch, n.heads, n.length, n.value_dim}, value.options());
   auto log_sum = at::empty({n.batch, n.heads, n.length}, value.options());
@@ -346,10 +367,11 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& query, const at::Tensor&
                                       const at::Tensor& table, const at::Tensor& w1, const at::Tensor& b1,
                                       const at::Tensor& w2, const at::Tensor& b2, const at::Tensor& output,
                                       const at::Tensor& log_sum, const at::Tensor& grad_output, double scaling,
-                                      bool add_bias, bool table_grad, int64_t rows, int64_t keys) {
+                                      bool add_bias, bool table_grad, int64_t activation, double negative_slope,
+                                      int64_t rows, int64_t keys) {
   const Sizes n = sizes_of(query, value, w1);
   const Shared<T> shared(table, w1, b1, w2, rows);
-  const Cape<T> cape = shared.cape(w1, b2, add_bias);
+  const Cape<T> cape = shared.cape(w1, b2, add_bias, activation, negative_slope);
   constexpr int chunk = Cape<T>::chunk;
   const int64_t row_tiles = (n.length + rows - 1) / rows;
   const auto order = balanced_order(row_tiles);
@@ -481,8 +503,9 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& query, const at::Tensor&
 
 void check(const char* name, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
            const at::Tensor& table, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
-           const at::Tensor& b2) {
+           const at::Tensor& b2, int64_t activation) {
   TORCH_CHECK(query.device().is_cpu(), name, ": CPU tensors only");
+  TORCH_CHECK(activation == kGelu || activation == kLeakyRelu, name, ": activation 0 (GELU) or 1 (LeakyReLU)");
   TORCH_CHECK(query.dim() == 4 && key.sizes() == query.sizes() && value.dim() == 4 &&
                   value.size(0) == query.size(0) && value.size(1) == query.size(1) && value.size(2) == query.size(2),
               name, ": query and key [B, H, L, D], value [B, H, L, E]");
@@ -502,36 +525,41 @@ void check(const char* name, const at::Tensor& query, const at::Tensor& key, con
 std::vector<at::Tensor> cape_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                      const at::Tensor& table, const at::Tensor& w1, const at::Tensor& b1,
                                      const at::Tensor& w2, const at::Tensor& b2, double scaling, bool add_bias,
-                                     bool table_grad, int64_t rows, int64_t keys) {
-  check("cape_forward", query, key, value, table, w1, b1, w2, b2);
+                                     bool table_grad, int64_t activation, double negative_slope, int64_t rows,
+                                     int64_t keys) {
+  check("cape_forward", query, key, value, table, w1, b1, w2, b2, activation);
   if (query.scalar_type() == at::kDouble)
-    return forward_impl<double>(query, key, value, table, w1, b1, w2, b2, scaling, add_bias, rows, keys);
-  return forward_impl<float>(query, key, value, table, w1, b1, w2, b2, scaling, add_bias, rows, keys);
+    return forward_impl<double>(query, key, value, table, w1, b1, w2, b2, scaling, add_bias, activation,
+                                negative_slope, rows, keys);
+  return forward_impl<float>(query, key, value, table, w1, b1, w2, b2, scaling, add_bias, activation, negative_slope,
+                             rows, keys);
 }
 
 std::vector<at::Tensor> cape_backward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                       const at::Tensor& table, const at::Tensor& w1, const at::Tensor& b1,
                                       const at::Tensor& w2, const at::Tensor& b2, const at::Tensor& output,
                                       const at::Tensor& log_sum, const at::Tensor& grad_output, double scaling,
-                                      bool add_bias, bool table_grad, int64_t rows, int64_t keys) {
-  check("cape_backward", query, key, value, table, w1, b1, w2, b2);
+                                      bool add_bias, bool table_grad, int64_t activation, double negative_slope,
+                                      int64_t rows, int64_t keys) {
+  check("cape_backward", query, key, value, table, w1, b1, w2, b2, activation);
   TORCH_CHECK(output.is_contiguous() && grad_output.is_contiguous() && log_sum.is_contiguous(),
               "cape_backward: contiguous saved tensors");
   if (query.scalar_type() == at::kDouble)
     return backward_impl<double>(query, key, value, table, w1, b1, w2, b2, output, log_sum, grad_output, scaling,
-                                 add_bias, table_grad, rows, keys);
+                                 add_bias, table_grad, activation, negative_slope, rows, keys);
   return backward_impl<float>(query, key, value, table, w1, b1, w2, b2, output, log_sum, grad_output, scaling,
-                              add_bias, table_grad, rows, keys);
+                              add_bias, table_grad, activation, negative_slope, rows, keys);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hf_posenc_cpu, m) {
   m.def("cape_forward(Tensor query, Tensor key, Tensor value, Tensor table, Tensor w1, Tensor b1, Tensor w2, "
-        "Tensor b2, float scaling, bool add_bias, bool table_grad, int rows, int keys) -> Tensor[]");
+        "Tensor b2, float scaling, bool add_bias, bool table_grad, int activation, float negative_slope, int rows, "
+        "int keys) -> Tensor[]");
   m.def("cape_backward(Tensor query, Tensor key, Tensor value, Tensor table, Tensor w1, Tensor b1, Tensor w2, "
         "Tensor b2, Tensor output, Tensor log_sum, Tensor grad_output, float scaling, bool add_bias, bool table_grad, "
-        "int rows, int keys) -> Tensor[]");
+        "int activation, float negative_slope, int rows, int keys) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(hf_posenc_cpu, CPU, m) {

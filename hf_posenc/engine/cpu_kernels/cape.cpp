@@ -18,7 +18,7 @@
 // read consecutive entries.
 // Backward, per pair from the logsumexp: P = exp(l - lse), dl = P (dO . v - dO_i . o_i) per head; dc = dl,
 // da = (W2^T dc) act'(a), dz = dl + W1[:, :H]^T da, da added to dE by distance (and dl to the table's where the bias
-// is added and trained); per slab of rows dW2 += dc gelu(a)^T and dW1[:, :H] += da z^T as BLAS products over the
+// is added and trained); per slab of rows dW2 += dc act(a)^T and dW1[:, :H] += da z^T as BLAS products over the
 // slab's pairs; at the end dW1[:, H:] = dE table^T, db1 = dE 1, and (where `table_grad`: a trainable bias; else it
 // stays zero) the table's gradient W1[:, H:]^T dE plus dl's sums; dq = scaling dz k, dk = scaling dz^T q.
 

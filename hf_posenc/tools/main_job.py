@@ -41,8 +41,8 @@ WIKITEXT = "wikitext-2-raw-test.txt"
 TRAIN_FRACTION = "0:0.8"
 HELDOUT_FRACTION = "0.8:1"
 CALIBRATION_TOKENS = 256
-# The recipe that kept SmolLM2 closest to the original (docs/benchmarks.md, "Recipes after a swap" and "General text
-# after the swap"): few layers swapped (8 of 30 kept more than every second layer: 23.5 at 2048 tokens against 32.0),
+# The recipe that kept SmolLM2 closest to the original (docs/benchmarks.md, "Recipes after a swap",
+# its hybrid swaps): few layers swapped (8 of 30 kept more than every second layer: 23.5 at 2048 tokens against 32.0),
 # the last ones rather than every fourth (WikiText-2 20.6 against 26.6 with 8 layers after 150 x 512 tokens), and
 # distilled from the original rather than trained on the book's LM loss (18.65 against 20.6): the swap keeps general
 # text rather than learning one book. The last 4 layers, distilled over 150 x 256 tokens, came within 10 % of the

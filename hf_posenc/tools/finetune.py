@@ -430,7 +430,14 @@ def make_accelerator(args: argparse.Namespace, trackers: list[str], logging_dir:
     import torch
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
+    from accelerate.utils.environment import parse_flag_from_env
 
+    needs_gpus = ("this accelerate configuration needs GPUs ({}); on a CPU-only machine launch with "
+                  "scripts/accelerate_configs/ddp.yaml (several CPU processes) or cpu_single.yaml")
+    # Told by the launcher's environment, not by the plugin's error: accelerate 1.16 refuses FSDP on the CPU with
+    # another message ("sync_module_states=True is not supported on cpu") than 1.15 did ("no available devices").
+    if parse_flag_from_env("ACCELERATE_USE_FSDP") and not torch.cuda.is_available():
+        raise UsageError(needs_gpus.format("FSDP, and torch sees no CUDA device"))
     try:
         return Accelerator(
             mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -442,8 +449,7 @@ def make_accelerator(args: argparse.Namespace, trackers: list[str], logging_dir:
         if "no available devices" not in str(error):
             raise
         # accelerate's FSDP and DeepSpeed plugins need an accelerator: they refuse CPU-only machines.
-        raise UsageError(f"this accelerate configuration needs GPUs ({error}); on a CPU-only machine launch with "
-                         "scripts/accelerate_configs/ddp.yaml (several CPU processes) or cpu_single.yaml") from None
+        raise UsageError(needs_gpus.format(error)) from None
 
 
 def resume_settings(args: argparse.Namespace, request: MethodRequest | None) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Compiled flex_attention with a learned distance table under Triton kernel options: which options compile on this
 machine and how fast each runs forward and backward (the gradient into the table included), against causal SDPA in
-the same run. hf_posenc's flex path passes `attention.FLEX_CUDA_KERNEL_OPTIONS` on CUDA; this is how that choice
+the same run. hf_posenc's flex path passes `bias_path.FLEX_CUDA_KERNEL_OPTIONS` on CUDA; this is how that choice
 was measured (docs/benchmarks.md, "Flex kernel options on CUDA").
 
     python benchmarks/bench_flex_options.py --device cuda --lengths 2048,8192 --output-dir runs/flex_options

@@ -1,4 +1,4 @@
-"""Op-level benchmark of the learned-table attention (hf_posenc/engine/table_attention.py): one attention call's
+"""Op-level benchmark of the learned-table attention (hf_posenc/engine/attention/table_attention.py): one attention call's
 forward + backward, 8 heads x 64, float32, batch 1, a [H, L] distance table with a gradient, against native causal
 SDPA's forward + backward in the same process. The cases run interleaved (A/B/A/B...), after one warm-up each; the
 table prints the minimum and median over --runs and their ratios to native. Writes bench_table_attention.json to
@@ -8,7 +8,7 @@ table prints the minimum and median over --runs and their ratios to native. Writ
         --key-tiles 256,512 --reference main=/tmp/table_attention_main.py --output-dir runs/bench_table_attention
 
 --key-tiles: the backward's KEY_TILE values to time (one case each). --reference NAME=PATH: another version of
-table_attention.py (e.g. `git show main:hf_posenc/engine/table_attention.py > PATH`), timed as a case of its own;
+table_attention.py (e.g. `git show main:hf_posenc/engine/attention/table_attention.py > PATH`), timed as a case of its own;
 its forward and backward are that file's, the blocks are this library's.
 """
 
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_posenc import attention
-from hf_posenc.engine import table_attention
+from hf_posenc.engine.attention import table_attention
 
 
 def load_module(name: str, path: str):
@@ -44,7 +44,7 @@ def case(length: int, function, key_tile: int | None, heads: int = 8, head_dim: 
     table = (torch.randn(heads, length, generator=generator) * 0.1).requires_grad_()
     grad_output = torch.randn(1, heads, length, head_dim, generator=generator)
     blocks = [(rows.start, rows.stop - rows.start, rows.stop, step + rows.start - rows.stop + 1)
-              for rows in attention.query_blocks(torch.arange(length)[None], step)]  # as attention._blocked makes
+              for rows in attention.query_blocks(torch.arange(length)[None], step)]  # as blocked_attention makes
 
     def run() -> float:
         if key_tile is not None:

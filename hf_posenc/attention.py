@@ -1,6 +1,6 @@
-"""`hf_posenc.attention` is hf_posenc/engine/attention.py under its former name: the very same module object, so
-`attention.set_attention_path(...)`, `attention.last_paths`, `attention.kernel_status()` and setting its globals act
-on the attention path itself."""
+"""`hf_posenc.attention` is the package hf_posenc/engine/attention/ under its former name: the very same module
+object, so `attention.set_attention_path(...)`, `attention.attention_path(...)`, `attention.last_paths` and
+`attention.kernel_status()` are the engine's own."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""The one attention path (hf_posenc/engine/attention.py) against the naive materialised computation: blocked
+"""The attention paths (hf_posenc/engine/attention/) against the naive materialised computation: blocked
 attention with every kind of bias, cache and padding, the Toeplitz view of distance tables, and the path setting.
 (Compiled and external kernels: test_kernel_check.py.)"""
 
@@ -11,6 +11,8 @@ import torch
 
 import hf_posenc
 from hf_posenc import PosEncError, attention
+from hf_posenc.engine.attention import bias_path, geometry
+from hf_posenc.engine.attention.call import AttentionCall
 from hf_posenc.engine.state import STATE_ATTR, PositionState
 from helpers import max_diff
 from tiny_models import random_ids, tiny_model
@@ -35,8 +37,8 @@ def naive_attention(state, layer_idx, query, key, value, attention_mask, scaling
         query, key = state.method.rotate_query_key(query, key, query_positions, key_positions, 0)
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    mask = attention.block_mask(state, layer_idx, slice(None), query_slots, key_slots, query_positions,
-                                key_positions, attention_mask, torch.float32)
+    call = AttentionCall.build(FakeAttention(state, layer_idx), state, query, key, value, attention_mask, scaling)
+    mask = attention.block_mask(call, slice(None), torch.float32)
     scores = (query.double() @ key.double().transpose(2, 3)) * scaling
     scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.double()
     return (scores.softmax(-1) @ value.double()).transpose(1, 2).float()
@@ -68,8 +70,8 @@ def test_blocks_are_larger_on_an_accelerator():
                                             ("t5", {"per_layer": True}), ("kerple", {}), ("sandwich", {}),
                                             ("xpos", {"extrapolation": "bca", "window": 8})])
 def test_blocked_attention_equals_materialised(method, options, case, backend, monkeypatch):
-    monkeypatch.setattr(attention, "BLOCK_BYTES", 4 * 2 * 4 * 40 * 3)  # about 3 query rows per block
-    monkeypatch.setattr(attention, "VIEW_BLOCK_ROWS", 3)
+    monkeypatch.setattr(geometry, "BLOCK_BYTES", 4 * 2 * 4 * 40 * 3)  # about 3 query rows per block
+    monkeypatch.setattr(bias_path, "VIEW_BLOCK_ROWS", 3)
     batch, q, kv, offset, pad = CASES[case]
     module = module_of(method, **options)
     state = PositionState(module, backend=backend)
@@ -105,7 +107,7 @@ def test_toeplitz_view_equals_a_gather_and_copies_nothing():
 @pytest.mark.parametrize("method", ["alibi", "t5", "kerple", "sandwich", "fire"])
 def test_unpadded_table_bias_reaches_sdpa_as_a_view_of_the_table(method, monkeypatch):
     """Without padding, the masks SDPA gets are strided views of one small table, never [H, rows, keys] copies."""
-    monkeypatch.setattr(attention, "VIEW_BLOCK_ROWS", 8)
+    monkeypatch.setattr(bias_path, "VIEW_BLOCK_ROWS", 8)
     model = hf_posenc.patch_model(tiny_model("llama"), method)
     masks = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -114,7 +116,7 @@ def test_unpadded_table_bias_reaches_sdpa_as_a_view_of_the_table(method, monkeyp
         masks.append(attn_mask)
         return sdpa(*args, attn_mask=attn_mask, **kwargs)
 
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     length = 40
     with torch.no_grad():
         model(random_ids(1, length))

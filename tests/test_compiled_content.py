@@ -1,4 +1,4 @@
-"""The "compiled" attention path (engine/attention.py `_compiled_content_call`): a content method's per-block chain
+"""The "compiled" attention path (engine/attention/compiled_content.py `compiled_content_call`): a content method's per-block chain
 (its logits or weights, the softmax, the values) under torch.compile, served only after the kernel check
 (kernel_check.py) compared it with the eager blocks on this machine, forward and gradients, the method's parameters'
 gradients included. Each test compiles for real on the CPU running it (tens of seconds per method)."""
@@ -13,6 +13,7 @@ import torch
 import hf_posenc
 from hf_posenc.tools.finetune import enable_gradient_checkpointing
 from hf_posenc import attention as engine
+from hf_posenc.engine.attention import compiled_content, content_path, geometry
 from helpers import left_pad, max_diff
 from tiny_models import random_ids, tiny_model
 
@@ -22,9 +23,9 @@ LAYERS = 2  # the tiny LLaMA's
 @pytest.fixture
 def several_blocks(monkeypatch):
     """Blocks of a few query rows at these lengths, so that the compiled path runs more than one block per call."""
-    monkeypatch.setattr(engine, "CONTENT_BLOCK_BYTES", 4 * 2 * 4 * 48 * 16 * 6)
-    monkeypatch.setattr(engine, "ACCELERATOR_BLOCK_BYTES", 4 * 2 * 4 * 48 * 16 * 6)  # the eager blocks off the CPU
-    monkeypatch.setattr(engine, "COMPILED_BLOCK_BYTES", 4 * 2 * 4 * 48 * 16)
+    monkeypatch.setattr(content_path, "CONTENT_BLOCK_BYTES", 4 * 2 * 4 * 48 * 16 * 6)
+    monkeypatch.setattr(geometry, "ACCELERATOR_BLOCK_BYTES", 4 * 2 * 4 * 48 * 16 * 6)  # the eager blocks off the CPU
+    monkeypatch.setattr(content_path, "COMPILED_BLOCK_BYTES", 4 * 2 * 4 * 48 * 16)
     engine.reset_kernel_status()
     yield
     engine.reset_kernel_status()
@@ -118,7 +119,7 @@ def wrong_in_parameter_gradients(method, query, key, value, block):
 @pytest.mark.parametrize("kernel, what", [(wrong_in_forward, "relative to the largest reference value"),
                                           (wrong_in_parameter_gradients, "gradients w.r.t. position_embeddings")])
 def test_a_compiled_block_that_disagrees_is_refused(kernel, what, several_blocks, monkeypatch):
-    monkeypatch.setattr(engine, "_compiled_block_output", kernel)  # in place of the compiled chain
+    monkeypatch.setattr(compiled_content, "_compiled_block_output", kernel)  # in place of the compiled chain
     model = patched("cope")
     with torch.no_grad():  # moved off zero, so that the embeddings change the logits and get gradients
         model.model.posenc.position_embeddings.normal_(std=0.1)

@@ -21,6 +21,13 @@ from tiny_models import FAMILIES, random_ids, tiny_model
 
 
 # --- capturing one layer's inputs, projections and attention output --------------------------------------------------
+def budget_module(budget: str):
+    """The module of engine/attention/ that reads a block budget: the content path its own, block_rows the others."""
+    from hf_posenc.engine.attention import content_path, geometry
+
+    return content_path if budget.startswith("CONTENT") else geometry
+
+
 def capture_llama_layers(model, ids, attention_mask=None):
     """Per layer of a LLaMA model: x (attention input), q, k, v ([B, heads, L, D], float64, GQA expanded) and the
     attention output before o_proj [B, L, H*D], from a forward with hooks (no rotation: base="none" removed RoPE)."""
@@ -477,6 +484,7 @@ def test_many_query_blocks_give_what_one_block_gives(method, monkeypatch):
     """The references above run one block; with CONTENT_BLOCK_BYTES shrunk each block holds a few rows (and sees only
     the keys causality allows it), for a prompt, a left-padded batch and a chunk after a cache."""
     from hf_posenc.engine import attention as engine
+    from hf_posenc.engine.attention import content_path
 
     model = hf_posenc.patch_model(tiny_model("llama"), method)
     with torch.no_grad():
@@ -496,8 +504,8 @@ def test_many_query_blocks_give_what_one_block_gives(method, monkeypatch):
     one = run()
     rows = 3
     cost = hf_posenc.get_positional_module(model).block_cost
-    monkeypatch.setattr(engine, "CONTENT_BLOCK_BYTES", int(4 * 2 * 4 * 20 * cost * rows))
-    assert engine.block_rows(2, 4, 20, cost, budget=engine.CONTENT_BLOCK_BYTES) == rows
+    monkeypatch.setattr(content_path, "CONTENT_BLOCK_BYTES", int(4 * 2 * 4 * 20 * cost * rows))
+    assert engine.block_rows(2, 4, 20, cost, budget=content_path.CONTENT_BLOCK_BYTES) == rows
     for a, b in zip(one, run()):
         assert max_diff(a, b) <= 1e-5
 
@@ -525,7 +533,7 @@ def test_recomputed_blocks_give_the_gradients_of_plain_autograd(method, options,
     padded, mask = (x.to(device) for x in left_pad([random_ids(1, 20, seed=3)[0], random_ids(1, 13, seed=4)[0]]))
     ids = random_ids(2, 20).to(device)
     for budget in ("CONTENT_BLOCK_BYTES", "ACCELERATOR_BLOCK_BYTES"):  # the CPU's content blocks and a GPU's
-        monkeypatch.setattr(engine, budget, int(4 * 2 * 4 * 20 * module.block_cost * 3))
+        monkeypatch.setattr(budget_module(budget), budget, int(4 * 2 * 4 * 20 * module.block_cost * 3))
 
     engine.last_paths.clear()
     recomputed = padded_and_cached_outputs_and_gradients(model, padded, mask, ids, 7)
@@ -578,7 +586,7 @@ def test_fox_token_shift_refuses_a_cache_that_dropped_a_predecessor():
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])
 def test_fox_kernel_path_equals_the_generic_path_in_float64(options, model_type, monkeypatch):
     """FoX's logits' bias c_i - c_j is a term per query minus one per key (separable_terms): SDPA's kernel per block
-    with a custom backward (engine/separable_attention.py). Its logits and the gradients of every parameter equal the
+    with a custom backward (engine/attention/separable.py). Its logits and the gradients of every parameter equal the
     generic path's (content_scores, eager softmax) over several blocks, a left-padded batch and a chunk after a cache,
     in a float64 model, to the generic path's float32 logits' precision."""
     from hf_posenc.engine import attention as engine
@@ -591,7 +599,7 @@ def test_fox_kernel_path_equals_the_generic_path_in_float64(options, model_type,
     padded, mask = left_pad([random_ids(1, 20, seed=3)[0], random_ids(1, 13, seed=4)[0]])
     ids = random_ids(2, 20)
     for budget in ("BLOCK_BYTES", "CONTENT_BLOCK_BYTES"):  # the kernel's blocks and the generic path's
-        monkeypatch.setattr(engine, budget, 4 * 2 * 4 * 20 * 6)  # blocks of 6 rows
+        monkeypatch.setattr(budget_module(budget), budget, 4 * 2 * 4 * 20 * 6)  # blocks of 6 rows
 
     def run():
         return padded_and_cached_outputs_and_gradients(model, padded, mask, ids, 7)
@@ -666,7 +674,7 @@ def test_kernel_heads_path_equals_the_generic_path(method, options, model_type, 
     padded, mask = left_pad([random_ids(1, 20, seed=3)[0], random_ids(1, 13, seed=4)[0]])
     ids = random_ids(2, 20)
     for budget in ("BLOCK_BYTES", "CONTENT_BLOCK_BYTES"):  # the kernel's blocks and the generic path's
-        monkeypatch.setattr(engine, budget, 4 * 2 * 4 * 20 * 6)  # blocks of a few rows
+        monkeypatch.setattr(budget_module(budget), budget, 4 * 2 * 4 * 20 * 6)  # blocks of a few rows
 
     def run():
         logits = padded_and_cached_outputs_and_gradients(model, padded, mask, ids, 7)
@@ -702,7 +710,7 @@ def test_transformer_xl_keeps_the_generic_path_where_positions_go_back(attention
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: kernel_calls.append(1) or sdpa(*a, **k))
     for budget in ("BLOCK_BYTES", "CONTENT_BLOCK_BYTES"):
-        monkeypatch.setattr(engine, budget, 4 * 4 * 12)  # block_rows: 4 query rows of 12 keys
+        monkeypatch.setattr(budget_module(budget), budget, 4 * 4 * 12)  # block_rows: 4 query rows of 12 keys
     engine.last_paths.clear()
     with torch.no_grad():
         logits = model(ids, position_ids=positions, attention_mask=mask).logits

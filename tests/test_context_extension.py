@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Static
 
 import hf_posenc
 from hf_posenc.engine import attention as attention_module
-from hf_posenc.engine import separable_attention
+from hf_posenc.engine.attention import geometry, near_far
 from hf_posenc.engine.state import STATE_ATTR
 from hf_posenc import PosEncError
 from helpers import (decode_token_by_token, left_pad, max_diff, padded_and_cached_outputs_and_gradients,
@@ -86,7 +86,7 @@ def test_attention_equals_a_float64_materialised_reference(method, options, offs
     key, value = torch.randn(2, 2, kv, 16, generator=generator), torch.randn(2, 2, kv, 16, generator=generator)
     positions = torch.arange(kv)[None].expand(2, -1)
     state.update(positions[:, offset:], offset, positions[:, :offset])
-    monkeypatch.setattr(attention_module, "BLOCK_BYTES", 4 * 2 * 4 * kv * 5 * 4)  # blocks of 4 query rows
+    monkeypatch.setattr(geometry, "BLOCK_BYTES", 4 * 2 * 4 * kv * 5 * 4)  # blocks of 4 query rows
     with torch.no_grad():
         output, _ = attention_module.posenc_attention(module, query, key, value, None, scaling=0.25)
     expected = reference_attention(method, options, query, key, value, positions[:, offset:], positions, 0.25)
@@ -283,11 +283,11 @@ def test_sdpa_on_near_and_far_parts_equals_the_scored_path(method, options, two_
     side along the head dimension. Either way its logits and the model's gradients equal those of block_scores with an
     eager softmax, in float64, over several blocks, for a left-padded batch and a chunk after a cache."""
     if not two_calls:
-        monkeypatch.setattr(attention_module, "separable_path_applies", lambda query: False)
+        monkeypatch.setattr(near_far, "cpu_flash_applies", lambda query: False)
     model = hf_posenc.patch_model(tiny_model("llama"), method, **options).double()
     padded, mask = left_pad([random_ids(1, 30, seed=3)[0], random_ids(1, 19, seed=4)[0]])
     ids = random_ids(2, 30)
-    monkeypatch.setattr(attention_module, "BLOCK_BYTES", 4 * 2 * 30 * 7)  # blocks of 7 rows, 3 (eager) or so
+    monkeypatch.setattr(geometry, "BLOCK_BYTES", 4 * 2 * 30 * 7)  # blocks of 7 rows, 3 (eager) or so
 
     def run():
         return padded_and_cached_outputs_and_gradients(model, padded, mask, ids, 11)
@@ -311,14 +311,14 @@ def test_mask_segments_cut_a_parts_keys_where_the_kernel_needs_no_mask():
     near = ((key <= row) & (row - key < 6))[None, None]  # a window of 6: a band, then the causal square
     far = (row - key >= 6)[None, None]  # the keys past the window: all allowed, then a band
     causal = (key <= row)[None, None]
-    cut = separable_attention.mask_segments
-    assert cut(near) == [(slice(0, 7), "mask"), (slice(7, 11), separable_attention.CAUSAL)]
+    cut = near_far.mask_segments
+    assert cut(near) == [(slice(0, 7), "mask"), (slice(7, 11), near_far.CAUSAL)]
     assert cut(far) == [(slice(0, 2), None), (slice(2, 11), "mask")]
-    assert cut(causal) == [(slice(0, 7), None), (slice(7, 11), separable_attention.CAUSAL)]
-    assert cut(causal[..., 7:]) == [(slice(0, 4), separable_attention.CAUSAL)]
+    assert cut(causal) == [(slice(0, 7), None), (slice(7, 11), near_far.CAUSAL)]
+    assert cut(causal[..., 7:]) == [(slice(0, 4), near_far.CAUSAL)]
     padded = torch.cat((causal, causal.clone()))
     padded[1, ..., 0] = False  # a left-padded row: no column is allowed to every row of the batch
-    assert cut(padded) == [(slice(0, 7), "mask"), (slice(7, 11), separable_attention.CAUSAL)]
+    assert cut(padded) == [(slice(0, 7), "mask"), (slice(7, 11), near_far.CAUSAL)]
     assert cut(near[..., :0]) == []
 
 
@@ -331,17 +331,17 @@ def test_parts_run_unmasked_and_causal_segments_where_the_mask_allows(method, op
     model = hf_posenc.patch_model(tiny_model("llama"), method, **options).double()
     padded, mask = left_pad([random_ids(1, 30, seed=3)[0], random_ids(1, 19, seed=4)[0]])
     ids = random_ids(2, 30)
-    monkeypatch.setattr(attention_module, "BLOCK_BYTES", 4 * 2 * 30 * 7)
-    kinds, original = set(), separable_attention.mask_segments
+    monkeypatch.setattr(geometry, "BLOCK_BYTES", 4 * 2 * 30 * 7)
+    kinds, original = set(), near_far.mask_segments
 
     def mask_segments(allowed):
         segments = original(allowed)
         kinds.update(kind for _, kind in segments)
         return segments
 
-    monkeypatch.setattr(separable_attention, "mask_segments", mask_segments)
+    monkeypatch.setattr(near_far, "mask_segments", mask_segments)
     parts = padded_and_cached_outputs_and_gradients(model, padded, mask, ids, 11)
-    assert kinds == {None, "mask", separable_attention.CAUSAL}
+    assert kinds == {None, "mask", near_far.CAUSAL}
     monkeypatch.setattr(type(hf_posenc.get_positional_module(model)), "block_near", lambda self, *args: None)
     scored = padded_and_cached_outputs_and_gradients(model, padded, mask, ids, 11)
     for a, b in zip(parts, scored):
@@ -391,7 +391,7 @@ def test_far_keys_that_form_a_causal_triangle_are_one_kernel_call(method, option
     serves a whole sequence's triangle under "auto", is held off: tests/test_fused_cpu.py has it.)"""
     model = hf_posenc.patch_model(tiny_model("llama"), method, **options).double()
     monkeypatch.setattr(type(hf_posenc.get_positional_module(model)), "fused_near_far", False)
-    monkeypatch.setattr(attention_module, "BLOCK_BYTES", 4 * 2 * 30 * 7)  # blocks of 7 rows
+    monkeypatch.setattr(geometry, "BLOCK_BYTES", 4 * 2 * 30 * 7)  # blocks of 7 rows
     ids = random_ids(2, 30)
     triangles = []
 
@@ -423,18 +423,18 @@ def test_near_far_plans_are_made_once_per_forward_and_keep_only_band_masks(monke
     segments are bands (at most twice a block's rows wide) and are kept; a left-padded batch's masked segments span
     the keys, are not kept, and are built again in each layer's forward and backward."""
     model = hf_posenc.patch_model(tiny_model("llama"), "self-extend", window=6, group=2)
-    monkeypatch.setattr(attention_module, "BLOCK_BYTES", 4 * 2 * 30 * 7)
+    monkeypatch.setattr(geometry, "BLOCK_BYTES", 4 * 2 * 30 * 7)
     built, plans_seen, block_rows = [], [], []
-    near_far_masks, near_far_plans = attention_module._near_far_masks, attention_module._near_far_plans
-    monkeypatch.setattr(attention_module, "_near_far_masks",
+    near_far_masks, near_far_plans = near_far._near_far_masks, near_far._near_far_plans
+    monkeypatch.setattr(near_far, "_near_far_masks",
                         lambda *a, **k: built.append(1) or near_far_masks(*a, **k))
 
-    def plans_of(state, attention_mask, kv, blocks, *args):
+    def plans_of(call, blocks, *args):
         block_rows.append(blocks[0][0].stop - blocks[0][0].start)
-        plans_seen.append(near_far_plans(state, attention_mask, kv, blocks, *args))
+        plans_seen.append(near_far_plans(call, blocks, *args))
         return plans_seen[-1]
 
-    monkeypatch.setattr(attention_module, "_near_far_plans", plans_of)
+    monkeypatch.setattr(near_far, "_near_far_plans", plans_of)
 
     def train_step(*args, **kwargs):
         built.clear()
@@ -477,7 +477,7 @@ def test_training_memory_of_the_near_far_parts_grows_linearly(method, options, t
     from 1024 to 2048 tokens on this model). The fused CPU kernel, held off here, keeps only its inputs, output and
     one logsumexp per row."""
     if not two_calls:
-        monkeypatch.setattr(attention_module, "separable_path_applies", lambda query: False)
+        monkeypatch.setattr(near_far, "cpu_flash_applies", lambda query: False)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                          num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0)

@@ -43,11 +43,12 @@ class HostReads(TorchDispatchMode):
 
 @pytest.fixture
 def gpu_paths(monkeypatch):
-    from hf_posenc.engine import attention
+    from hf_posenc.engine.attention import content_path, near_far
     from hf_posenc.methods import base
 
     monkeypatch.setenv("HF_POSENC_CPU_KERNELS", "0")
-    monkeypatch.setattr(attention, "separable_path_applies", lambda query: False)
+    for path in (content_path, near_far):  # the paths on aten's CPU flash kernel
+        monkeypatch.setattr(path, "cpu_flash_applies", lambda query: False)
     from hf_posenc.methods import stick_breaking
 
     for module in (base, stick_breaking):

@@ -16,6 +16,8 @@ from transformers import DynamicCache
 
 import hf_posenc
 from hf_posenc import attention
+from hf_posenc.engine.attention import bias_path
+from hf_posenc.engine.attention.call import AttentionCall
 from hf_posenc.engine import kernel_check
 from hf_posenc.engine.kernel_check import KernelCall, KernelCheckWarning, table_attention_reference
 from helpers import decode_token_by_token, left_pad, max_diff
@@ -35,10 +37,12 @@ def kernel_warnings(caught) -> list[str]:
     return [str(w.message) for w in caught if issubclass(w.category, KernelCheckWarning)]
 
 
-def counting(function, query_argument: int = 0):
-    """`function` with the query shapes of its calls listed in `.calls`."""
+def counting(function):
+    """`function` with the query shapes of its calls listed in `.calls` (its first argument the queries, or an
+    AttentionCall)."""
     def counted(*args, **kwargs):
-        query = args[query_argument] if len(args) > query_argument else kwargs["query"]
+        query = args[0] if args else kwargs["query"]
+        query = query.query if isinstance(query, AttentionCall) else query
         counted.calls.append(tuple(query.shape))
         return function(*args, **kwargs)
     counted.calls = []
@@ -46,7 +50,7 @@ def counting(function, query_argument: int = 0):
 
 
 def counting_blocked():
-    return counting(attention._blocked, query_argument=3)  # _blocked(module, state, layer_idx, query, ...)
+    return counting(bias_path.blocked_attention)
 
 
 def perturbed(*args, **kwargs):
@@ -88,7 +92,7 @@ def test_a_wrong_kernel_is_refused_with_one_warning_and_blocked_serves(wrong, fa
     ids = random_ids(2, 20)
     expected = logits(model, ids, ids[:1], path="blocked")
     stand_in = counting(wrong)
-    monkeypatch.setattr(attention, "_flex_kernel", stand_in)
+    monkeypatch.setattr(bias_path, "_flex_kernel", stand_in)
     attention.last_paths.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -114,8 +118,8 @@ def test_a_right_kernel_is_checked_once_per_kind_then_serves_unchecked(monkeypat
     padded, mask = left_pad([ids[0], ids[1, :13]])
     stand_in = counting(table_attention_reference)
     references = counting_blocked()
-    monkeypatch.setattr(attention, "_flex_kernel", stand_in)
-    monkeypatch.setattr(attention, "_blocked", references)
+    monkeypatch.setattr(bias_path, "_flex_kernel", stand_in)
+    monkeypatch.setattr(bias_path, "blocked_attention", references)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         first = logits(model, ids, path="flex")[0]
@@ -152,8 +156,8 @@ def test_a_long_call_is_checked_on_its_first_and_last_rows(monkeypatch):
     model = hf_posenc.patch_model(tiny_model("llama"), "alibi")
     ids = random_ids(2, 300)
     references = counting_blocked()
-    monkeypatch.setattr(attention, "_blocked", references)
-    monkeypatch.setattr(attention, "_flex_kernel", wrong_at_the_end)
+    monkeypatch.setattr(bias_path, "blocked_attention", references)
+    monkeypatch.setattr(bias_path, "_flex_kernel", wrong_at_the_end)
     with pytest.warns(KernelCheckWarning, match="an error of"):
         served = logits(model, ids, path="flex")[0]
     assert references.calls[:2] == [(2, 4, 64, 16), (2, 4, 64, 16)]  # the check: 2 x 64 rows of 300
@@ -167,15 +171,15 @@ def test_gradients_are_checked_on_a_probe_and_a_wrong_backward_is_refused(kernel
     sequences x 64 queries and keys, against a float64 reference: w.r.t. queries, keys, values and (flex) the
     table. Stand-ins run here on CPU: right in value and gradients, or right in value with halved gradients."""
     if kernel == "flex":
-        monkeypatch.setattr(attention, "FLEX_BACKWARD_DEVICES", ("cuda", "cpu"))
+        monkeypatch.setattr(bias_path, "FLEX_BACKWARD_DEVICES", ("cuda", "cpu"))
         right = table_attention_reference
 
         def halved(query, key, value, table, offset, valid, scaling):  # same values, half the table's gradient
             return table_attention_reference(query, key, value, (table + table.detach()) / 2, offset, valid, scaling)
 
-        install, method, wrong_input = (lambda k: monkeypatch.setattr(attention, "_flex_kernel", k)), "t5", "table"
+        install, method, wrong_input = (lambda k: monkeypatch.setattr(bias_path, "_flex_kernel", k)), "t5", "table"
     else:
-        monkeypatch.setattr(attention, "_flash_device", lambda query: True)
+        monkeypatch.setattr(bias_path, "_flash_device", lambda query: True)
         right = fake_flash_attn_func
 
         def halved(q, k, v, softmax_scale, causal, alibi_slopes):  # same values, half the values' gradient
@@ -214,10 +218,10 @@ def test_gradients_are_checked_on_a_probe_and_a_wrong_backward_is_refused(kernel
 
 def test_reset_forgets_refusals(monkeypatch):
     model = hf_posenc.patch_model(tiny_model("llama"), "alibi")
-    monkeypatch.setattr(attention, "_flex_kernel", raising)
+    monkeypatch.setattr(bias_path, "_flex_kernel", raising)
     with pytest.warns(KernelCheckWarning):
         logits(model, random_ids(1, 10), path="flex")
-    monkeypatch.setattr(attention, "_flex_kernel", table_attention_reference)
+    monkeypatch.setattr(bias_path, "_flex_kernel", table_attention_reference)
     logits(model, random_ids(1, 10), path="flex")
     assert attention.last_paths == {"blocked": 4}
     attention.reset_kernel_status()
@@ -273,7 +277,7 @@ def test_flash_path_passes_flash_attn_what_it_expects(monkeypatch):
     tested is our side of the contract (layout, scale, positive slopes, causal alignment, when it applies), and that
     decoding is checked once per size class of the keys, not at every step."""
     monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_func=fake_flash_attn_func))
-    monkeypatch.setattr(attention, "_flash_device", lambda query: True)
+    monkeypatch.setattr(bias_path, "_flash_device", lambda query: True)
     model = hf_posenc.patch_model(tiny_model("llama"), "alibi")
     ids = random_ids(2, 20)
     with torch.no_grad(), attention.attention_path("blocked"):
@@ -374,7 +378,7 @@ def test_flex_trains_a_learned_table_where_it_has_a_backward(dtype, device):
         paths, served = step("flex")
     assert kernel_warnings(caught) == []
     assert blocked_paths == {"blocked": 2}
-    assert paths == ({"flex": 2} if device.type in attention.FLEX_BACKWARD_DEVICES else {"blocked": 2})
+    assert paths == ({"flex": 2} if device.type in bias_path.FLEX_BACKWARD_DEVICES else {"blocked": 2})
     assert all(v.passed for v in attention.kernel_status())
     tolerance = 3e-2 if dtype == torch.bfloat16 else 1e-4  # two kernels' roundings, carried through the model
     for name, gradient in expected.items():
@@ -394,15 +398,15 @@ def test_compiled_flex_calls_get_their_own_recompile_allowance(monkeypatch):
         seen.append(config.recompile_limit)
         return query
 
-    monkeypatch.setitem(attention._compiled_flex, "cpu", compiled)
+    monkeypatch.setitem(bias_path._compiled_flex, "cpu", compiled)
     query = torch.randn(1, 2, 8, 4)
     with config.patch(recompile_limit=1):
-        out = attention._flex_kernel(query, query, query, torch.zeros(2, 8), 0, torch.ones(1, 8, dtype=torch.bool),
+        out = bias_path._flex_kernel(query, query, query, torch.zeros(2, 8), 0, torch.ones(1, 8, dtype=torch.bool),
                                      0.5)
         assert out.shape == (1, 8, 2, 4)
         assert seen == [attention.FLEX_RECOMPILE_LIMIT] and config.recompile_limit == 1
     with config.patch(recompile_limit=4 * attention.FLEX_RECOMPILE_LIMIT):  # a user's higher limit stays
-        attention._flex_kernel(query, query, query, torch.zeros(2, 8), 0, torch.ones(1, 8, dtype=torch.bool), 0.5)
+        bias_path._flex_kernel(query, query, query, torch.zeros(2, 8), 0, torch.ones(1, 8, dtype=torch.bool), 0.5)
         assert seen[-1] == 4 * attention.FLEX_RECOMPILE_LIMIT
 
 

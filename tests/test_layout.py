@@ -164,3 +164,23 @@ def test_the_readme_method_table_lists_exactly_the_registered_methods():
     listed = re.findall(r"^\| `([a-z0-9-]+)` \|", table, flags=re.MULTILINE)
     assert sorted(listed) == sorted(hf_posenc.available_methods())
     assert len(listed) == len(set(listed))
+
+
+def line_counts(directory: Path) -> dict[str, int]:
+    return {path.relative_to(PACKAGE_DIR.parent).as_posix(): len(path.read_text(encoding="utf-8").splitlines())
+            for path in sorted(directory.rglob("*.py"))}
+
+
+def test_no_file_of_the_package_is_over_600_lines():
+    long = {path: lines for path, lines in line_counts(PACKAGE_DIR).items() if lines > 600}
+    assert not long, long
+
+
+def test_each_attention_path_is_one_file_under_500_lines():
+    """engine/attention/: the dispatcher, the geometry, each path and the path choice in files a reader takes in."""
+    counts = line_counts(PACKAGE_DIR / "engine" / "attention")
+    assert {"hf_posenc/engine/attention/dispatch.py", "hf_posenc/engine/attention/bias_path.py",
+            "hf_posenc/engine/attention/near_far.py", "hf_posenc/engine/attention/content_path.py",
+            "hf_posenc/engine/attention/paths.py"} <= set(counts)
+    long = {path: lines for path, lines in counts.items() if lines >= 500}
+    assert not long, long

@@ -223,10 +223,10 @@ def test_xpos_rotates_a_padded_batch_and_a_cached_prefill_once_when_they_fit_its
     """Not only a causal square: a left-padded batch and a prefill after a cache, on the blocked path in query blocks
     of 8 rows, are rotated once per layer when their queries fit the spread (96 tokens for float32 at scale_base 4),
     else once per block around its own centre. Both equal the float64 run and each sequence alone."""
-    from hf_posenc.engine import attention as attention_module
+    from hf_posenc.engine.attention import bias_path
     from hf_posenc.methods.xpos import Xpos
 
-    monkeypatch.setattr(attention_module, "block_rows", lambda *args, **kwargs: 8)
+    monkeypatch.setattr(bias_path, "block_rows", lambda *args, **kwargs: 8)
     calls = []
     rotate = Xpos.rotate_query_key
     monkeypatch.setattr(Xpos, "rotate_query_key", lambda self, *args: calls.append(1) or rotate(self, *args))
@@ -257,11 +257,11 @@ def test_xpos_reads_its_spread_once_per_forward(monkeypatch):
     """Whether the queries fit xPos's spread is a tensor's value (on a GPU, reading it waits for the device): it is
     read by the first layer of a forward and reused by the others, and read again in the next forward, whose
     positions may differ. The logits are the same as when each layer reads it."""
-    from hf_posenc.engine import attention as attention_module
+    from hf_posenc.engine.attention import geometry
 
     reads = []
-    within = attention_module._within_spread
-    monkeypatch.setattr(attention_module, "_within_spread", lambda *args: reads.append(1) or within(*args))
+    within = geometry.within_spread
+    monkeypatch.setattr(geometry, "within_spread", lambda *args: reads.append(1) or within(*args))
     model = hf_posenc.patch_model(tiny_model("llama"), "xpos", scale_base=4.0)
     assert model.config.num_hidden_layers > 1
     ids = random_ids(2, 40, seed=3)

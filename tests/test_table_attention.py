@@ -1,4 +1,4 @@
-"""The backward of learned distance-table biases (hf_posenc/engine/table_attention.py): gradients of queries, keys,
+"""The backward of learned distance-table biases (hf_posenc/engine/attention/table_attention.py): gradients of queries, keys,
 values and the table against autograd of the materialised computation in float64, and the blocked path using it
 (and only it) when a table takes a gradient."""
 
@@ -9,8 +9,8 @@ import torch
 
 import hf_posenc
 from hf_posenc import attention
-from hf_posenc.engine import table_attention
-from hf_posenc.engine.table_attention import TableBiasAttention, skewed_view
+from hf_posenc.engine.attention import bias_path, table_attention
+from hf_posenc.engine.attention.table_attention import TableBiasAttention, skewed_view
 from helpers import max_diff
 from tiny_models import random_ids, tiny_model
 
@@ -102,7 +102,7 @@ def test_training_step_gradients_equal_the_eager_path(model_type, method, option
     original = TableBiasAttention.apply
     monkeypatch.setattr(table_attention.TableBiasAttention, "apply",
                         staticmethod(lambda *args: calls.append(1) or original(*args)))
-    monkeypatch.setattr(attention, "VIEW_BLOCK_ROWS", 16)  # several blocks over 30 tokens
+    monkeypatch.setattr(bias_path, "VIEW_BLOCK_ROWS", 16)  # several blocks over 30 tokens
     monkeypatch.setattr(table_attention, "KEY_TILE", 8)  # and several key tiles per block in the backward
     fast = gradients("sdpa")
     assert calls, "the table backward did not serve the training step"
@@ -144,7 +144,7 @@ def test_fixed_tables_take_the_table_backward_where_sdpa_would_keep_block_masks(
         model(ids, labels=ids).loss.backward()
         return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
-    monkeypatch.setattr(attention, "VIEW_BLOCK_ROWS", 16)
+    monkeypatch.setattr(bias_path, "VIEW_BLOCK_ROWS", 16)
     monkeypatch.setattr(table_attention, "KEY_TILE", 8)
     calls = []
     original = TableBiasAttention.apply
@@ -152,7 +152,7 @@ def test_fixed_tables_take_the_table_backward_where_sdpa_would_keep_block_masks(
                         staticmethod(lambda *args: calls.append(args[3].requires_grad) or original(*args)))
     reference = gradients()
     assert not calls  # on the CPU SDPA keeps the mask's view: the default path
-    monkeypatch.setattr(attention, "sdpa_keeps_block_masks", lambda device: True)
+    monkeypatch.setattr(bias_path, "sdpa_keeps_block_masks", lambda device: True)
     fast = gradients()
     assert calls and not any(calls), "the table backward did not serve the fixed table"
     assert fast.keys() == reference.keys() and not any("posenc" in name for name in fast)

@@ -72,7 +72,7 @@ class CallPositions:
     # read once, not once per layer, since reading a tensor's value waits for the device.
     facts: dict = field(default_factory=dict)
     # ((method, attention mask, dtype, kv, blocks), each block's kernel calls) for a `block_near` method on the
-    # CPU kernel, made by the first layer that asks (attention.py _near_far_plans) and reused by the others
+    # CPU kernel, made by the first layer that asks (attention/near_far.py _near_far_plans) and reused by the others
     near_far_plans: list = field(default_factory=list)
 
 

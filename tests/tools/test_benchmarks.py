@@ -149,7 +149,9 @@ def test_finetune_benchmark_runs_the_methods_under_the_attention_path_asked(monk
     bench = load_script("benchmarks/bench_finetune.py")
     from hf_posenc import attention as engine
 
-    monkeypatch.setattr(engine, "_compiled_block_output", engine.content_block_output)
+    from hf_posenc.engine.attention import compiled_content
+
+    monkeypatch.setattr(compiled_content, "_compiled_block_output", engine.content_block_output)
     engine.reset_kernel_status()
     rows = bench.run_benchmark(lengths=[32], methods=["stick-breaking"], layers=1, steps=1, checkpointing=(False,),
                                progress=False, memory=False, path="compiled")

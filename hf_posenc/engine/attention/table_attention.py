@@ -1,7 +1,7 @@
 """Blocked attention with a learned distance-table bias, and a backward that sends the gradient into the table.
 
 Forward, per query block, is SDPA with the block's bias as a strided Toeplitz view of the table (no copy; see
-attention.toeplitz_view), exactly what the blocked path computes without gradients. Handing SDPA a mask that needs a
+geometry.toeplitz_view), exactly what the blocked path computes without gradients. Handing SDPA a mask that needs a
 gradient would send it down its math path on CPU (a materialised softmax per block, and a second one kept for the
 backward); here the mask reaches the kernel as a constant, and the backward recomputes each block:
 
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 KEY_TILE = 256  # keys per backward tile (see the module docstring): 512 was a little slower at 8192, 1024 more
 # On a GPU the cache argument does not hold and every tile is a dozen kernel launches: a block's keys in one tile. A
-# block is already sized to the accelerator budget (attention.ACCELERATOR_BLOCK_BYTES), which bounds the temporaries.
+# block is already sized to the accelerator budget (geometry.ACCELERATOR_BLOCK_BYTES), which bounds the temporaries.
 ACCELERATOR_KEY_TILE = 1 << 30
 
 
@@ -103,7 +103,7 @@ def _logsumexp(query, key, padded, start, rows, keys, scaling):
 
 class TableBiasAttention(torch.autograd.Function):
     """query [B, H, q, D]; key, value [B, H_kv, kv, D] with keys in reversed order (slot kv - 1 - c at column c);
-    padded [H, pad + n] (attention.padded_table); blocks: (first row, rows, keys, start index in `padded`) per query
+    padded [H, pad + n] (geometry.padded_table); blocks: (first row, rows, keys, start index in `padded`) per query
     block. Returns the output [B, H, q, D]."""
 
     @staticmethod

@@ -14,7 +14,7 @@ from hf_posenc import PosEncError, attention
 from hf_posenc.engine.attention import bias_path, geometry
 from hf_posenc.engine.attention.call import AttentionCall
 from hf_posenc.engine.state import STATE_ATTR, PositionState
-from helpers import max_diff
+from helpers import left_pad, max_diff
 from tiny_models import random_ids, tiny_model
 
 
@@ -140,3 +140,51 @@ def test_attention_path_setting():
     with torch.no_grad(), attention.attention_path("flash"):
         model(random_ids(1, 8))
     assert attention.last_paths == {"blocked": 2}
+
+
+def test_two_models_take_their_own_paths_and_count_their_own_calls(monkeypatch):
+    """The path is chosen per model: CoPE set to "compiled" and a second CoPE left on "auto"'s default, in one
+    process and one thread, each take their own path, and each model's counts hold its own calls; last_paths sums
+    the thread's calls over both. A thread's context choice is over every model's, and stays in that thread."""
+    import threading
+
+    from hf_posenc.engine.attention import compiled_content
+
+    # the eager chain stands in for the compiled one (the "compiled" path still runs, checked, without compiling)
+    monkeypatch.setattr(compiled_content, "_compiled_block_output", attention.content_block_output)
+    attention.reset_kernel_status()
+    compiled, default = (hf_posenc.patch_model(tiny_model("llama"), "cope", max_pos=4) for _ in range(2))
+    attention.set_attention_path("compiled", model=compiled)
+    assert (attention.get_attention_path(compiled), attention.get_attention_path(default)) == ("compiled", "auto")
+    assert attention.get_attention_path() == "auto"  # no thread-wide choice was made
+    layers = compiled.config.num_hidden_layers
+    attention.last_paths.clear()
+    padded, mask = left_pad([random_ids(1, 12, seed=3)[0], random_ids(1, 9, seed=4)[0]])
+    with torch.no_grad():
+        compiled(padded, attention_mask=mask)
+        default(padded, attention_mask=mask)
+    assert attention.path_counts(compiled) == {"content": layers, "compiled content": layers}
+    assert attention.path_counts(default) == {"content": layers}
+    assert attention.last_paths == {"content": 2 * layers, "compiled content": layers}
+
+    def in_a_thread():  # "blocked" for this thread's calls, the compiled model's included
+        with torch.no_grad(), attention.attention_path("blocked"):
+            compiled(padded, attention_mask=mask)
+        seen.append(dict(attention.last_paths))
+
+    seen = []
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join()
+    assert seen == [{"content": layers}]  # the thread's own counts
+    assert attention.path_counts(compiled) == {"content": 2 * layers, "compiled content": layers}
+    assert attention.last_paths == {"content": 2 * layers, "compiled content": layers}  # this thread's, unchanged
+    assert attention.get_attention_path(compiled) == "compiled"
+    attention.reset_kernel_status()
+
+
+def test_a_path_for_an_unpatched_model_is_refused():
+    with pytest.raises(PosEncError, match=r"LlamaForCausalLM is not patched by hf_posenc.*patch_model"):
+        attention.set_attention_path("blocked", model=tiny_model("llama"))
+    with pytest.raises(PosEncError, match="Attention path 'fast' is unknown"):
+        attention.set_attention_path("fast", model=hf_posenc.patch_model(tiny_model("llama"), "alibi"))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -86,6 +87,8 @@ class PositionState:
         self.model_config = model_config  # the model's own config: its attention implementation is the backend
         self.fixed_backend = backend  # the backend where there is no model config (a bare attention module)
         self.holder, self.attribute = holder, attribute  # where the method is installed: holder.<attribute>
+        self.attention_path: str | None = None  # this model's own path choice (attention/paths.py); None: none
+        self.path_counts: Counter = Counter()  # the attention calls each path served (attention/paths.py)
         self._calls = threading.local()
 
     @property
@@ -109,13 +112,14 @@ class PositionState:
                 f"{backend!r} without the patch.")
         return backend == "eager"
 
-    # A thread-local cannot be copied or pickled; a copy starts with no forward in flight.
+    # A thread-local cannot be copied or pickled; a copy starts with no forward in flight and no counts.
     def __getstate__(self) -> dict:
         return {"installed": self.installed, "model_config": self.model_config, "fixed_backend": self.fixed_backend,
-                "holder": self.holder, "attribute": self.attribute}
+                "holder": self.holder, "attribute": self.attribute, "attention_path": self.attention_path}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update({"attention_path": None, **state})
+        self.path_counts = Counter()
         self._calls = threading.local()
 
     @property

@@ -19,4 +19,5 @@ from .content_blocks import content_block_output, content_probabilities  # noqa:
 from .dispatch import ATTENTION_NAME, RoutedAttentionConfig, posenc_attention, register_attention  # noqa: F401
 from .geometry import (ACCELERATOR_BLOCK_BYTES, BLOCK_BYTES, block_mask, block_rows, padded_table,  # noqa: F401
                        position_span, query_blocks, toeplitz_view)
-from .paths import ATTENTION_PATHS, attention_path, get_attention_path, last_paths, set_attention_path  # noqa: F401
+from .paths import (ATTENTION_PATHS, attention_path, get_attention_path, last_paths, path_counts,  # noqa: F401
+                    set_attention_path)

@@ -1,5 +1,9 @@
 """The entry of every patched attention call: `posenc_attention`, registered in transformers' AttentionInterface
-(families/bloom.py calls it directly), routes a call to the content, near/far or bias path."""
+(families/bloom.py calls it directly), routes a call to the content, near/far or bias path.
+
+Nothing here is process-wide: a call reads its model's PositionState. The path is the current thread's or task's
+choice (`attention_path(...)`, a ContextVar), else the model's own (`set_attention_path(path, model)`), else "auto";
+each call is counted on its model (`path_counts(model)`) and in the thread's `last_paths` (paths.py)."""
 
 from __future__ import annotations
 

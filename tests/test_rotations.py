@@ -243,7 +243,7 @@ def test_rotations_are_computed_once_per_forward_and_shared_by_the_layers(method
         # objects, so the block rotations rotate them in two products, not one: equal up to the products' rounding,
         # in the prefill too, whose first layer's output makes the cached keys of the second)
         monkeypatch.setattr(hf_posenc.engine.state.PositionState, "rotation_of",
-                            lambda state, positions, layer_idx=0: state.method.rotation(positions, state.call.seq_len))
+                            lambda state, positions, layer_idx=0: state.method.rotation(positions, state.forward.seq_len))
         assert max_diff(model(ids).logits, full) <= 1e-5
         calls.clear()
         cache = DynamicCache(config=model.config)

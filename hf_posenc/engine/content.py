@@ -83,7 +83,7 @@ class ContentCapture:
         for layer, tensor in (past or {}).items():
             if tensor.shape[2] >= offset:
                 call.past[layer] = tensor[:, :, :offset]
-        self.state.call.content = call
+        self.state.forward.content = call
         return None
 
 
@@ -96,7 +96,7 @@ class LayerInputCapture:
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
         hidden = kwargs.get("hidden_states", args[0] if args else None)
-        content = getattr(self.state.call, "content", None)
+        content = getattr(self.state.forward, "content", None)
         if content is not None and hidden is not None:
             content.inputs[self.layer_idx] = hidden
         return None
@@ -110,7 +110,7 @@ class RecordContentState:
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
         cache = cache_output(output)
-        content = getattr(self.state.call, "content", None)
+        content = getattr(self.state.forward, "content", None)
         if cache is not None and content is not None:
             setattr(cache, CONTENT_STATE_ATTR, dict(content.states))
             follow_batch_edits(cache)
@@ -124,7 +124,7 @@ def layer_state(state: PositionState, layer_idx: int, q: int, key_slots: torch.T
     """(layer input [B, q, hidden] or None, state of the queries [B, H, q, ...] or None, state of the keys
     [B, H, kv, ...] or None) for this call of layer `layer_idx`, the keys being the cache slots `key_slots`."""
     method = state.method
-    content: ContentCall | None = getattr(state.call, "content", None)
+    content: ContentCall | None = getattr(state.forward, "content", None)
     if content is None:
         raise RuntimeError("hf_posenc: a content method's attention ran before the base model's pre-hook.")
     layer_input = content.inputs.get(layer_idx)
@@ -133,7 +133,7 @@ def layer_state(state: PositionState, layer_idx: int, q: int, key_slots: torch.T
     if method.mixes_state and layer_input is not None:
         below = [layer for layer in content.states if layer < layer_idx]
         previous = content.states[max(below)][:, :, content.offset:content.offset + q] if below else None
-        new = method.layer_token_state(layer_idx, layer_input, state.call.query_positions.to(layer_input.device),
+        new = method.layer_token_state(layer_idx, layer_input, state.forward.query_positions.to(layer_input.device),
                                        previous, content.mixed.get(max(below)) if below else None)
     else:
         new = method.token_state(layer_idx, layer_input, content.real) if layer_input is not None else None

@@ -123,7 +123,8 @@ class PositionState:
         self._calls = threading.local()
 
     @property
-    def call(self) -> CallPositions:
+    def forward(self) -> CallPositions:
+        """The positions of the forward in flight (this thread's)."""
         call = getattr(self._calls, "current", None)
         if call is None:
             raise RuntimeError("hf_posenc: attention ran before the base model's pre-hook set the positions.")
@@ -205,7 +206,7 @@ class PositionState:
     def attention_coordinates(self, kv: int, device: torch.device):
         """(query coordinates, key coordinates) of the keys attention sees ([.., kv, axes], sliced and padded as
         `relative_positions` does the positions), or None for a call without coordinates."""
-        call = self.call
+        call = self.forward
         if call.key_coordinates is None:
             return None
         first_key = self.first_key_slot(call.query_coordinates.shape[-2], kv)
@@ -221,7 +222,7 @@ class PositionState:
         every layer (`rotation_of`): for ComRoPE/LieRE a matrix exponential per position, for the dynamic scalings
         cos/sin of the whole key cache. A method that overrides rotate_query_key (xPos) is called as it is. A method
         with a rotation per layer (`per_layer_rotation`) gets layer `layer_idx`'s."""
-        method, call = self.method, self.call
+        method, call = self.method, self.forward
         if type(method).rotate_query_key is not RotaryMethod.rotate_query_key or (
                 call.traced and not method.per_layer_rotation):
             return method.rotate_query_key(query, key, query_positions, key_positions, call.seq_len)
@@ -241,7 +242,7 @@ class PositionState:
         """The method's rotation of `positions` [B or 1, n] in the current forward: computed by the first layer that
         asks (the queries' by `update`) and reused by the others, which see the same positions (for a method with a
         rotation per layer: computed once per layer and positions)."""
-        call = self.call
+        call = self.forward
         layer = layer_idx if self.method.per_layer_rotation else None
         for known_layer, known, rotation in call.rotations:
             if known_layer == layer and (known is positions or known.shape == positions.shape
@@ -253,8 +254,8 @@ class PositionState:
 
     def slots(self, q: int, kv: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache slots of the q queries and the kv keys seen by attention."""
-        offset = self.call.slot_offset
-        if self.call.traced:  # offset may be a tensor: slot arithmetic without reading its value
+        offset = self.forward.slot_offset
+        if self.forward.traced:  # offset may be a tensor: slot arithmetic without reading its value
             query_slots = offset + torch.arange(q, device=device)
             key_slots = (offset + q - kv).clamp_min(0) + torch.arange(kv, device=device) \
                 if isinstance(offset, torch.Tensor) else max(0, offset + q - kv) + torch.arange(kv, device=device)
@@ -268,17 +269,17 @@ class PositionState:
         """The cache slot of the first of the kv keys attention sees, from the sizes alone (no read of a tensor on
         the device): a dynamic cache holds exactly offset + q keys, a static one more (the extra slots are masked), a
         sliding-window cache fewer (only the last kv). So where q == kv the first query is the first key."""
-        return max(0, int(self.call.slot_offset) + q - kv)
+        return max(0, int(self.forward.slot_offset) + q - kv)
 
     def query_offset(self, q: int, kv: int) -> int:
         """The slot distance from the first of the kv keys to the first of the q queries (`slots`' first entries)."""
-        return int(self.call.slot_offset) - self.first_key_slot(q, kv)
+        return int(self.forward.slot_offset) - self.first_key_slot(q, kv)
 
     def once_per_forward(self, key, compute: Callable[[], Any]) -> Any:
         """compute() the first time a layer of this forward asks for `key`, then its value: for facts about the
         forward's positions that every layer reads as Python values (so the device is waited for once per forward,
         not once per layer). `key` must name everything the value depends on besides the forward."""
-        facts = self.call.facts
+        facts = self.forward.facts
         if key not in facts:
             facts[key] = compute()
         return facts[key]
@@ -288,7 +289,7 @@ class PositionState:
         own position. Slots past the cached tokens (a StaticCache's free capacity, always masked) repeat the last
         position."""
         query_slots, key_slots = self.slots(q, kv, device)
-        call = self.call
+        call = self.forward
         if call.traced:
             return query_slots, key_slots, call.query_positions.to(device), call.key_positions.to(device) + key_slots
         first_key = self.first_key_slot(q, kv)
@@ -431,17 +432,17 @@ class RecordKeyPositions:
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output):
         cache = cache_output(output)
-        if cache is not None and not self.state.call.traced:
-            setattr(cache, KEY_POSITIONS_ATTR, self.state.call.key_positions)
+        if cache is not None and not self.state.forward.traced:
+            setattr(cache, KEY_POSITIONS_ATTR, self.state.forward.key_positions)
             setattr(cache, KEY_SHIFT_ATTR, None)
-            if self.state.call.key_coordinates is not None:
-                setattr(cache, KEY_COORDINATES_ATTR, self.state.call.key_coordinates)
+            if self.state.forward.key_coordinates is not None:
+                setattr(cache, KEY_COORDINATES_ATTR, self.state.forward.key_coordinates)
             follow_batch_edits(cache)
         elif cache is not None:
             # A compiled forward took every cached token to sit at its slot plus one shift per row (its number of
             # tokens may be a tensor there, so no [B, n] positions): that shift is recorded, for later eager calls.
             setattr(cache, KEY_POSITIONS_ATTR, None)
-            setattr(cache, KEY_SHIFT_ATTR, self.state.call.key_positions)
+            setattr(cache, KEY_SHIFT_ATTR, self.state.forward.key_positions)
         return output
 
 

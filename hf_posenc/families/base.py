@@ -194,7 +194,7 @@ class RotateProjectionOutput:
         raise NotImplementedError
 
     def __call__(self, fused: torch.Tensor) -> torch.Tensor:
-        method, rotation = self.state.method, self.state.call.rotation
+        method, rotation = self.state.method, self.state.forward.rotation
         return self.rotate_qk(fused, lambda x: method.rotate_heads(x.transpose(1, 2), rotation).transpose(1, 2))
 
 

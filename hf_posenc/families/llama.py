@@ -34,7 +34,7 @@ class MethodRotation(nn.Module):
         self.state = state
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
-        cos, sin = self.state.call.rotation
+        cos, sin = self.state.forward.rotation
         return cos.to(x.dtype), sin.to(x.dtype)
 
 
@@ -50,7 +50,7 @@ class LayerRotation:
         if self.state is None:
             kwargs["position_embeddings"] = (torch.ones_like(cos), torch.zeros_like(sin))
         else:
-            new_cos, new_sin = self.state.call.rotation
+            new_cos, new_sin = self.state.forward.rotation
             kwargs["position_embeddings"] = (new_cos.to(cos.dtype), new_sin.to(sin.dtype))
         return args, kwargs
 

@@ -42,15 +42,15 @@ def bias_attention(call: AttentionCall):
     # as attention itself, and keeps length-dependent scalings exact under a KV cache. xPos is rotated here when the
     # call's queries fit its spread (under torch.compile always: the spread is a value), else per block.
     rotate_blocks = False
-    if rotary and (state.call.traced or rotates_as_one_block(call)):
+    if rotary and (state.forward.traced or rotates_as_one_block(call)):
         query, key = state.rotate_query_key(call.query, call.key, call.query_positions, call.key_positions,
                                             call.layer_idx)
         call = call.replace(query=query, key=key)
     else:
         rotate_blocks = rotary
-    if state.call.traced:
+    if state.forward.traced:
         return traced_attention(call)
-    if not call.eager and call.dropout == 0.0 and has_bias and state.call.shift is not None:
+    if not call.eager and call.dropout == 0.0 and has_bias and state.forward.shift is not None:
         output = kernel_output(call)
         if output is not None:
             return output, None
@@ -83,7 +83,7 @@ def blocked_attention(call: AttentionCall, rotate_blocks: bool = False):
     table = None
     # A distance table indexed by slot distance needs position distances to be slot distances (state.py's shift);
     # eager returns attention weights, in key order: both others take the generic path.
-    if not eager and state.call.shift is not None:
+    if not eager and state.forward.shift is not None:
         table = distance_table(method, layer_idx, query_offset + q, max_query_position(call), query.device)
     if table is not None:
         # Keys in reversed order (see toeplitz_view); softmax does not care about the order of keys.
@@ -119,7 +119,7 @@ def blocked_attention(call: AttentionCall, rotate_blocks: bool = False):
         block_key, block_value = key[:, :, columns], value[:, :, columns]
         if rotate_blocks:
             block_query, block_key = method.rotate_query_key(
-                block_query, block_key, query_positions[:, rows], key_positions[:, columns], state.call.seq_len)
+                block_query, block_key, query_positions[:, rows], key_positions[:, columns], state.forward.seq_len)
         if as_view:
             mask = toeplitz_view(padded, step, query_offset + start, stop - start, keys)[None]
             outputs.append(F.scaled_dot_product_attention(block_query, block_key, block_value, attn_mask=mask,
@@ -214,9 +214,10 @@ def _key_validity(attention_mask, batch: int, kv: int, device=None):
 
 def _flex_call(call: AttentionCall) -> KernelCall | None:
     """Compiled flex_attention with a distance-table score_mod, or None where it does not apply (a table method, a
-    boolean or no mask, no sliding window, more than one query, and on CPU no gradients). Its kind is the exact compiled shape: on CPU it compiles once per shape (dynamic=False), and the
-    torch 2.13 CPU failures depend on batch size and length; on CUDA a check per new shape costs at most the blocked
-    path on 128 query rows, and flex never serves decoding, whose shape changes every step."""
+    boolean or no mask, no sliding window, more than one query, and on CPU no gradients). Its kind is the exact
+    compiled shape: on CPU it compiles once per shape (dynamic=False), and the torch 2.13 CPU failures depend on
+    batch size and length; on CUDA a check per new shape costs at most the blocked path on 128 query rows, and flex
+    never serves decoding, whose shape changes every step."""
     try:
         from torch.nn.attention.flex_attention import flex_attention  # noqa: F401 (availability)
     except ImportError:
@@ -338,7 +339,7 @@ def _flash_call(call: AttentionCall) -> KernelCall | None:
                                            and bool(attention_mask[:, :, -1, :].all())):
         return None
     # flash-attn aligns causal attention to the lower right: key slots must be exactly 0..offset+q-1.
-    if state.first_key_slot(q, kv) != 0 or int(state.call.slot_offset) + q != kv:
+    if state.first_key_slot(q, kv) != 0 or int(state.forward.slot_offset) + q != kv:
         return None
     try:
         from flash_attn import flash_attn_func

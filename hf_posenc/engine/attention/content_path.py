@@ -74,7 +74,7 @@ def content_attention(call: AttentionCall):
         count_path(state, "content kernel")
         output, mixed_state = kernel
         if method.mixes_state:
-            state.call.content.mixed[layer_idx] = mixed_state
+            state.forward.content.mixed[layer_idx] = mixed_state
         return method.finish_output(layer_idx, output, layer_input).transpose(1, 2).contiguous(), None
     key, value = match_heads(key, heads), match_heads(value, heads)
     if chosen_path(state) == "auto" and method.has_fused_causal and query.device.type == "cpu" \
@@ -120,7 +120,7 @@ def content_attention(call: AttentionCall):
             if eager:
                 weights.append(probs.to(value.dtype))
     if method.mixes_state:  # the attention-weighted state of the keys, for the next layer (engine/content.py)
-        state.call.content.mixed[layer_idx] = torch.cat(mixed, dim=2) if len(mixed) > 1 else mixed[0]
+        state.forward.content.mixed[layer_idx] = torch.cat(mixed, dim=2) if len(mixed) > 1 else mixed[0]
     output = method.finish_output(layer_idx, torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0],
                                   layer_input)
     attn_weights = (torch.cat(weights, dim=2) if len(weights) > 1 else weights[0]) if eager else None

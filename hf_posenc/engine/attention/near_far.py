@@ -165,7 +165,7 @@ def _near_far_plans(call: AttentionCall, blocks: list, block_masks) -> tuple[lis
     mask, or no near mask). Made by the first layer of a forward and reused by the others, which attend with the same
     positions, mask and blocks: building the masks and cutting them cost Self-Extend about 4% of a layer's training
     step at 2048 tokens on the CPU."""
-    forward, dtype, kv = call.state.call, call.query.dtype, call.key.shape[2]
+    forward, dtype, kv = call.state.forward, call.query.dtype, call.key.shape[2]
     key = (call.method, call.attention_mask, dtype, kv, blocks)
     for known, planned in forward.near_far_plans:
         if all(a is b for a, b in zip(known[:3], key)) and known[3:] == key[3:]:

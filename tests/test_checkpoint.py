@@ -64,20 +64,9 @@ def test_standalone_code_is_the_library_code_with_a_versioned_header(contract_ch
                     "posenc_demo", "posenc_data", "posenc_text", "posenc_patching", "posenc_checkpoints_loading",
                     "posenc_checkpoints_hub", "posenc_checkpoints_export", "posenc_checkpoints_model_card"}
     assert not shipped & library_only, shipped & library_only
-    # the engine's closure for one method: about 2,500 lines since the kernel guard joined the attention path, 3,012
-    # since it follows PEFT's copy of the method (modules_to_save) and reports missing positional weights, 3,699 with
-    # the learned tables' backward, hybrid patches and the sink cache, which engine/state.py and install.py import, and
-    # 4,053 with the content-dependent kind (engine/content.py) that families/base.py installs, 4,266 with the
-    # learned tables' key-tiled backward (engine/table_attention.py) and the cache-name module, 4,517 with the fused
-    # per-block paths of Self-Extend / ReRoPE / sinks and FoX (engine/separable_attention.py), 4,703 with the one-call
-    # kernel forms of Transformer-XL and TAPE and the masks rebuilt in the backward, 4,979 with the compiled content
-    # blocks (the "compiled" path and its checks), 5,146 with the near/far plans per forward and the far keys' causal
-    # triangle as one call, 5,521 with the fused CPU kernels' loader and calls (engine/fused_cpu.py; a standalone
-    # checkpoint ships no C++ source, so its models take the blocked path), 5,734 with the forward's position span
-    # that per-block biases size their tables from (methods/base.py PositionSpan), 5,838 with PEFT models unwrapped
-    # (engine/install.py), GPT-2/BLOOM's rotation following LoRA's wrapper of the fused projection (families/base.py)
-    # and the modules a patch takes out following the model's casts (engine/undo.py), 5,919 with per-row RoPE scaling lengths and the cache's row edits (engine/cache_rows.py)
-    assert sum(len(p.read_text().splitlines()) for p in directory.glob("*.py")) < 6000
+    # the engine's closure for one method (6,167 lines with engine/attention/ as a package of one file per path):
+    # a guard that notices the shipped code growing; raise it with the reason when a change must ship more
+    assert sum(len(p.read_text().splitlines()) for p in directory.glob("*.py")) < 6300
 
 
 def test_export_command_writes_what_save_pretrained_standalone_writes(contract_checkpoints, tmp_path):

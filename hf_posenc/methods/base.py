@@ -9,7 +9,7 @@ subclass of exactly one of the four classes below, which says where it acts (tes
   both and rotates inside the shared attention path (`rotates_in_attention`);
 - ContentMethod: attention that reads content (the layer's input, queries, keys, per-token state carried by the
   KV cache): `content_scores` per query block (or `content_weights`, for attention that is not a softmax), served
-  by the shared attention path (engine/attention.py `_content_blocks`, engine/content.py).
+  by the shared attention path (engine/attention/content_path.py `content_attention`, engine/content.py).
 
 Every capability the engine (families, per-forward state, attention path, checkpoints) reads from a method is
 declared here, once, with its default: a class attribute or a method that a subclass overrides in its class body.
@@ -99,7 +99,7 @@ class AbsolutePositionMethod(PositionalMethod):
 
 @dataclass(frozen=True)
 class PositionSpan:
-    """What the positions of one forward span (read from the device once per forward, engine/attention.py
+    """What the positions of one forward span (read from the device once per forward, engine/attention/geometry.py
     `position_span`): a table of distances sized from it serves every block of every layer, where sizing it from
     each block's own positions would wait for the device once per block."""
 
@@ -376,7 +376,7 @@ class ContentMethod(PositionalMethod):
         """For methods whose logits (content_scores) are block.scaling * q_i . k_j + u_i - w_j + block.bias, with
         u and w from the carried state: (u [B, H, q], w [B, H, kv]), float32, for the queries' state [B, S, q, ...]
         and the keys' [B, S, kv, ...]; the attention path then runs SDPA's kernel per block
-        (engine/separable_attention.py) instead of content_scores. None (the default): content_scores serves."""
+        (engine/attention/separable.py) instead of content_scores. None (the default): content_scores serves."""
         return None
 
     def kernel_heads(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, query_state: torch.Tensor | None,
@@ -386,7 +386,8 @@ class ContentMethod(PositionalMethod):
         k' [B, H_kv, kv, E]), float32, from query [B, H, q, D] and key [B, H_kv, kv, D] (at its key-value heads, each
         shared by a group of query heads), the carried state of the queries [B, S, q, ...] and keys [B, S, kv, ...]
         and their positions [B or 1, q] and [B or 1, kv]; the attention path then runs SDPA on them
-        (engine/attention.py `_kernel_content`), for `mixes_state` methods with the keys' state beside the values.
+        (engine/attention/content_path.py `_kernel_content`), for `mixes_state` methods with the keys' state beside
+        the values.
         `fused`: fused CPU kernels (engine/fused_cpu.py) may compute them. None (the default): content_scores
         serves."""
         return None

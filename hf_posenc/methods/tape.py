@@ -33,7 +33,8 @@ cached decoding sees the features a full forward computed. Our changes to the pa
 input of the next layer's attention (the residual stream after the MLP), not the MLP output; features per key-value
 head, shared by the query heads of a GQA group.
 
-Kernel form (engine/attention.py `_kernel_content`, wherever the call needs no attention weights and no dropout):
+Kernel form (engine/attention/content_path.py `_kernel_content`, wherever the call needs no attention weights and
+no dropout):
 the logits are a plain dot product of the turned q'_i and k'_j (`kernel_heads`, the keys turned at their key-value
 heads), and a_i is the same softmax weights applied to the keys' features, so one SDPA call per layer on q', k' and
 the values with the keys' features beside them (queries and keys padded with zeros to that width: SDPA's CPU kernel

@@ -14,7 +14,8 @@ give W_R R_t once per distinct t ([H, T, head_dim], T <= rows + keys for consecu
 (q_i + v) . W_R R_t as [B, H, rows, T] and a gather at each (i, j)'s distance: the paper's "relative shift" without
 its padding trick, and never an [L, L, d] tensor.
 
-Kernel form (engine/attention.py `_kernel_content`, wherever the call needs no attention weights and no dropout): by
+Kernel form (engine/attention/content_path.py `_kernel_content`, wherever the call needs no attention weights and
+no dropout): by
 sin((p_i - p_j) w) = sin(p_i w) cos(p_j w) - cos(p_i w) sin(p_j w) and cos((p_i - p_j) w) = cos cos + sin sin, with
 a = W_R^T (q_i + v) split into a^s (the sine half) and a^c,
     a . R_{p_i - p_j} = sum_n cos(p_j w_n) [a^s_n sin(p_i w_n) + a^c_n cos(p_i w_n)]

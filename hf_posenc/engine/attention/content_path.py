@@ -22,7 +22,7 @@ from .paths import chosen_path, count_path
 from .separable import SeparableBiasAttention, causal_separable_attention
 
 # Eager content blocks on the CPU: each costs a fixed few ms of Python and autograd; 32 MiB was 10-15% faster than
-# 16 MiB for CoPE and stick-breaking at 2048-4096 tokens, 64 no faster (docs/benchmarks.md, content methods).
+# 16 MiB for CoPE and stick-breaking at 2048-4096 tokens (docs/attention-paths.md, content-dependent attention).
 CONTENT_BLOCK_BYTES = 32 * 2**20
 # Compiled content blocks on the CPU: the fused chain runs best on a few hundred rows (2.1x faster than the eager
 # budget's 18-row blocks for stick-breaking at 4096 keys; docs/attention-paths.md, compiled content blocks).

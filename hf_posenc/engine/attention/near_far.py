@@ -23,7 +23,7 @@ from .geometry import (FLASH, FLASH_BACKWARD, block_rows, causal_blocks, causal_
 from .paths import chosen_path, count_path
 
 # Query rows per block of near/far parts on the CPU at most: the kernel computes a block's masked keys too; 256 was
-# 5% faster than 512 for a sinks training step at 4096 tokens, 128 no faster (docs/benchmarks.md).
+# 5% faster than 512 for a sinks training step at 4096 tokens (docs/attention-paths.md, content-dependent attention).
 PARTS_BLOCK_ROWS = 256
 
 

@@ -5,8 +5,9 @@ scores x (scaled q . k per head), ALiBi's a = -tril(i - j) * slope, and
     x + a + mlp2(cat(x, a) over heads),   mlp2 = nn.Sequential(nn.Linear(2H, width), nn.LeakyReLU(), nn.Linear(width, H))
 with nn.Linear's default init; ours is base="none" with the bias "alibi" (GELU in place of LeakyReLU as an option).
 
-TAPE: zhuconv/TAPE's LLaMA decoder layer (`AdaLlamaDecoderLayer`, `PELayer`): after a layer's attention has averaged
-the position features (and the residual is added), its MLP runs and the features get
+TAPE: VITA-Group/TAPE models/llama/adape.py (`LlamaDecoderLayer`, `PELayer`): a layer's attention averages the
+position features e (cos, sin) with its weights, e += einsum('bqnd,qe->bqnd', average, post_attention_linear.weight),
+then its MLP runs and the features get
     e += down_proj(act(x_proj(mlp_output)) * up_proj(e))   (act the model's hidden_act, SiLU for LLaMA)
 per token, mixing heads; ours takes the gate input option gate_input="mlp_output" for that (the default reads the
 next layer's attention input instead).
@@ -20,11 +21,12 @@ import math
 import pytest
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 import hf_posenc
 from helpers import max_diff
 from hf_posenc.methods.base import ContentBlock
-from tiny_models import random_ids, tiny_model
+from tiny_models import CONFIGS, random_ids, tiny_model
 
 TOL = 1e-8
 
@@ -158,3 +160,107 @@ def test_a_cape_checkpoint_saved_before_the_activation_option_loads_as_gelu(tmp_
         assert max_diff(loaded(ids).logits, saved_logits) <= 1e-6
     assert hf_posenc.get_positional_module(hf_posenc.patch_model(tiny_model("llama"), "cape")).config.activation \
         == "leaky_relu"
+
+
+# --- TAPE -------------------------------------------------------------------------------------------------------------
+def authors_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm.forward of models/llama/adape.py."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def authors_rotate_half(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., :x.shape[-1] // 2]), dim=-1)
+
+
+def authors_pe_layer(x, e, up_weight, x_weight, down_weight):
+    """PELayer.forward: e (cos, sin) [b, heads, seq, head_dim] each, x the layer's MLP output [b, seq, hidden]."""
+    up_e = tuple(torch.einsum('bqnd,eq->bend', i, up_weight) for i in e)
+    x_e = tuple(nn.functional.silu((x @ x_weight.T).transpose(1, 2).unsqueeze(-1)) * i for i in up_e)
+    return tuple(torch.einsum('bend,qe->bqnd', i, down_weight) for i in x_e)
+
+
+def authors_tape_logits(model, authors_weights, ids: torch.Tensor) -> torch.Tensor:
+    """MyLlamaForCausalLM.forward of VITA-Group/TAPE models/llama/adape.py in float64, eval mode, no cache (the
+    authors' attention asserts one query head per key-value head): AdaRotaryEmbedding's cos/sin per head as the
+    first position states, then per layer LlamaDecoderLayer.forward with PELlamaAttention's eager path, the weights
+    of our model (its embedding, attention, MLP, norms, head) and `authors_weights[layer]` = (post_attention_linear,
+    up_proj, x_proj, down_proj) weights."""
+    config = model.config
+    heads, hidden_size = config.num_attention_heads, config.hidden_size
+    head_dim = hidden_size // heads
+    base = model.model
+    batch, length = ids.shape
+    inv_freq = 1.0 / (config.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2).double() / head_dim))
+    emb = torch.einsum("i,j->ij", torch.arange(length).double(), inv_freq)
+    emb = torch.cat((emb, emb), dim=-1)
+    position_states = tuple(f(emb)[None, None].repeat(1, heads, 1, 1).expand(batch, -1, -1, -1)
+                            for f in (torch.cos, torch.sin))
+    mask = torch.full((length, length), torch.finfo(torch.float64).min, dtype=torch.float64).triu(1)
+    hidden_states = base.embed_tokens.weight[ids]
+    for layer, (post_attention, up_weight, x_weight, down_weight) in zip(base.layers, authors_weights):
+        attention, mlp = layer.self_attn, layer.mlp
+        residual, pos_residual = hidden_states, position_states
+        x = authors_rms_norm(hidden_states, layer.input_layernorm.weight, config.rms_norm_eps)
+
+        def heads_of(projection):
+            return (x @ projection.weight.T).view(batch, length, heads, head_dim).transpose(1, 2)
+        query, key, value = heads_of(attention.q_proj), heads_of(attention.k_proj), heads_of(attention.v_proj)
+        cos, sin = position_states
+        query, key = query * cos + authors_rotate_half(query) * sin, key * cos + authors_rotate_half(key) * sin
+        weights = torch.softmax(query @ key.transpose(2, 3) / math.sqrt(head_dim) + mask, dim=-1)
+        attn_output = (weights @ value).transpose(1, 2).reshape(batch, length, hidden_size)
+        pos_output = (weights @ cos, weights @ sin)
+        hidden_states = residual + attn_output @ attention.o_proj.weight.T
+        position_states = tuple(torch.einsum('bqnd,qe->bqnd', pos_output[i], post_attention) for i in range(2))
+        position_states = tuple(a + b for a, b in zip(position_states, pos_residual))
+        residual, pos_residual = hidden_states, position_states
+        x = authors_rms_norm(hidden_states, layer.post_attention_layernorm.weight, config.rms_norm_eps)
+        x = (nn.functional.silu(x @ mlp.gate_proj.weight.T) * (x @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
+        position_states = authors_pe_layer(x, position_states, up_weight, x_weight, down_weight)
+        hidden_states = residual + x
+        position_states = tuple(a + b for a, b in zip(position_states, pos_residual))
+    return authors_rms_norm(hidden_states, base.norm.weight, config.rms_norm_eps) @ model.lm_head.weight.T
+
+
+def tape_with_the_authors_weights(gate_input: str | None):
+    """A float64 tiny LLaMA without grouped queries (the authors' code has none) patched with TAPE, and the authors'
+    per-layer weights it computes. The authors' layer l updates the features the next layer reads; ours does that at
+    layer l + 1, so our layer l + 1 holds the authors' layer l's maps (our first layer's are unused, as are the
+    authors' last layer's). Their `einsum('bqnd,qe->bqnd', e, post_attention_linear.weight)` sums the weight's
+    second index out: a scale per head, our attention_mix as the diagonal of its row sums."""
+    config = CONFIGS["llama"]()
+    config.num_key_value_heads = config.num_attention_heads
+    torch.manual_seed(0)
+    options = {} if gate_input is None else {"gate_input": gate_input}
+    model = hf_posenc.patch_model(AutoModelForCausalLM.from_config(config).eval(), "tape", width=6, **options)
+    model = model.double()
+    module = hf_posenc.get_positional_module(model)
+    generator = torch.Generator().manual_seed(4)
+    layers, heads, width = config.num_hidden_layers, config.num_attention_heads, 6
+    authors = [(torch.randn(heads, heads, generator=generator, dtype=torch.float64) * 0.3,
+                torch.randn(width, heads, generator=generator, dtype=torch.float64) * 0.5,
+                torch.randn(width, config.hidden_size, generator=generator, dtype=torch.float64) * 0.5,
+                torch.randn(heads, width, generator=generator, dtype=torch.float64) * 0.5) for _ in range(layers)]
+    with torch.no_grad():
+        for layer in range(layers - 1):
+            post_attention, up_weight, x_weight, down_weight = authors[layer]
+            module.attention_mix[layer + 1] = torch.diag(post_attention.sum(1))
+            module.feature_up[layer + 1] = up_weight
+            module.content_gate[layer + 1] = x_weight
+            module.feature_down[layer + 1] = down_weight
+    return model, authors
+
+
+def test_tape_with_the_mlp_output_gate_is_the_authors_decoder_layer():
+    """gate_input="mlp_output": the logits of the authors' decoder layers (float64) to the float32 that our features
+    are computed in; the default gate (the next attention's input) computes something else."""
+    ids = random_ids(2, 13)
+    model, authors = tape_with_the_authors_weights("mlp_output")
+    default, _ = tape_with_the_authors_weights(None)
+    assert hf_posenc.get_positional_module(default).config.gate_input == "attention_input"
+    with torch.no_grad():
+        theirs = authors_tape_logits(model, authors, ids)
+        ours, other = model(ids).logits, default(ids).logits
+    scale = theirs.abs().max()
+    assert max_diff(ours, theirs) <= 1e-6 * scale
+    assert max_diff(other, theirs) >= 1e-3 * scale

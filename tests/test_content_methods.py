@@ -15,8 +15,8 @@ from transformers import DynamicCache, StaticCache
 
 import hf_posenc
 from hf_posenc.methods.base import unmasked_columns
-from helpers import (TOL, decode_token_by_token, left_pad, max_diff, padded_and_cached_outputs_and_gradients,
-                     positions_from_mask)
+from helpers import (TOL, count_hooks, decode_token_by_token, left_pad, max_diff,
+                     padded_and_cached_outputs_and_gradients, positions_from_mask)
 from tiny_models import FAMILIES, random_ids, tiny_model
 
 
@@ -150,7 +150,8 @@ OPTION_CASES = [("stick-breaking", {"attend_current": True}), ("stick-breaking",
                 ("fox", {"base": "native", "value_shift": True}),
                 ("cope", {"max_pos": 3}), ("cope", {"base": "native"}),
                 ("transformer-xl", {"base": "native", "relative_dim": 6}),
-                ("cape", {"bias": "fire", "mlp_width": 8}), ("cape", {"base": "native", "bias": "t5"})]
+                ("cape", {"bias": "fire", "mlp_width": 8}), ("cape", {"base": "native", "bias": "t5"}),
+                ("tape", {"init": "random", "gate_input": "mlp_output"})]  # the authors' gate input
 # Stick-breaking has no parameters.
 GRADIENT_CASES = [case for case in OPTION_CASES if case[0] != "stick-breaking"]
 
@@ -806,3 +807,104 @@ def test_scores_masked_in_place_train_like_scores_masked_in_a_copy(method, monke
     assert len(results[True]) > 2 + len(list(module.parameters())) - 1
     for a, b in zip(results[True], results[False]):
         assert torch.equal(a, b)
+
+
+# --- TAPE's gate_input="mlp_output" (the authors' PELayer) ----------------------------------------------------------
+MLP_PROJECTION = {"llama": "down_proj", "gpt2": "c_proj", "bloom": "dense_4h_to_h"}  # the MLP's last projection
+
+
+def tape_reading_mlp_outputs(model_type: str, **options):
+    model = hf_posenc.patch_model(tiny_model(model_type), "tape", init="random", init_std=0.3,
+                                  gate_input="mlp_output", **options)
+    module = hf_posenc.get_positional_module(model)
+    with torch.no_grad():  # gates large enough that what they read moves the logits
+        module.content_gate.normal_(0, 0.5, generator=torch.Generator().manual_seed(7))
+        module.feature_down.normal_(0, 0.5, generator=torch.Generator().manual_seed(8))
+    return model, module
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_tape_mlp_output_gate_reads_the_previous_layers_mlp_output(model_type, monkeypatch):
+    """Layer l's update reads layer l - 1's MLP output (caught here at the MLP's last projection, which is what the
+    MLP returns in eval mode, but BLOOM's, which adds the residual to it); the logits differ from the default gate's.
+    BLOOM's MLP runs on a zero residual for the capture, the residual added back: with the content update at zero,
+    both gate inputs give the same logits bit for bit."""
+    model, module = tape_reading_mlp_outputs(model_type)
+    default = hf_posenc.patch_model(tiny_model(model_type), "tape", init="random", init_std=0.3)
+    default.load_state_dict(model.state_dict())
+    read, projected = {}, {}
+    original = type(module).update_features
+    monkeypatch.setattr(type(module), "update_features", lambda self, layer, x, previous, mixed: (
+        read.__setitem__(layer, x), original(self, layer, x, previous, mixed))[1])
+    layers = hf_posenc.registry.get_family(model.config).mlp_modules(model)
+    handles = [getattr(mlp, MLP_PROJECTION[model_type]).register_forward_hook(
+        lambda m, a, output, index=index: projected.__setitem__(index, output)) for index, mlp in enumerate(layers)]
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        logits = model(ids).logits
+        for handle in handles:
+            handle.remove()
+        assert set(read) == {1} and torch.equal(read[1], projected[0])
+        assert max_diff(logits, default(ids).logits) > 1e-3
+        for tape in (model, default):
+            hf_posenc.get_positional_module(tape).feature_down.zero_()
+        assert torch.equal(model(ids).logits, default(ids).logits)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_tape_mlp_output_gate_decodes_pads_generates_and_saves_exactly(model_type, tmp_path):
+    """The contract's checks for the option: a prompt then decoding equals the full forward; a left-padded batch
+    (forward and generate) equals each row alone; save / from_pretrained gives identical logits and the option;
+    unpatch leaves the model bit for bit as it was, no hook left."""
+    original = tiny_model(model_type)
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        original_logits = original(ids).logits
+    hooks = count_hooks(original)
+    model, _ = tape_reading_mlp_outputs(model_type)
+    sequences = [random_ids(1, 9, seed=3)[0], random_ids(1, 5, seed=4)[0]]
+    padded, mask = left_pad(sequences)
+    generate = dict(max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True,
+                    pad_token_id=0)
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = DynamicCache(config=model.config)
+        prefix = model(ids[:, :7], past_key_values=cache, use_cache=True).logits
+        rest = decode_token_by_token(model, ids[:, 7:], cache)
+        assert max_diff(full, torch.cat([prefix, rest], dim=1)) <= TOL
+        generated = model.generate(padded, attention_mask=mask, **generate)
+        for row, seq in enumerate(sequences):
+            alone = model.generate(seq[None], attention_mask=torch.ones_like(seq[None]), **generate)
+            assert torch.equal(generated.sequences[row, padded.shape[1]:], alone.sequences[0, len(seq):])
+            for step_batch, step_alone in zip(generated.scores, alone.scores):
+                assert max_diff(step_batch[row], step_alone[0]) <= TOL
+    model.save_pretrained(tmp_path)
+    loaded = hf_posenc.from_pretrained(tmp_path)
+    assert hf_posenc.get_posenc_config(loaded).gate_input == "mlp_output"
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, full)
+    hf_posenc.patch_model(original, "tape", gate_input="mlp_output")
+    hf_posenc.unpatch_model(original)
+    assert count_hooks(original) == hooks
+    with torch.no_grad():
+        assert torch.equal(original(ids).logits, original_logits)
+
+
+def test_tape_mlp_output_gate_gradients_are_the_same_under_gradient_checkpointing():
+    """Non-reentrant checkpointing recomputes each layer, MLP hooks included: every gradient equals the plain
+    backward's, and the gate's weights get one."""
+    from hf_posenc.tools.finetune import enable_gradient_checkpointing
+
+    ids = random_ids(2, 10)
+    grads = []
+    for checkpointing in (False, True):
+        model, module = tape_reading_mlp_outputs("llama")
+        if checkpointing:
+            enable_gradient_checkpointing(model)
+        model.train()
+        model(ids, labels=ids).loss.backward()
+        grads.append({name: p.grad for name, p in model.named_parameters() if p.grad is not None})
+        assert module.content_gate.grad[1].abs().sum() > 0
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        assert max_diff(grad, grads[1][name]) <= 1e-6 * max(1.0, grad.abs().max()), name

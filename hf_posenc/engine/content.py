@@ -9,6 +9,7 @@ Three hooks, installed by the family with the method and undone with it:
   (`CONTENT_STATE_ATTR`: {layer index: [B, H, n, ...]}), cut to the cache's length (a cropped cache drops the
   state of the tokens it dropped);
 - `LayerInputCapture`, a forward pre-hook on each routed attention module: records the layer input of this call;
+- `MlpOutputCapture`, for methods that read it (`reads_mlp_output`), hooks on each layer's MLP: records its output;
 - `RecordContentState`, a forward hook on the base model: puts every layer's state (cached tokens and this
   forward's) on the returned cache, beside the key positions state.py keeps there.
 
@@ -48,6 +49,8 @@ class ContentCall:
     real: torch.Tensor | None = None  # bool [B, q]: this call's tokens that are not padding (None: all are)
     past: dict[int, torch.Tensor] = field(default_factory=dict)
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    mlp_outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # for `reads_mlp_output` methods
+    held_residuals: dict[int, torch.Tensor] = field(default_factory=dict)  # MlpOutputCapture's, during an MLP call
     states: dict[int, torch.Tensor] = field(default_factory=dict)
     # For `mixes_state` methods: per layer, the attention-weighted average of the keys' state for this call's
     # queries [B, H, q, ...] (float32), which the next layer's `layer_token_state` reads.
@@ -102,6 +105,42 @@ class LayerInputCapture:
         return None
 
 
+class MlpOutputCapture:
+    """Hooks on one layer's MLP: record its output [B, q, hidden], what the layer adds to the residual stream.
+
+    An MLP that adds the residual itself (BLOOM's `BloomMLP(hidden_states, residual)`, `residual_argument` its
+    index) runs on a zero residual instead, so its output is the MLP's own (0 + dropout(y) is dropout(y) exactly),
+    and the forward hook adds the held residual back: residual + dropout(y), the sum the MLP computes."""
+
+    def __init__(self, state: PositionState, layer_idx: int, residual_argument: int | None = None):
+        self.state = state
+        self.layer_idx = layer_idx
+        self.residual_argument = residual_argument
+
+    def hold_residual(self, module: nn.Module, args: tuple, kwargs: dict):
+        """Forward pre-hook (with kwargs), only where the MLP adds the residual itself."""
+        content = getattr(self.state.call, "content", None)
+        if content is None:
+            return None
+        index = self.residual_argument
+        if "residual" in kwargs:
+            residual = kwargs["residual"]
+            kwargs = {**kwargs, "residual": torch.zeros_like(residual)}
+        else:
+            residual = args[index]
+            args = (*args[:index], torch.zeros_like(residual), *args[index + 1:])
+        content.held_residuals[self.layer_idx] = residual
+        return args, kwargs
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor):
+        content = getattr(self.state.call, "content", None)
+        if content is None:
+            return None
+        content.mlp_outputs[self.layer_idx] = output
+        residual = content.held_residuals.pop(self.layer_idx, None)
+        return None if residual is None else residual + output
+
+
 class RecordContentState:
     """Forward hook (with kwargs) on the base model: the state of every token goes onto the returned cache."""
 
@@ -133,7 +172,12 @@ def layer_state(state: PositionState, layer_idx: int, q: int, key_slots: torch.T
     if method.mixes_state and layer_input is not None:
         below = [layer for layer in content.states if layer < layer_idx]
         previous = content.states[max(below)][:, :, content.offset:content.offset + q] if below else None
-        new = method.layer_token_state(layer_idx, layer_input, state.forward.query_positions.to(layer_input.device),
+        update_input = layer_input
+        if method.reads_mlp_output and below:
+            update_input = content.mlp_outputs.get(max(below))
+            if update_input is None:
+                raise RuntimeError(f"hf_posenc: no MLP output was captured for layer {max(below)}.")
+        new = method.layer_token_state(layer_idx, update_input, state.forward.query_positions.to(layer_input.device),
                                        previous, content.mixed.get(max(below)) if below else None)
     else:
         new = method.token_state(layer_idx, layer_input, content.real) if layer_input is not None else None
@@ -167,8 +211,15 @@ def install_content(family, model: nn.Module, state: PositionState, log) -> None
     base = family.base_model(model)
     log.add_forward_pre_hook(base, ContentCapture(state, forward_parameter_names(base)), with_kwargs=True)
     log.add_forward_hook(base, RecordContentState(state), with_kwargs=True)
-    if state.method.reads_layer_input:
-        for index, attention in enumerate(family.attention_modules(model)):
-            layer_idx = getattr(attention, "layer_idx", None)
-            layer_idx = index if layer_idx is None else layer_idx
-            log.add_forward_pre_hook(attention, LayerInputCapture(state, layer_idx), with_kwargs=True)
+    if not state.method.reads_layer_input:
+        return
+    mlps = family.mlp_modules(model) if state.method.reads_mlp_output else None
+    for index, attention in enumerate(family.attention_modules(model)):
+        layer_idx = getattr(attention, "layer_idx", None)
+        layer_idx = index if layer_idx is None else layer_idx
+        log.add_forward_pre_hook(attention, LayerInputCapture(state, layer_idx), with_kwargs=True)
+        if mlps is not None:
+            capture = MlpOutputCapture(state, layer_idx, family.mlp_residual_argument)
+            if capture.residual_argument is not None:
+                log.add_forward_pre_hook(mlps[index], capture.hold_residual, with_kwargs=True)
+            log.add_forward_hook(mlps[index], capture, with_kwargs=True)

@@ -37,6 +37,8 @@ class ModelFamily:
     native_per_layer: ClassVar[bool] = True
     # The projections inside each attention module (queries, keys, values, output): what LoRA adapts.
     attention_projections: ClassVar[tuple[str, ...]]
+    # Where each layer's MLP takes the residual as an argument and adds it itself (BLOOM): that argument's index.
+    mlp_residual_argument: ClassVar[int | None] = None
 
     # --- what each family must say about its models -------------------------------------------------
     def model_info(self, model: nn.Module) -> ModelInfo:
@@ -46,6 +48,11 @@ class ModelFamily:
 
     def attention_modules(self, model: nn.Module) -> list[nn.Module]:
         """The attention module of every layer, in order."""
+        raise NotImplementedError
+
+    def mlp_modules(self, model: nn.Module) -> list[nn.Module]:
+        """The MLP of every layer, in order (its output is what the layer adds to the residual stream after its
+        attention, but where `mlp_residual_argument` says the MLP adds the residual itself)."""
         raise NotImplementedError
 
     def remove_native(self, model: nn.Module, state: PositionState, log: UndoLog, layers: list[int] | None = None

@@ -49,6 +49,7 @@ class BloomFamily(ModelFamily):
     model_types = ("bloom",)
     native_method = "alibi"
     attention_projections = ("query_key_value", "dense")  # fused query-key-value, output
+    mlp_residual_argument = 1  # BloomBlock calls self.mlp(layernorm_output, residual); BloomMLP adds it (dropout_add)
 
     def model_info(self, model):
         config = model.config
@@ -68,6 +69,9 @@ class BloomFamily(ModelFamily):
 
     def attention_modules(self, model):
         return [block.self_attention for block in self.base_model(model).h]
+
+    def mlp_modules(self, model):
+        return [block.mlp for block in self.base_model(model).h]
 
     def default_positions(self, arguments, q, offset, device):
         # BLOOM has no position_ids; like its own ALiBi, count real tokens in the 2-D padding mask.

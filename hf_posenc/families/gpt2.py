@@ -80,6 +80,9 @@ class GPT2Family(ModelFamily):
     def attention_modules(self, model):
         return [block.attn for block in self.base_model(model).h]
 
+    def mlp_modules(self, model):
+        return [block.mlp for block in self.base_model(model).h]
+
     def method_attribute(self, method):
         # An absolute method stands in `wpe` itself: GPT2Model adds wpe(position_ids) for any input shape (3-D
         # input_ids of GPT2DoubleHeadsModel included), and learned positions keep their name

@@ -85,6 +85,9 @@ class LlamaFamily(ModelFamily):
     def attention_modules(self, model):
         return [layer.self_attn for layer in self.base_model(model).layers]
 
+    def mlp_modules(self, model):
+        return [layer.mlp for layer in self.base_model(model).layers]
+
     def remove_native(self, model, state, log, layers=None):
         if layers is None:
             log.set_attr(self.base_model(model), "rotary_emb", NoRotation(self.model_info(model).head_dim))

@@ -322,6 +322,10 @@ class ContentMethod(PositionalMethod):
     # tokens comes from `layer_token_state` (their previous-layer state and its attention-weighted average, which the
     # attention path computes with the same weights as the values), not from `token_state`.
     mixes_state: ClassVar[bool] = False
+    # For `mixes_state` methods: `layer_token_state` reads the previous layer's MLP output (what that layer adds to
+    # the residual stream after its attention; TAPE's gate_input="mlp_output", the authors' PELayer) instead of this
+    # layer's attention input. The family's MLP hooks capture it (engine/content.py MlpOutputCapture).
+    reads_mlp_output: ClassVar[bool] = False
     # `content_scores` returns a tensor of its own that autograd did not save (the output of an add or a multiply):
     # the attention path then masks the disallowed keys in place instead of in a copy (a pass over the block fewer;
     # about 5% of CoPE's layer step at 2048 tokens on the CPU). A saved one would fail in the backward.
@@ -348,9 +352,10 @@ class ContentMethod(PositionalMethod):
     def layer_token_state(self, layer_idx: int, layer_input: torch.Tensor, positions: torch.Tensor,
                           previous: torch.Tensor | None, mixed: torch.Tensor | None) -> torch.Tensor:
         """For `mixes_state` methods: the state of this call's tokens at `layer_idx` [B, H_s, q, ...] from the layer
-        input [B, q, hidden], their positions [B or 1, q], their state at the previous content layer [B, H_s, q, ...]
-        and, per query head, the attention-weighted average of the keys' previous-layer state [B, H, q, ...] (both
-        None at the first layer). Kept on the KV cache per layer as `token_state` is."""
+        input [B, q, hidden] (past the first layer, the previous one's MLP output where `reads_mlp_output`), their
+        positions [B or 1, q], their state at the previous content layer [B, H_s, q, ...] and, per query head, the
+        attention-weighted average of the keys' previous-layer state [B, H, q, ...] (both None at the first layer).
+        Kept on the KV cache per layer as `token_state` is."""
         raise NotImplementedError
 
     def extend_token_state(self, past: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:

@@ -29,9 +29,10 @@ init="rope" starts A_l and U_l at zero (the paper's reference code zero-inits th
 features stay RoPE's and a LLaMA-family model computes its own RoPE logits (<= 1e-5): that is TAPE's RoPE state.
 init="random" draws A_l and U_l ~ N(0, init_std^2) (the updates act from the start). D_l, W_l start N(0, 0.02^2) either
 way; `width` is m. The features of every token and layer stay on the KV cache beside the keys (engine/content.py), so
-cached decoding sees the features a full forward computed. Our changes to the paper's form: the content gate reads the
-input of the next layer's attention (the residual stream after the MLP), not the MLP output; features per key-value
-head, shared by the query heads of a GQA group.
+cached decoding sees the features a full forward computed. Our changes to the paper's form: by default the content
+gate reads the input of the next layer's attention (the residual stream after the MLP, normed), not the MLP output
+(gate_input="mlp_output" reads that, as the authors' PELayer does: the family's MLP hooks catch it,
+engine/content.py); features per key-value head, shared by the query heads of a GQA group.
 
 Kernel form (engine/attention/content_path.py `_kernel_content`, wherever the call needs no attention weights and
 no dropout):
@@ -65,6 +66,7 @@ from .content import ContentAttention, ContentConfig
 from .rope import DEFAULT_THETA, default_inv_freq
 
 GATE_INIT_STD = 0.02
+GATE_INPUTS = ("attention_input", "mlp_output")
 
 
 @dataclass
@@ -73,6 +75,10 @@ class TapeConfig(ContentConfig):
     init_std: float = 0.02
     width: int = 16  # m: channels of the content update
     theta: float | None = None  # RoPE base of the first layer's features; None: the model's own, else 10000
+    # What the content gate W_l reads: "attention_input" the input of the attention the features go to (the
+    # residual stream after the previous layer, normed), "mlp_output" the previous layer's MLP output (the authors'
+    # PELayer, models/llama/adape.py: self.pe(self.mlp(...), position_states))
+    gate_input: str = "attention_input"
 
     def validate(self) -> None:
         super().validate()
@@ -80,6 +86,7 @@ class TapeConfig(ContentConfig):
         self.require_number("init_std", 0.0, 1.0)
         self.require_int("width", 1, 4096, why="channels of the content update of the position features")
         self.require_number("theta", MIN_BASE, none_means="the model's own RoPE theta, else 10000", why=BASE_WHY)
+        self.require_choice("gate_input", GATE_INPUTS)
 
 
 @register_method("tape", TapeConfig)
@@ -88,6 +95,10 @@ class Tape(ContentAttention):
     mixes_state = True
     block_cost = 3.0
     fresh_scores = True
+
+    @property
+    def reads_mlp_output(self) -> bool:
+        return self.config.gate_input == "mlp_output"
 
     def __init__(self, config: TapeConfig, info: ModelInfo):
         super().__init__(config, info)

@@ -119,7 +119,7 @@ class MlpOutputCapture:
 
     def hold_residual(self, module: nn.Module, args: tuple, kwargs: dict):
         """Forward pre-hook (with kwargs), only where the MLP adds the residual itself."""
-        content = getattr(self.state.call, "content", None)
+        content = getattr(self.state.forward, "content", None)
         if content is None:
             return None
         index = self.residual_argument
@@ -133,7 +133,7 @@ class MlpOutputCapture:
         return args, kwargs
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor):
-        content = getattr(self.state.call, "content", None)
+        content = getattr(self.state.forward, "content", None)
         if content is None:
             return None
         content.mlp_outputs[self.layer_idx] = output

@@ -1,8 +1,8 @@
 """The contract every positional method keeps, checked for every registered method on every tiny model type (so a
 newly registered method cannot escape it): full forward == cached decoding (DynamicCache, StaticCache, a prompt then
 decoding); a left-padded batch == each sequence alone (forward and generate); unpatch restores the original bit for
-bit; gradients reach the model and the method's parameters, with and without gradient checkpointing; bf16 and fp16
-stay finite; save_pretrained / from_pretrained and standalone checkpoints give the same logits.
+bit; gradients reach the model and the method's parameters, and gradient checkpointing (reentrant or not) keeps them;
+bf16 and fp16 stay finite; save_pretrained / from_pretrained and standalone checkpoints give the same logits.
 
 How each method is patched, and any check it cannot support (with the reason), is declared in one place:
 helpers.CONTRACT."""
@@ -10,13 +10,13 @@ helpers.CONTRACT."""
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
 from transformers import DynamicCache, StaticCache
 
 import hf_posenc
-from hf_posenc.tools.finetune import enable_gradient_checkpointing
 from helpers import (CHECKS, CONTRACT, TOL, assert_same_fingerprint, contract_cases as cases, count_hooks,
                      decode_token_by_token, left_pad, max_diff, model_fingerprint, patch_for_contract,
                      positions_from_mask)
@@ -85,26 +85,49 @@ def test_unpatch_restores_bit_identical_logits(method, model_type):
     assert hf_posenc.get_posenc_config(model) is None
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["checkpointing-non-reentrant", "checkpointing-reentrant"])
 @pytest.mark.parametrize("method,model_type", cases("gradients"))
-def test_gradients_reach_the_model_and_the_positional_parameters(method, model_type):
+def test_gradients_reach_the_model_and_checkpointing_keeps_them(method, model_type, use_reentrant):
+    """Gradients reach every attention projection and the method's parameters; with gradient checkpointing of each
+    mode they equal those without. The checkpointed backward runs on a thread of its own, as CUDA's does (autograd's
+    device thread recomputes the layers there, not in the caller's thread)."""
     ids = random_ids(2, 10)
-    for checkpointing in (False, True):
-        model = patch_for_contract(tiny_model(model_type), method)
-        if checkpointing:
-            enable_gradient_checkpointing(model)
-        model.train()
-        model(ids, labels=ids).loss.backward()
-        family = hf_posenc.registry.get_family(model.config)
-        projections = dict(model.named_modules())
-        for name in family.lora_target_modules(model):  # every attention projection of every layer
-            grad = projections[name].weight.grad
-            assert grad is not None and grad.abs().sum() > 0, (checkpointing, name)
-        positional = dict(hf_posenc.get_positional_module(model).named_parameters())
-        for name, param in positional.items():
-            if param.requires_grad:
-                assert param.grad is not None and param.grad.abs().sum() > 0, (checkpointing, name)
-        # the positional parameters are part of the model, so optimisers and state dicts see them
-        assert all(any(p is q for q in model.parameters()) for p in positional.values())
+    model = patch_for_contract(tiny_model(model_type), method)
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    family = hf_posenc.registry.get_family(model.config)
+    projections = dict(model.named_modules())
+    for name in family.lora_target_modules(model):  # every attention projection of every layer
+        grad = projections[name].weight.grad
+        assert grad is not None and grad.abs().sum() > 0, name
+    positional = dict(hf_posenc.get_positional_module(model).named_parameters())
+    for name, param in positional.items():
+        if param.requires_grad:
+            assert param.grad is not None and param.grad.abs().sum() > 0, name
+    # the positional parameters are part of the model, so optimisers and state dicts see them
+    assert all(any(p is q for q in model.parameters()) for p in positional.values())
+    plain = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+    model = patch_for_contract(tiny_model(model_type), method)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    model.train()
+    loss = model(ids, labels=ids).loss
+    errors = []
+    thread = threading.Thread(target=lambda: _backward(loss, errors))
+    thread.start()
+    thread.join()
+    assert not errors, errors[0]
+    checkpointed = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    assert set(checkpointed) == set(plain)
+    for name, grad in plain.items():  # float32 rounding: reentrant mode sums a shared parameter's layers apart
+        assert max_diff(checkpointed[name], grad) <= 1e-5 * grad.abs().max().item() + 1e-8, name
+
+
+def _backward(loss, errors: list) -> None:
+    try:
+        loss.backward()
+    except Exception as error:  # noqa: BLE001 (reported by the test's thread)
+        errors.append(error)
 
 
 @pytest.mark.parametrize("method,model_type", cases("low_precision"))

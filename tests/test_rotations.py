@@ -239,9 +239,9 @@ def test_rotations_are_computed_once_per_forward_and_shared_by_the_layers(method
         calls.clear()
         step = model(ids[:, 8:9], past_key_values=cache, use_cache=True).logits
         assert len(calls) == 2
-        # per layer, as before: every layer computes its own rotations (then the queries' and the keys' are two
-        # objects, so the block rotations rotate them in two products, not one: equal up to the products' rounding,
-        # in the prefill too, whose first layer's output makes the cached keys of the second)
+        # per layer, as before: every layer computes its own rotations (in a decoding step the queries' and the
+        # keys' are two objects, so the block rotations rotate them in two products, not one: equal up to the
+        # products' rounding; in the prefill the keys, at the queries' positions, take the queries' rotation)
         monkeypatch.setattr(hf_posenc.engine.state.PositionState, "rotation_of",
                             lambda state, positions, layer_idx=0: state.method.rotation(positions, state.forward.seq_len))
         assert max_diff(model(ids).logits, full) <= 1e-5
@@ -249,7 +249,7 @@ def test_rotations_are_computed_once_per_forward_and_shared_by_the_layers(method
         cache = DynamicCache(config=model.config)
         model(ids[:, :8], past_key_values=cache, use_cache=True)
         assert max_diff(model(ids[:, 8:9], past_key_values=cache, use_cache=True).logits, step) <= 1e-5
-        assert len(calls) == 1 + 2 * 2 + 1 + 2 * 2  # queries once, keys per layer (prefill and step)
+        assert len(calls) == 1 + 2 * 1 + 1 + 2 * 2  # queries once, then per layer: prefill 1, step 2
 
 
 @pytest.mark.parametrize("method,options", [("liere", {}), ("liere", {"per_head": True}),

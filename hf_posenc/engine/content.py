@@ -55,6 +55,12 @@ class ContentCall:
     # For `mixes_state` methods: per layer, the attention-weighted average of the keys' state for this call's
     # queries [B, H, q, ...] (float32), which the next layer's `layer_token_state` reads.
     mixed: dict[int, torch.Tensor] = field(default_factory=dict)
+    # For reentrant gradient checkpointing (see `carried_state`): the grad mode of the forward, the layers whose
+    # first pass ran without grad in it, and per layer the leaves the next layer read its hand-over as.
+    grad_enabled: bool = False
+    no_grad_layers: set[int] = field(default_factory=set)
+    relayed: dict[int, tuple] = field(default_factory=dict)
+    relayed_mlp_outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # the same, for `carried_mlp_output`
 
 
 def compile_refusal(method: str) -> str:
@@ -82,7 +88,8 @@ class ContentCapture:
         source = arguments.get("input_ids") if source is None else source[..., 0]
         attended = attended_tokens(arguments.get("attention_mask"), offset + source.shape[-1]) \
             if source is not None else None
-        call = ContentCall(offset, attended[:, offset:] if attended is not None else None)
+        call = ContentCall(offset, attended[:, offset:] if attended is not None else None,
+                           grad_enabled=torch.is_grad_enabled())
         for layer, tensor in (past or {}).items():
             if tensor.shape[2] >= offset:
                 call.past[layer] = tensor[:, :, :offset]
@@ -137,6 +144,8 @@ class MlpOutputCapture:
         if content is None:
             return None
         content.mlp_outputs[self.layer_idx] = output
+        if torch.is_grad_enabled() and output.requires_grad:
+            output = _AddRelayedGradient.apply(output, content, self.layer_idx)  # see `carried_mlp_output`
         residual = content.held_residuals.pop(self.layer_idx, None)
         return None if residual is None else residual + output
 
@@ -170,15 +179,15 @@ def layer_state(state: PositionState, layer_idx: int, q: int, key_slots: torch.T
     if method.reads_layer_input and layer_input is None:
         raise RuntimeError(f"hf_posenc: no layer input was captured for layer {layer_idx}.")
     if method.mixes_state and layer_input is not None:
+        if content.grad_enabled and not torch.is_grad_enabled():  # a reentrant checkpoint's first pass
+            content.no_grad_layers.add(layer_idx)
         below = [layer for layer in content.states if layer < layer_idx]
-        previous = content.states[max(below)][:, :, content.offset:content.offset + q] if below else None
+        previous, mixed = carried_state(content, max(below), layer_idx) if below else (None, None)
         update_input = layer_input
         if method.reads_mlp_output and below:
-            update_input = content.mlp_outputs.get(max(below))
-            if update_input is None:
-                raise RuntimeError(f"hf_posenc: no MLP output was captured for layer {max(below)}.")
+            update_input = carried_mlp_output(content, max(below), layer_idx)
         new = method.layer_token_state(layer_idx, update_input, state.forward.query_positions.to(layer_input.device),
-                                       previous, content.mixed.get(max(below)) if below else None)
+                                       previous[:, :, content.offset:content.offset + q] if below else None, mixed)
     else:
         new = method.token_state(layer_idx, layer_input, content.real) if layer_input is not None else None
     if new is None:
@@ -204,6 +213,89 @@ def layer_state(state: PositionState, layer_idx: int, q: int, key_slots: torch.T
     return layer_input, every[:, :, content.offset:content.offset + q], keys
 
 
+def carried_state(content: ContentCall, layer: int, reader: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(state of every token, attention-weighted state) that layer `layer` of a `mixes_state` method (TAPE) hands to
+    the next layer, `reader`, outside the hidden states.
+
+    Reentrant checkpointing runs each layer's first pass without grad and, in the backward, recomputes it and runs a
+    backward of its own from the layer's outputs only (issue 51): a hand-over made without grad carries no gradient
+    back, and one read with its graph in a recomputation would be differentiated by two backwards. So where either
+    layer is checkpointed so (`no_grad_layers`), the reader reads leaves requiring grad, and the producer's
+    RelayCarriedState adds the gradients left on them (complete by then: the later layer's backward runs first)."""
+    states, mixed = content.states[layer], content.mixed.get(layer)
+    if torch.is_grad_enabled() and (layer in content.no_grad_layers or reader in content.no_grad_layers):
+        leaves = (states.detach().requires_grad_(), None if mixed is None else mixed.detach().requires_grad_())
+        content.relayed[layer] = leaves
+        return leaves
+    return states, mixed
+
+
+def carried_mlp_output(content: ContentCall, layer: int, reader: int) -> torch.Tensor:
+    """Layer `layer`'s MLP output as the next layer, `reader`, reads it (TAPE's gate_input='mlp_output'): across a
+    reentrant checkpoint's boundary as a leaf, for the reason `carried_state` gives; MlpOutputCapture's
+    `_AddRelayedGradient` hands the leaf's gradient to the MLP output in the producing layer's recomputation."""
+    output = content.mlp_outputs.get(layer)
+    if output is None:
+        raise RuntimeError(f"hf_posenc: no MLP output was captured for layer {layer}.")
+    if torch.is_grad_enabled() and (layer in content.no_grad_layers or reader in content.no_grad_layers):
+        leaf = output.detach().requires_grad_()
+        content.relayed_mlp_outputs[layer] = leaf
+        return leaf
+    return output
+
+
+class _AddRelayedGradient(torch.autograd.Function):
+    """Identity on layer `layer`'s MLP output; its backward adds the gradient the next layer left on the leaf it read
+    that output as (`carried_mlp_output`), if it read one."""
+
+    @staticmethod
+    def forward(ctx, output, content, layer):
+        ctx.content, ctx.layer = content, layer
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        leaf = ctx.content.relayed_mlp_outputs.pop(ctx.layer, None)
+        if leaf is not None and leaf.grad is not None:
+            grad_output = grad_output + leaf.grad
+        return grad_output, None, None
+
+
+class _AddHandOverGradients(torch.autograd.Function):
+    """Identity on `output`; its backward also gives `tensors` (layer `layer`'s hand-over) the gradients left on the
+    leaves the next layer read it as (`carried_state`), if it read leaves."""
+
+    @staticmethod
+    def forward(ctx, output, content, layer, *tensors):
+        ctx.content, ctx.layer, ctx.count = content, layer, len(tensors)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        leaves = ctx.content.relayed.pop(ctx.layer, None) or (None,) * ctx.count
+        return (grad_output, None, None, *(None if leaf is None else leaf.grad for leaf in leaves))
+
+
+class RelayCarriedState:
+    """Forward hook on the attention module of layer `layer_idx` of a `mixes_state` method, where grad is on: routes
+    the gradients of the layer's hand-over that the next layer left on leaves (`carried_state`) into this layer's
+    graph, through the attention output, whose gradient the layer's backward passes anyway. (An identity node per
+    layer where no leaves are read.)"""
+
+    def __init__(self, state: PositionState, layer_idx: int):
+        self.state = state
+        self.layer_idx = layer_idx
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
+        content = getattr(self.state.forward, "content", None)
+        if content is None or not torch.is_grad_enabled() or self.layer_idx not in content.states:
+            return None
+        first = output[0] if isinstance(output, tuple) else output
+        relayed = _AddHandOverGradients.apply(first, content, self.layer_idx, content.states[self.layer_idx],
+                                              content.mixed.get(self.layer_idx))
+        return (relayed, *output[1:]) if isinstance(output, tuple) else relayed
+
+
 def install_content(family, model: nn.Module, state: PositionState, log) -> None:
     """The three hooks of a content method (the family has routed attention already)."""
     from .state import forward_parameter_names
@@ -218,6 +310,8 @@ def install_content(family, model: nn.Module, state: PositionState, log) -> None
         layer_idx = getattr(attention, "layer_idx", None)
         layer_idx = index if layer_idx is None else layer_idx
         log.add_forward_pre_hook(attention, LayerInputCapture(state, layer_idx), with_kwargs=True)
+        if state.method.mixes_state:
+            log.add_forward_hook(attention, RelayCarriedState(state, layer_idx), with_kwargs=True)
         if mlps is not None:
             capture = MlpOutputCapture(state, layer_idx, family.mlp_residual_argument)
             if capture.residual_argument is not None:

@@ -26,6 +26,7 @@ from ..errors import PosEncError
 from ..methods.base import AbsolutePositionMethod, PositionalMethod, RotaryMethod
 from .cache_names import cache_argument, cache_output
 from .cache_rows import carries_rows, follow_batch_edits
+from .shared_graph import shared_tensor
 from .sink_cache import SinkCache
 
 STATE_ATTR = "hf_posenc_state"
@@ -58,8 +59,8 @@ class CallPositions:
     # tuple with one length per row (0 for other methods).
     seq_len: int | tuple[int, ...] = 0
     rotation: Any = None  # a rotary method's rotation of the queries (its `rotation()`: by default cos/sin)
-    # (layer index, positions, rotation) computed in this forward (PositionState.rotation_of): the layer index is
-    # None where every layer shares the rotation, as all but `per_layer_rotation` methods do
+    # (positions, grad mode, rotation) computed in this forward and shared by every layer (PositionState.rotation_of;
+    # not for `per_layer_rotation` methods)
     rotations: list = field(default_factory=list)
     # For a method over several position axes (rope-2d): the coordinates [B or 1, q, axes] of the queries and
     # [B or 1, slot_offset + q, axes] of every key, in slot order (what it rotates by inside attention).
@@ -90,6 +91,7 @@ class PositionState:
         self.attention_path: str | None = None  # this model's own path choice (attention/paths.py); None: none
         self.path_counts: Counter = Counter()  # the attention calls each path served (attention/paths.py)
         self._calls = threading.local()
+        self._latest = None  # the CallPositions of the latest forward, from any thread (see `forward`)
 
     @property
     def method(self) -> PositionalMethod:
@@ -121,11 +123,16 @@ class PositionState:
         self.__dict__.update({"attention_path": None, **state})
         self.path_counts = Counter()
         self._calls = threading.local()
+        self._latest = None
 
     @property
     def forward(self) -> CallPositions:
         """The positions of the forward in flight (this thread's)."""
         call = getattr(self._calls, "current", None)
+        if call is None:
+            # A thread that ran no forward: autograd's device thread (CUDA's backward runs there, not in the caller's
+            # thread) recomputing a checkpointed layer. It recomputes the latest forward's layers.
+            call = self._latest
         if call is None:
             raise RuntimeError("hf_posenc: attention ran before the base model's pre-hook set the positions.")
         return call
@@ -149,7 +156,7 @@ class PositionState:
                     f"{self.method.config.method!r} rescales with the length of each forward, which torch.compile "
                     "cannot trace; run the model uncompiled, or use a fixed RoPE scaling ('yarn', 'linear', 'ntk').")
             call.rotation = self.method.rotation(query_positions if coordinates is None else coordinates, 0)
-        self._calls.current = call
+        self._calls.current = self._latest = call
         return call
 
     def update(self, query_positions: torch.Tensor, slot_offset: int, past_positions: torch.Tensor | None = None,
@@ -174,13 +181,14 @@ class PositionState:
         if isinstance(self.method, RotaryMethod):
             if self.method.length_dependent:
                 call.seq_len = self.scaled_lengths(key_positions, attended)
-            call.rotation = self.method.rotation(query_positions if coordinates is None else coordinates, call.seq_len)
-            call.rotations.append((None, query_positions if coordinates is None else coordinates, call.rotation))
+            rotated = query_positions if coordinates is None else coordinates
+            call.rotation = shared_tensor(self.method, lambda: self.method.rotation(rotated, call.seq_len))
+            call.rotations.append((rotated, torch.is_grad_enabled(), call.rotation))
             if coordinates is not None:
                 call.query_coordinates = coordinates
                 call.key_coordinates = self._key_coordinates(coordinates, call.key_positions, slot_offset,
                                                              past_coordinates)
-        self._calls.current = call
+        self._calls.current = self._latest = call
         return call
 
     def scaled_lengths(self, key_positions: torch.Tensor, attended: torch.Tensor | None) -> int | tuple[int, ...]:
@@ -232,24 +240,29 @@ class PositionState:
         if call.traced:  # no per-forward reuse under torch.compile
             return (method.rotate_heads(query, method.layer_rotation(layer_idx, query_positions, call.seq_len)),
                     method.rotate_heads(key, method.layer_rotation(layer_idx, key_positions, call.seq_len)))
-        query_rotation, key_rotation = self.rotation_of(query_positions, layer_idx), self.rotation_of(key_positions,
-                                                                                                   layer_idx)
+        query_rotation = self.rotation_of(query_positions, layer_idx)
+        key_rotation = query_rotation if same_positions(query_positions, key_positions) else \
+            self.rotation_of(key_positions, layer_idx)
         if query_rotation is key_rotation and query.dtype == key.dtype and query.shape[1] % key.shape[1] == 0:
             return method.rotate_together(query, key, query_rotation)
         return method.rotate_heads(query, query_rotation), method.rotate_heads(key, key_rotation)
 
     def rotation_of(self, positions: torch.Tensor, layer_idx: int = 0):
         """The method's rotation of `positions` [B or 1, n] in the current forward: computed by the first layer that
-        asks (the queries' by `update`) and reused by the others, which see the same positions (for a method with a
-        rotation per layer: computed once per layer and positions)."""
-        call = self.forward
-        layer = layer_idx if self.method.per_layer_rotation else None
-        for known_layer, known, rotation in call.rotations:
-            if known_layer == layer and (known is positions or known.shape == positions.shape
-                                         and known.device == positions.device and torch.equal(known, positions)):
+        asks (the queries' by `update`) and reused by the others, which see the same positions. A method with a
+        rotation per layer computes it in each call of the layer: a checkpointed layer's recomputation must compute
+        what its first pass did (non-reentrant checkpointing checks it), and with grad where that pass had none
+        (reentrant checkpointing)."""
+        call, method = self.forward, self.method
+        if method.per_layer_rotation:
+            return method.layer_rotation(layer_idx, positions, call.seq_len)
+        grad = torch.is_grad_enabled()
+        for known, known_grad, rotation in call.rotations:
+            # (one computed without grad, by a reentrant checkpoint's first pass, would give no gradient later)
+            if (known_grad or not grad) and same_positions(known, positions):
                 return rotation
-        rotation = self.method.layer_rotation(layer_idx, positions, call.seq_len)
-        call.rotations.append((layer, positions, rotation))
+        rotation = shared_tensor(method, lambda: method.rotation(positions, call.seq_len))
+        call.rotations.append((positions, grad, rotation))
         return rotation
 
     def slots(self, q: int, kv: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,6 +328,11 @@ def active_method(slot: nn.Module | None, installed: PositionalMethod) -> Positi
         if not getattr(slot, "disable_adapters", False) and active and copies is not None and active[0] in copies:
             return copies[active[0]]
     return installed
+
+
+def same_positions(known: torch.Tensor, positions: torch.Tensor) -> bool:
+    return known is positions or (known.shape == positions.shape and known.device == positions.device
+                                   and torch.equal(known, positions))
 
 
 def uniform_shift(key_positions: torch.Tensor, attended: torch.Tensor | None) -> torch.Tensor | None:

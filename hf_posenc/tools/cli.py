@@ -10,7 +10,6 @@ runs, and turns every refusal into one line ``error: ...`` and exit code 2 (``ru
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 from typing import NamedTuple
@@ -47,22 +46,8 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Make --help show each option's default (as argparse.ArgumentDefaultsHelpFormatter does), also for options
-    without a help text, and not where the help already says it or there is none (None, False)."""
-    for action in parser._actions:
-        no_default = any(action.default is value for value in (None, False, argparse.SUPPRESS))  # 0.0 == False
-        if no_default or not action.option_strings:
-            continue
-        if action.help is None:
-            action.help = "default: %(default)s"
-        elif "default" not in action.help:
-            action.help += " (default: %(default)s)"
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
-    from .runtime import fail, run_command
+    from .runtime import DefaultsHelpFormatter, fail, run_command
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -84,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"unknown command {name!r}\n\n{_usage()}")
     command = COMMANDS[name]
     module = importlib.import_module(f"{__package__}.{command.module}")
-    args = show_defaults(getattr(module, command.build_parser)()).parse_args(rest)
+    parser = getattr(module, command.build_parser)()
+    parser.formatter_class = DefaultsHelpFormatter  # every command's --help shows its defaults
+    args = parser.parse_args(rest)
     return run_command(lambda: getattr(module, command.run)(args))
 
 

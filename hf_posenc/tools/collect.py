@@ -157,8 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("run_dirs", nargs="+", type=Path,
                    help="output folders of eval-ppl, main-job, passkey, niah, lm-eval")
-    p.add_argument("--title", default="Evaluation")
-    p.add_argument("--output-dir", type=Path, default=Path("runs/report"))
+    p.add_argument("--title", default="Evaluation", help="the page's title")
+    p.add_argument("--output-dir", type=Path, default=Path("runs/report"),
+                   help="where report.md and its plots go")
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     return p
 

@@ -80,10 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stride", type=int, default=None,
                         help="sliding-window stride (default: the window, i.e. non-overlapping windows)")
     parser.add_argument("--gen-tokens", type=int, default=20, help="greedy tokens to generate (default 20)")
-    parser.add_argument("--output-dir", type=Path, default=Path("runs/demo"))
+    parser.add_argument("--output-dir", type=Path, default=Path("runs/demo"), help="where the results go")
     parser.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="dtype the weights are loaded in")
     parser.add_argument("--cache-dir", type=Path, default=None, help="converted-checkpoint cache folder")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed set before each patch, for methods with randomly initialised parameters")

@@ -141,12 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--samples", type=int, default=None, help="documents to use (default: all that are long enough)")
     g.add_argument("--min-document-tokens", type=int, default=None,
                    help="skip shorter documents (default: the longest length)")
-    g.add_argument("--batch-size", type=int, default=1)
+    g.add_argument("--batch-size", type=int, default=1, help="windows per forward")
     g.add_argument("--training-length", type=int, default=None,
                    help="where to put the plot's marker (default: training_args.json or the model's window)")
     add_text_arguments(p)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--output-dir", type=Path, default=Path("runs/eval_ppl"))
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype the weights are loaded in")
+    p.add_argument("--output-dir", type=Path, default=Path("runs/eval_ppl"), help="where the results go")
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.add_argument("--title", default="", help="plot title")
     p.add_argument("--threads", type=int, default=None, help="torch threads per process")

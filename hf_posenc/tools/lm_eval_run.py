@@ -164,17 +164,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--include-path", type=Path, default=None, help="a folder of your own lm-eval task YAML files")
     p.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
     p.add_argument("--num-fewshot", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=1, help="lm-eval's batch size")
     p.add_argument("--max-length", type=int, default=None,
                    help="lm-eval cuts inputs to this many tokens (default: the model's window from its config)")
     p.add_argument("--cloze-file", default=None, help="text of the cloze task (default: the Frankenstein book of "
                                                       "--data-dir)")
-    p.add_argument("--cloze-documents", type=int, default=200)
+    p.add_argument("--cloze-documents", type=int, default=200, help="passages of the cloze task")
     p.add_argument("--data-dir", default=None, help="the shared text folder (default: $HF_POSENC_DATA)")
-    p.add_argument("--encoding", default=DEFAULT_ENCODING)
+    p.add_argument("--encoding", default=DEFAULT_ENCODING, help="encoding of --cloze-file")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--output-dir", type=Path, default=Path("runs/lm-eval"))
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype the weights are loaded in")
+    p.add_argument("--output-dir", type=Path, default=Path("runs/lm-eval"), help="where the results go")
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.add_argument("--threads", type=int, default=None)
     return p

@@ -164,3 +164,11 @@ def test_the_readme_method_table_lists_exactly_the_registered_methods():
     listed = re.findall(r"^\| `([a-z0-9-]+)` \|", table, flags=re.MULTILINE)
     assert sorted(listed) == sorted(hf_posenc.available_methods())
     assert len(listed) == len(set(listed))
+
+
+def test_no_tools_file_over_600_lines():
+    """A tool's parts live in modules a reader takes in at once (issue 52): none of hf_posenc/tools over 600 lines;
+    a command that grows is split along its parts, as tools/finetune/ is."""
+    long = {str(path.relative_to(PACKAGE_DIR)): n for path in sorted((PACKAGE_DIR / "tools").rglob("*.py"))
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > 600}
+    assert not long, long

@@ -16,10 +16,8 @@ from typing import NamedTuple
 
 
 class Command(NamedTuple):
-    module: str  # in hf_posenc.tools
+    module: str  # in hf_posenc.tools, named as the command (lm_eval_run: `lm_eval` is the package it runs)
     help: str
-    build_parser: str = "build_parser"
-    run: str = "run"
 
 
 COMMANDS = {
@@ -28,13 +26,11 @@ COMMANDS = {
     "passkey": Command("passkey", "passkey retrieval accuracy over lengths and depths"),
     "niah": Command("niah", "needle in a haystack over real text: exact match and answer log-probability"),
     "lm-eval": Command("lm_eval_run", "short-context tasks through lm-eval on the patched model (HFLM)"),
-    "report": Command("collect", "several runs' results in one Markdown page with tables and plots"),
+    "report": Command("report", "several runs' results in one Markdown page with tables and plots"),
     "main-job": Command("main_job", "the whole loop on SmolLM2-135M-Instruct: fine-tune, evaluate, table and plot"),
     "demo": Command("demo", "patch SmolLM2-135M-Instruct with each method: perplexity, a continuation, exact unpatch"),
-    "export": Command("publish", "add the code that loads a saved checkpoint without hf_posenc",
-                      "build_export_parser", "run_export"),
-    "publish": Command("publish", "upload a saved checkpoint to the Hugging Face Hub, with its model card",
-                       "build_publish_parser", "run_publish"),
+    "export": Command("export", "add the code that loads a saved checkpoint without hf_posenc"),
+    "publish": Command("publish", "upload a saved checkpoint to the Hugging Face Hub, with its model card"),
 }
 
 
@@ -69,10 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"unknown command {name!r}\n\n{_usage()}")
     command = COMMANDS[name]
     module = importlib.import_module(f"{__package__}.{command.module}")
-    parser = getattr(module, command.build_parser)()
+    parser = module.build_parser()
     parser.formatter_class = DefaultsHelpFormatter  # every command's --help shows its defaults
     args = parser.parse_args(rest)
-    return run_command(lambda: getattr(module, command.run)(args))
+    return run_command(lambda: module.run(args))
 
 
 def demo_main() -> int:

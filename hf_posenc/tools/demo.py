@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 if TYPE_CHECKING:  # annotations only; torch is imported where it is used, so that --help stays fast
     import torch
 
-from . import report
+from . import tables
 from .estimates import PATCHED_SLOWDOWN, SECONDS_PER_GENERATED_TOKEN, forward_seconds
 from .models import is_cached, load_smollm2
 from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir
@@ -212,7 +212,7 @@ def write_outputs(output_dir: Path, meta: dict, results: list[MethodResult]) -> 
         writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["method"])
         writer.writeheader()
         writer.writerows(rows)
-    report.plot_demo_perplexity(output_dir / "perplexity.png", results,
+    tables.plot_demo_perplexity(output_dir / "perplexity.png", results,
                                 f"{meta['model']} on {meta['text_name']}\n"
                                 f"{meta['max_windows']} x {meta['window']}-token windows", UNPATCHED)
 
@@ -275,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
         bar.set_postfix(method=name)
         result = run_method(name, model, tokenizer, ids, prompt, args, check_ids, ref)
         results.append(result)
-        status = f"ppl {report.format_perplexity(result.perplexity)}" if result.perplexity is not None \
+        status = f"ppl {tables.format_perplexity(result.perplexity)}" if result.perplexity is not None \
             else result.error
         tqdm.write(f"  {name}: {status} ({result.seconds:.1f} s)"
                    + ("" if result.restored else "  [NOT RESTORED after unpatch]"))
@@ -295,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
           + (f" (stride {args.stride})" if args.stride != args.window else "")
           + f" of {text_path.name}" + (f", from {start_text!r}" if start_text else "") + ":")
     print()
-    print(report.demo_markdown(results))
+    print(tables.demo_markdown(results))
     print()
     print(f"unpatch_model restores the original logits: {'OK' if restored else 'FAIL'} "
           f"(max |diff| {max_diff:.3g} over {check_ids.numel()} tokens, after every method)")

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # annotations only; torch is imported where it is used, so that --help stays fast
     import torch
 
-from . import report
-from .report import row_label
+from . import tables
+from .tables import row_label
 from .estimates import announce_run_time, check_memory, estimate_forward_bytes, model_forward_seconds
 from ..registry import get_family
 from .models import SMOLLM2, load_model, model_name
@@ -69,8 +69,8 @@ class EvalRun:
     results: list[LengthResult] = field(default_factory=list)
     training_lengths: dict[str, int | None] = field(default_factory=dict)  # row label -> length trained at
 
-    def table(self) -> report.PerplexityTable:
-        out: report.PerplexityTable = {}
+    def table(self) -> tables.PerplexityTable:
+        out: tables.PerplexityTable = {}
         for r in self.results:
             out.setdefault(r.label or row_label(r.model, r.method), {})[r.length] = r.ppl
         return out
@@ -328,9 +328,9 @@ def _evaluate_model(args: argparse.Namespace, run: EvalRun, model, model_spec: s
 
 
 def write_outputs(directory: Path, run: EvalRun, lengths: list[int], title: str = "") -> None:
-    report.write_perplexity_csv(directory / "perplexity.csv", lengths, {None: run.table()})
+    tables.write_perplexity_csv(directory / "perplexity.csv", lengths, {None: run.table()})
     write_json(directory / "perplexity.json", run.to_json())
-    report.plot_perplexity(directory / "perplexity.png", lengths,
+    tables.plot_perplexity(directory / "perplexity.png", lengths,
                                {title or "perplexity vs context length": (run.table(), run.training_lengths)})
 
 
@@ -347,6 +347,6 @@ def run(args: argparse.Namespace) -> None:
             lengths = result.settings["lengths"]
             write_outputs(out, result, lengths, args.title)
             print()
-            print(report.perplexity_markdown(result.table(), lengths))
+            print(tables.perplexity_markdown(result.table(), lengths))
     if main_process:
         print(f"wrote {args.output_dir}/perplexity.csv, perplexity.json, perplexity.png")

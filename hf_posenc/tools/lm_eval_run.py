@@ -26,7 +26,7 @@ import random
 import re
 from pathlib import Path
 
-from . import report
+from . import tables
 from .models import SMOLLM2, load_model, loader, model_name
 from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir_on_main, write_json
 from .runtime import (DTYPES, MethodRequest, UNPATCHED, UsageError, accelerator_if_launched, add_model_arguments,
@@ -229,7 +229,7 @@ def run_lm_eval(args: argparse.Namespace, work_dir: Path, accelerator=None) -> t
         name = model_name(model_spec)
         load = loader(model_spec, DTYPES[args.dtype], args.tokenizer, device)
         for request, model, replaced in each_method(model, requests, load):
-            label = report.row_label(name, request.label, replaced or None)
+            label = tables.row_label(name, request.label, replaced or None)
             results[label] = evaluate_model(model, tokenizer, tasks, include, args.limit, args.num_fewshot,
                                             args.batch_size, args.seed, args.max_length, accelerator, manager)
             rows += metric_rows(label, results[label])
@@ -248,15 +248,15 @@ def run(args: argparse.Namespace) -> None:
             tempfile.TemporaryDirectory() as scratch:
         rows, results = run_lm_eval(args, out if main_process else Path(scratch), accelerator)
         if main_process:
-            report.write_rows_csv(out / "lm_eval.csv", rows, ["model", "task", "metric", "value", "stderr"])
+            tables.write_rows_csv(out / "lm_eval.csv", rows, ["model", "task", "metric", "value", "stderr"])
             write_json(out / "lm_eval.json", {"settings": {**settings_of(args), "num_processes":
                                                            process_count(accelerator), "versions": versions()},
                                               "results": results, "rows": rows})
-            report.metric_bars(out / "lm_eval.png", rows)
+            tables.metric_bars(out / "lm_eval.png", rows)
     if accelerator is not None:
         accelerator.wait_for_everyone()
     if not main_process:
         return
     print()
-    print(report.metric_markdown(rows))
+    print(tables.metric_markdown(rows))
     print(f"wrote {args.output_dir}/lm_eval.csv, lm_eval.json, lm_eval.png")

@@ -30,12 +30,14 @@ class Training:
     loader: Any
     eval_loader: Any
     warmup_steps: int
-    teacher: Any = None  # distill.Teacher under --distill-from
+    teacher: Any = None  # teacher.Teacher under --distill-from
     restarts: bool = False  # position ids restart at each document (--document-restarts, where the model takes them)
     compiled_step: dict | None = None  # the check of a compiled step (accelerate's --dynamo_backend), once made
 
 
 def make_accelerator(args: argparse.Namespace, trackers: list[str], logging_dir: Path):
+    """accelerate's Accelerator for the run (mixed precision, accumulation, trackers, seedable data order); a launch
+    configuration that needs GPUs on a CPU-only machine is refused in one line."""
     import torch
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration

@@ -172,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cloze-documents", type=int, default=200, help="passages of the cloze task")
     p.add_argument("--data-dir", default=None, help="the shared text folder (default: $HF_POSENC_DATA)")
     p.add_argument("--encoding", default=DEFAULT_ENCODING, help="encoding of --cloze-file")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the cloze passages and of lm-eval")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype the weights are loaded in")
     p.add_argument("--output-dir", type=Path, default=Path("runs/lm-eval"), help="where the results go")
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)

@@ -201,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text for the haystack (repeatable); default: the pg*.txt books of --data-dir")
     p.add_argument("--data-dir", default=None, help="the shared text folder (default: $HF_POSENC_DATA)")
     p.add_argument("--encoding", default=DEFAULT_ENCODING, help="encoding of the haystack files")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the facts, their depths and the distractors")
     p.add_argument("--max-new-tokens", type=int, default=12, help="tokens generated for each answer")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype the weights are loaded in")
     p.add_argument("--output-dir", type=Path, default=Path("runs/niah"), help="where the results go")

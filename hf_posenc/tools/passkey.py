@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keys", type=int, default=1,
                    help="pass keys in the prompt, each for its own door; one is asked (default %(default)s)")
     p.add_argument("--key-digits", type=int, default=5, help="digits of each pass key (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the pass keys and where they go")
     p.add_argument("--filler-file", default=None, help="real text as filler instead of the repeated grass/sky lines")
     p.add_argument("--encoding", default=DEFAULT_ENCODING, help="encoding of --filler-file")
     p.add_argument("--max-new-tokens", type=int, default=10, help="tokens generated for each answer")

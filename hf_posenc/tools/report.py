@@ -153,7 +153,8 @@ def build_report(run_dirs: list[Path], output: Path, title: str = "Evaluation") 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hf-posenc report", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="hf-posenc report",
+                                description="several runs' results in one Markdown page with tables and plots",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("run_dirs", nargs="+", type=Path,
                    help="output folders of eval-ppl, main-job, passkey, niah, lm-eval")

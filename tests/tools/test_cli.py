@@ -138,7 +138,7 @@ def test_every_option_with_a_default_says_it_in_help():
     for name, command in cli.COMMANDS.items():
         parser = importlib.import_module(f"hf_posenc.tools.{command.module}").build_parser()
         silent = [action.option_strings[0] for action in parser._actions if action.option_strings
-                  and action.help is None and action.default not in (None, False, argparse.SUPPRESS)]
+                  and action.help is None and not any(action.default is v for v in (None, False, argparse.SUPPRESS))]
         assert not silent, f"{name}: {silent} have a default and no help"
 
 

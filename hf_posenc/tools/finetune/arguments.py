@@ -8,8 +8,8 @@ from pathlib import Path
 
 from ..models import SMOLLM2
 from ..outputs import OVERWRITE_HELP
-from ..runtime import (DTYPES, UNPATCHED, DefaultsHelpFormatter, MethodRequest, UsageError, check_at_least, check_number,
-                       parse_options, settings_from)
+from ..runtime import (DTYPES, UNPATCHED, DefaultsHelpFormatter, MethodRequest, UsageError, check_at_least,
+                       check_number, parse_options, settings_from)
 from ..text import add_text_arguments, check_encoding
 
 DESCRIPTION = "fine-tune a model after swapping or extending its positional mechanism, with accelerate"

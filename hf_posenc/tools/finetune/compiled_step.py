@@ -94,9 +94,9 @@ def compile_error_text(error: Exception, model) -> str:
     """`_first_lines(error)`, led by hf_posenc's reason where a content method refused to be traced: dynamo before
     torch 2.13 reports a refusal raised in traced code as "ObservedPosEncErrorError: raised exception
     UserDefinedExceptionObjectVariable(PosEncError)", without its message."""
-    from ..engine.content import compile_refusal
-    from ..methods.base import ContentMethod
-    from ..patching import get_positional_module
+    from ...engine.content import compile_refusal
+    from ...methods.base import ContentMethod
+    from ...patching import get_positional_module
 
     text = _first_lines(error)
     method = get_positional_module(model)

@@ -10,17 +10,14 @@ runs, and turns every refusal into one line ``error: ...`` and exit code 2 (``ru
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 from typing import NamedTuple
 
 
 class Command(NamedTuple):
-    module: str  # in hf_posenc.tools
+    module: str  # in hf_posenc.tools, named as the command (lm_eval_run: `lm_eval` is the package it runs)
     help: str
-    build_parser: str = "build_parser"
-    run: str = "run"
 
 
 COMMANDS = {
@@ -29,13 +26,11 @@ COMMANDS = {
     "passkey": Command("passkey", "passkey retrieval accuracy over lengths and depths"),
     "niah": Command("niah", "needle in a haystack over real text: exact match and answer log-probability"),
     "lm-eval": Command("lm_eval_run", "short-context tasks through lm-eval on the patched model (HFLM)"),
-    "report": Command("collect", "several runs' results in one Markdown page with tables and plots"),
+    "report": Command("report", "several runs' results in one Markdown page with tables and plots"),
     "main-job": Command("main_job", "the whole loop on SmolLM2-135M-Instruct: fine-tune, evaluate, table and plot"),
     "demo": Command("demo", "patch SmolLM2-135M-Instruct with each method: perplexity, a continuation, exact unpatch"),
-    "export": Command("publish", "add the code that loads a saved checkpoint without hf_posenc",
-                      "build_export_parser", "run_export"),
-    "publish": Command("publish", "upload a saved checkpoint to the Hugging Face Hub, with its model card",
-                       "build_publish_parser", "run_publish"),
+    "export": Command("export", "add the code that loads a saved checkpoint without hf_posenc"),
+    "publish": Command("publish", "upload a saved checkpoint to the Hugging Face Hub, with its model card"),
 }
 
 
@@ -47,22 +42,8 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Make --help show each option's default (as argparse.ArgumentDefaultsHelpFormatter does), also for options
-    without a help text, and not where the help already says it or there is none (None, False)."""
-    for action in parser._actions:
-        no_default = any(action.default is value for value in (None, False, argparse.SUPPRESS))  # 0.0 == False
-        if no_default or not action.option_strings:
-            continue
-        if action.help is None:
-            action.help = "default: %(default)s"
-        elif "default" not in action.help:
-            action.help += " (default: %(default)s)"
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
-    from .runtime import fail, run_command
+    from .runtime import DefaultsHelpFormatter, fail, run_command
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -84,8 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"unknown command {name!r}\n\n{_usage()}")
     command = COMMANDS[name]
     module = importlib.import_module(f"{__package__}.{command.module}")
-    args = show_defaults(getattr(module, command.build_parser)()).parse_args(rest)
-    return run_command(lambda: getattr(module, command.run)(args))
+    parser = module.build_parser()
+    parser.formatter_class = DefaultsHelpFormatter  # every command's --help shows its defaults
+    args = parser.parse_args(rest)
+    return run_command(lambda: module.run(args))
 
 
 def demo_main() -> int:

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 if TYPE_CHECKING:  # annotations only; torch is imported where it is used, so that --help stays fast
     import torch
 
-from . import report
+from . import tables
 from .estimates import PATCHED_SLOWDOWN, SECONDS_PER_GENERATED_TOKEN, forward_seconds
 from .models import is_cached, load_smollm2
 from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir
@@ -80,10 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stride", type=int, default=None,
                         help="sliding-window stride (default: the window, i.e. non-overlapping windows)")
     parser.add_argument("--gen-tokens", type=int, default=20, help="greedy tokens to generate (default 20)")
-    parser.add_argument("--output-dir", type=Path, default=Path("runs/demo"))
+    parser.add_argument("--output-dir", type=Path, default=Path("runs/demo"), help="where the results go")
     parser.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="dtype the weights are loaded in")
     parser.add_argument("--cache-dir", type=Path, default=None, help="converted-checkpoint cache folder")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed set before each patch, for methods with randomly initialised parameters")
@@ -211,7 +212,7 @@ def write_outputs(output_dir: Path, meta: dict, results: list[MethodResult]) -> 
         writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["method"])
         writer.writeheader()
         writer.writerows(rows)
-    report.plot_demo_perplexity(output_dir / "perplexity.png", results,
+    tables.plot_demo_perplexity(output_dir / "perplexity.png", results,
                                 f"{meta['model']} on {meta['text_name']}\n"
                                 f"{meta['max_windows']} x {meta['window']}-token windows", UNPATCHED)
 
@@ -274,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
         bar.set_postfix(method=name)
         result = run_method(name, model, tokenizer, ids, prompt, args, check_ids, ref)
         results.append(result)
-        status = f"ppl {report.format_perplexity(result.perplexity)}" if result.perplexity is not None \
+        status = f"ppl {tables.format_perplexity(result.perplexity)}" if result.perplexity is not None \
             else result.error
         tqdm.write(f"  {name}: {status} ({result.seconds:.1f} s)"
                    + ("" if result.restored else "  [NOT RESTORED after unpatch]"))
@@ -294,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
           + (f" (stride {args.stride})" if args.stride != args.window else "")
           + f" of {text_path.name}" + (f", from {start_text!r}" if start_text else "") + ":")
     print()
-    print(report.demo_markdown(results))
+    print(tables.demo_markdown(results))
     print()
     print(f"unpatch_model restores the original logits: {'OK' if restored else 'FAIL'} "
           f"(max |diff| {max_diff:.3g} over {check_ids.numel()} tokens, after every method)")

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # annotations only; torch is imported where it is used, so that --help stays fast
     import torch
 
-from . import report
-from .report import row_label
+from . import tables
+from .tables import row_label
 from .estimates import announce_run_time, check_memory, estimate_forward_bytes, model_forward_seconds
 from ..registry import get_family
 from .models import SMOLLM2, load_model, model_name
@@ -69,8 +69,8 @@ class EvalRun:
     results: list[LengthResult] = field(default_factory=list)
     training_lengths: dict[str, int | None] = field(default_factory=dict)  # row label -> length trained at
 
-    def table(self) -> report.PerplexityTable:
-        out: report.PerplexityTable = {}
+    def table(self) -> tables.PerplexityTable:
+        out: tables.PerplexityTable = {}
         for r in self.results:
             out.setdefault(r.label or row_label(r.model, r.method), {})[r.length] = r.ppl
         return out
@@ -141,12 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--samples", type=int, default=None, help="documents to use (default: all that are long enough)")
     g.add_argument("--min-document-tokens", type=int, default=None,
                    help="skip shorter documents (default: the longest length)")
-    g.add_argument("--batch-size", type=int, default=1)
+    g.add_argument("--batch-size", type=int, default=1, help="windows per forward")
     g.add_argument("--training-length", type=int, default=None,
                    help="where to put the plot's marker (default: training_args.json or the model's window)")
     add_text_arguments(p)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--output-dir", type=Path, default=Path("runs/eval_ppl"))
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype the weights are loaded in")
+    p.add_argument("--output-dir", type=Path, default=Path("runs/eval_ppl"), help="where the results go")
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.add_argument("--title", default="", help="plot title")
     p.add_argument("--threads", type=int, default=None, help="torch threads per process")
@@ -328,9 +328,9 @@ def _evaluate_model(args: argparse.Namespace, run: EvalRun, model, model_spec: s
 
 
 def write_outputs(directory: Path, run: EvalRun, lengths: list[int], title: str = "") -> None:
-    report.write_perplexity_csv(directory / "perplexity.csv", lengths, {None: run.table()})
+    tables.write_perplexity_csv(directory / "perplexity.csv", lengths, {None: run.table()})
     write_json(directory / "perplexity.json", run.to_json())
-    report.plot_perplexity(directory / "perplexity.png", lengths,
+    tables.plot_perplexity(directory / "perplexity.png", lengths,
                                {title or "perplexity vs context length": (run.table(), run.training_lengths)})
 
 
@@ -347,6 +347,6 @@ def run(args: argparse.Namespace) -> None:
             lengths = result.settings["lengths"]
             write_outputs(out, result, lengths, args.title)
             print()
-            print(report.perplexity_markdown(result.table(), lengths))
+            print(tables.perplexity_markdown(result.table(), lengths))
     if main_process:
         print(f"wrote {args.output_dir}/perplexity.csv, perplexity.json, perplexity.png")

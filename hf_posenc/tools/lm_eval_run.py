@@ -26,7 +26,7 @@ import random
 import re
 from pathlib import Path
 
-from . import report
+from . import tables
 from .models import SMOLLM2, load_model, loader, model_name
 from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir_on_main, write_json
 from .runtime import (DTYPES, MethodRequest, UNPATCHED, UsageError, accelerator_if_launched, add_model_arguments,
@@ -164,17 +164,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--include-path", type=Path, default=None, help="a folder of your own lm-eval task YAML files")
     p.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
     p.add_argument("--num-fewshot", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=1, help="lm-eval's batch size")
     p.add_argument("--max-length", type=int, default=None,
                    help="lm-eval cuts inputs to this many tokens (default: the model's window from its config)")
     p.add_argument("--cloze-file", default=None, help="text of the cloze task (default: the Frankenstein book of "
                                                       "--data-dir)")
-    p.add_argument("--cloze-documents", type=int, default=200)
+    p.add_argument("--cloze-documents", type=int, default=200, help="passages of the cloze task")
     p.add_argument("--data-dir", default=None, help="the shared text folder (default: $HF_POSENC_DATA)")
-    p.add_argument("--encoding", default=DEFAULT_ENCODING)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--output-dir", type=Path, default=Path("runs/lm-eval"))
+    p.add_argument("--encoding", default=DEFAULT_ENCODING, help="encoding of --cloze-file")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the cloze passages and of lm-eval")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype the weights are loaded in")
+    p.add_argument("--output-dir", type=Path, default=Path("runs/lm-eval"), help="where the results go")
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.add_argument("--threads", type=int, default=None)
     return p
@@ -229,7 +230,7 @@ def run_lm_eval(args: argparse.Namespace, work_dir: Path, accelerator=None) -> t
         name = model_name(model_spec)
         load = loader(model_spec, DTYPES[args.dtype], args.tokenizer, device)
         for request, model, replaced in each_method(model, requests, load):
-            label = report.row_label(name, request.label, replaced or None)
+            label = tables.row_label(name, request.label, replaced or None)
             results[label] = evaluate_model(model, tokenizer, tasks, include, args.limit, args.num_fewshot,
                                             args.batch_size, args.seed, args.max_length, accelerator, manager)
             rows += metric_rows(label, results[label])
@@ -248,15 +249,15 @@ def run(args: argparse.Namespace) -> None:
             tempfile.TemporaryDirectory() as scratch:
         rows, results = run_lm_eval(args, out if main_process else Path(scratch), accelerator)
         if main_process:
-            report.write_rows_csv(out / "lm_eval.csv", rows, ["model", "task", "metric", "value", "stderr"])
+            tables.write_rows_csv(out / "lm_eval.csv", rows, ["model", "task", "metric", "value", "stderr"])
             write_json(out / "lm_eval.json", {"settings": {**settings_of(args), "num_processes":
                                                            process_count(accelerator), "versions": versions()},
                                               "results": results, "rows": rows})
-            report.metric_bars(out / "lm_eval.png", rows)
+            tables.metric_bars(out / "lm_eval.png", rows)
     if accelerator is not None:
         accelerator.wait_for_everyone()
     if not main_process:
         return
     print()
-    print(report.metric_markdown(rows))
+    print(tables.metric_markdown(rows))
     print(f"wrote {args.output_dir}/lm_eval.csv, lm_eval.json, lm_eval.png")

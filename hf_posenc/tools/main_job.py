@@ -78,10 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-windows", type=int, default=None, help="windows per text and length (default 1)")
     p.add_argument("--data-dir", type=Path, default=None,
                    help="the folder of the shared text files (default: $HF_POSENC_DATA)")
-    p.add_argument("--output-dir", type=Path, default=Path("runs/main"))
+    p.add_argument("--output-dir", type=Path, default=Path("runs/main"), help="where the results go")
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the fine-tune")
     p.add_argument("--no-progress", action="store_true")
     return p
 

@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import report
+from . import tables
 from .estimates import check_memory, estimate_forward_bytes
 from .models import SMOLLM2, load_model, loader, model_name
 from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir_on_main, write_json
@@ -77,7 +77,7 @@ class Question:
     answer: str
     exact: bool
     logprob: float  # mean log-probability per token of " <value>" after the prompt
-    replaced: str = ""  # the patch of a patched checkpoint that the method replaced (report.row_label)
+    replaced: str = ""  # the patch of a patched checkpoint that the method replaced (tables.row_label)
 
 
 def _ids(tokenizer, text: str) -> list[int]:
@@ -171,7 +171,7 @@ def score_table(questions: list[Question]) -> dict[tuple[str, int, float], dict[
     """(row label, length, depth) -> exact-match accuracy, mean log-probability and number of questions."""
     cells: dict[tuple[str, int, float], list[Question]] = {}
     for q in questions:
-        label = report.row_label(q.model, q.method, q.replaced or None)
+        label = tables.row_label(q.model, q.method, q.replaced or None)
         cells.setdefault((label, q.length, q.depth), []).append(q)
     return {key: {"exact": sum(q.exact for q in qs) / len(qs), "logprob": sum(q.logprob for q in qs) / len(qs),
                   "questions": len(qs)} for key, qs in cells.items()}
@@ -181,10 +181,10 @@ def write_outputs(directory: Path, questions: list[Question], settings: dict, le
                   depths: list[float]) -> dict:
     table = score_table(questions)
     rows = [{"model": k[0], "length": k[1], "depth": k[2], **v} for k, v in table.items()]
-    report.write_rows_csv(directory / "niah.csv", rows, ["model", "length", "depth", "exact", "logprob", "questions"])
+    tables.write_rows_csv(directory / "niah.csv", rows, ["model", "length", "depth", "exact", "logprob", "questions"])
     write_json(directory / "niah.json", {"settings": settings, "scores": rows,
                                          "questions": [asdict(q) for q in questions]})
-    report.retrieval_heatmaps(directory / "niah.png", table, lengths, depths, "needle depth")
+    tables.retrieval_heatmaps(directory / "niah.png", table, lengths, depths, "needle depth")
     return table
 
 
@@ -201,10 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text for the haystack (repeatable); default: the pg*.txt books of --data-dir")
     p.add_argument("--data-dir", default=None, help="the shared text folder (default: $HF_POSENC_DATA)")
     p.add_argument("--encoding", default=DEFAULT_ENCODING, help="encoding of the haystack files")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=int, default=12)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--output-dir", type=Path, default=Path("runs/niah"))
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the facts, their depths and the distractors")
+    p.add_argument("--max-new-tokens", type=int, default=12, help="tokens generated for each answer")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype the weights are loaded in")
+    p.add_argument("--output-dir", type=Path, default=Path("runs/niah"), help="where the results go")
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-memory-check", action="store_true")
@@ -269,7 +270,7 @@ def run_niah(args: argparse.Namespace, accelerator=None) -> tuple[list[Question]
                 q.replaced = replaced
             questions.extend(got)
             if main_process:
-                print(f"  {report.row_label(name, request.label, replaced or None)}: exact "
+                print(f"  {tables.row_label(name, request.label, replaced or None)}: exact "
                       f"{sum(q.exact for q in got) / len(got):.0%}, mean log-prob "
                       f"{sum(q.logprob for q in got) / len(got):.2f} over {len(got)} questions "
                       f"({time.perf_counter() - started:.0f} s)", flush=True)
@@ -292,6 +293,6 @@ def run(args: argparse.Namespace) -> None:
             table = write_outputs(out, questions, settings, lengths, depths)
     if main_process:
         print()
-        print(report.retrieval_markdown(table, lengths, depths))
+        print(tables.retrieval_markdown(table, lengths, depths))
         print(f"wrote {args.output_dir}/niah.csv, niah.json, niah.png")
 

@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import report
+from . import tables
 from .estimates import check_memory, estimate_forward_bytes
 from .models import SMOLLM2, load_model, loader, model_name
 from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir_on_main, write_json
@@ -70,7 +70,7 @@ class Trial:
     answer: str
     correct: bool
     door: int | None = None  # the door asked about in the hard variant
-    replaced: str = ""  # the patch of a patched checkpoint that the method replaced (report.row_label)
+    replaced: str = ""  # the patch of a patched checkpoint that the method replaced (tables.row_label)
 
 
 def _ids(tokenizer, text: str) -> list[int]:
@@ -156,7 +156,7 @@ def run_trials(model, tokenizer, label_model: str, label_method: str, lengths: l
 def accuracy_table(trials: list[Trial]) -> dict[tuple[str, int, float], tuple[float, int]]:
     counts: dict[tuple[str, int, float], list[int]] = {}
     for t in trials:
-        key = (report.row_label(t.model, t.method, t.replaced or None), t.length, t.depth)
+        key = (tables.row_label(t.model, t.method, t.replaced or None), t.length, t.depth)
         c = counts.setdefault(key, [0, 0])
         c[0] += int(t.correct)
         c[1] += 1
@@ -166,12 +166,12 @@ def accuracy_table(trials: list[Trial]) -> dict[tuple[str, int, float], tuple[fl
 def write_outputs(directory: Path, trials: list[Trial], settings: dict, lengths: list[int],
                   depths: list[float]) -> dict:
     table = accuracy_table(trials)
-    report.write_passkey_csv(directory / "passkey.csv", table)
+    tables.write_passkey_csv(directory / "passkey.csv", table)
     write_json(directory / "passkey.json", {"settings": settings,
                                             "accuracy": [{"model": k[0], "length": k[1], "depth": k[2],
                                                           "accuracy": v[0], "trials": v[1]} for k, v in table.items()],
                                             "trials": [asdict(t) for t in trials]})
-    report.passkey_heatmap(directory / "passkey.png", table, lengths, depths)
+    tables.passkey_heatmap(directory / "passkey.png", table, lengths, depths)
     return table
 
 
@@ -184,12 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keys", type=int, default=1,
                    help="pass keys in the prompt, each for its own door; one is asked (default %(default)s)")
     p.add_argument("--key-digits", type=int, default=5, help="digits of each pass key (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the pass keys and where they go")
     p.add_argument("--filler-file", default=None, help="real text as filler instead of the repeated grass/sky lines")
-    p.add_argument("--encoding", default=DEFAULT_ENCODING, help="encoding of --filler-file (default utf-8)")
-    p.add_argument("--max-new-tokens", type=int, default=10)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--output-dir", type=Path, default=Path("runs/passkey"))
+    p.add_argument("--encoding", default=DEFAULT_ENCODING, help="encoding of --filler-file")
+    p.add_argument("--max-new-tokens", type=int, default=10, help="tokens generated for each answer")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype the weights are loaded in")
+    p.add_argument("--output-dir", type=Path, default=Path("runs/passkey"), help="where the results go")
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-memory-check", action="store_true")
@@ -247,7 +248,7 @@ def run_passkey(args: argparse.Namespace, accelerator=None) -> tuple[list[Trial]
             trials.extend(got)
             if main_process:
                 acc = sum(t.correct for t in got) / len(got)
-                print(f"  {report.row_label(name, request.label, replaced or None)}: accuracy {acc:.0%} over "
+                print(f"  {tables.row_label(name, request.label, replaced or None)}: accuracy {acc:.0%} over "
                       f"{len(got)} trials ({time.perf_counter() - t0:.0f} s)", flush=True)
     settings = {**settings_of(args),
                 "lengths": lengths, "depths": depths, "prompt": {"task": TASK, "garbage": GARBAGE,
@@ -269,5 +270,5 @@ def run(args: argparse.Namespace) -> None:
             table = write_outputs(out, trials, settings, lengths, depths)
     if main_process:
         print()
-        print(report.passkey_markdown(table, lengths, depths))
+        print(tables.passkey_markdown(table, lengths, depths))
         print(f"wrote {args.output_dir}/passkey.csv, passkey.json, passkey.png")

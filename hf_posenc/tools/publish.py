@@ -1,7 +1,7 @@
-"""``hf-posenc export`` and ``hf-posenc publish``: the command-line side of a saved checkpoint. The work is the
-library's (standalone code, model card, upload); these only parse options and print what happened.
+"""``hf-posenc publish``: upload a saved checkpoint to the Hugging Face Hub, with its model card. The work is the
+library's (``hf_posenc.push_to_hub``: model card, standalone code, upload); this only parses options and prints what
+happened.
 
-    hf-posenc export out/smollm2-alibi [out/smollm2-alibi-standalone]
     hf-posenc publish out/smollm2-alibi me/smollm2-alibi --private --evaluation runs/demo/results.csv \\
         --plot runs/demo/perplexity.png --base-model HuggingFaceTB/SmolLM2-135M-Instruct
     hf-posenc publish out/smollm2-alibi me/smollm2-alibi --dry-run /tmp/upload   # writes, lists, uploads nothing
@@ -15,22 +15,7 @@ import argparse
 from pathlib import Path
 
 
-def build_export_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-posenc export", description=(
-        "Add code to a saved hf_posenc checkpoint so that plain transformers loads it with "
-        "trust_remote_code=True, without hf_posenc installed."))
-    parser.add_argument("checkpoint", help="directory written by save_pretrained on a patched model")
-    parser.add_argument("output", nargs="?", help="write to this new directory instead of in place")
-    return parser
-
-
-def run_export(args: argparse.Namespace) -> None:
-    from hf_posenc.export import export_checkpoint
-
-    print(f"standalone checkpoint: {export_checkpoint(args.checkpoint, args.output)}")
-
-
-def build_publish_parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-posenc publish", description=(
         "Publish a saved hf_posenc checkpoint to the Hugging Face Hub, with its model card."))
     parser.add_argument("checkpoint", help="directory written by save_pretrained on a patched model")
@@ -53,7 +38,7 @@ def build_publish_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_publish(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> None:
     from hf_posenc import push_to_hub
 
     card = {key: value for key, value in dict(base_model=args.base_model, license=args.license,

@@ -1,282 +1,176 @@
-"""Tables and plots of the commands' results: perplexity vs context length (eval-ppl, main-job), passkey accuracy,
-and the demo's per-method perplexity. The commands compute; this module only formats and draws."""
+"""``hf-posenc report``: the results of several runs in one Markdown page with tables and plots, the thing users paste
+into a model card.
+
+    hf-posenc report runs/eval-ppl runs/passkey runs/niah runs/lm-eval --output-dir runs/report
+    hf-posenc publish CHECKPOINT --repo-id me/model --evaluation runs/report/report.md   # (or make_model_card)
+
+Each RUN_DIR is the ``--output-dir`` of an ``eval-ppl``, ``main-job``, ``passkey``, ``niah`` or ``lm-eval`` run (the
+command is read from the folder's ``hf_posenc_output.json``). The page has a section per run: what was run (model,
+methods, the main settings), its table and its plot. ``--output-dir`` receives ``report.md`` and the plots beside it
+(``<run>-<plot>.png``), so the folder can be uploaded as it is. Several runs of ``passkey``, ``niah`` or ``lm-eval``
+(say the original model, an extension and a fine-tuned swap, run apart) also get one section comparing every model of
+them in one table and one plot (``combined-<plot>.png``).
+"""
 
 from __future__ import annotations
 
-import csv
-import math
+import argparse
+import json
 from pathlib import Path
-from typing import Iterable
 
-from .runtime import UNPATCHED
+from . import tables
+from .outputs import MANIFEST, OVERWRITE_HELP, atomic_output_dir, check_output_dir, read_manifest
+from .runtime import UsageError
 
-PerplexityTable = dict[str, dict[int, float | None]]  # row label (model + method) -> length -> perplexity
-AccuracyTable = dict[tuple[str, int, float], tuple[float, int]]  # (label, length, depth) -> (accuracy, trials)
-
-
-def format_perplexity(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.2f}" if value < 1e5 else f"{value:.3g}"
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+# What each command leaves in its output folder: its JSON results and its plot.
+RESULT_FILES = {"eval-ppl": ("perplexity.json", "perplexity.png"), "main-job": ("main_job.json", "main_job.png"),
+                "passkey": ("passkey.json", "passkey.png"), "niah": ("niah.json", "niah.png"),
+                "lm-eval": ("lm_eval.json", "lm_eval.png")}
+SETTINGS_SHOWN = ("model", "method", "lengths", "depths", "trials", "keys", "key_digits", "needles", "distractors",
+                  "tasks", "limit", "num_fewshot", "max_windows", "stride", "text_file", "swap", "extension",
+                  "train_steps", "train_length", "num_processes")
 
 
-def row_label(model: str, method: str, replaced: str | None = None) -> str:
-    """The row of a model evaluated with a method; ``replaced``: the (trained) patch of a patched checkpoint that the
-    method replaced, so the row says that the checkpoint's own positional weights were not used."""
-    if method == UNPATCHED:
-        return model
-    return f"{model} with its {replaced} replaced by {method}" if replaced else f"{model} + {method}"
+def read_run(folder: Path) -> tuple[str, dict]:
+    """The command that wrote ``folder`` and its JSON results; a clear error for anything else."""
+    if not folder.is_dir():
+        raise UsageError(f"{folder} is not a folder; give the --output-dir folders of earlier runs")
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise UsageError(f"{folder} holds no {MANIFEST}: it is not the output of an hf-posenc run")
+    command = manifest.get("command")
+    if command not in RESULT_FILES:
+        raise UsageError(f"{folder} is the output of {command!r}, which has no results to report; give runs of "
+                         f"{', '.join(RESULT_FILES)}")
+    results = folder / RESULT_FILES[command][0]
+    try:
+        return command, json.loads(results.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{results} cannot be read ({exc}); run the command again") from None
 
 
-# --- perplexity vs context length -----------------------------------------------------------------------------
-def perplexity_markdown(table: PerplexityTable, lengths: list[int]) -> str:
-    lines = ["| model | " + " | ".join(str(n) for n in lengths) + " |",
-             "| --- | " + " | ".join("---:" for _ in lengths) + " |"]
-    for label, row in table.items():
-        lines.append(f"| {label} | " + " | ".join(format_perplexity(row.get(n)) for n in lengths) + " |")
-    return "\n".join(lines)
+def _settings_line(settings: dict) -> str:
+    shown = {k: settings[k] for k in SETTINGS_SHOWN if settings.get(k) not in (None, [], "")}
+    return "; ".join(f"{k.replace('_', '-')}: {v if not isinstance(v, list) else ', '.join(map(str, v))}"
+                     for k, v in shown.items())
 
 
-def write_perplexity_csv(path: Path, lengths: list[int], tables: dict[str | None, PerplexityTable]) -> None:
-    """A row per model and a column per length (jquesnelle/yarn's layout). ``tables`` maps a text's name to its
-    table; with one table under ``None`` there is no text column."""
-    by_text = list(tables) != [None]
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow((["text"] if by_text else []) + ["model", *lengths])
-        for text, table in tables.items():
-            for label, row in table.items():
-                cells = ["" if row.get(n) is None else f"{row[n]:.4f}" for n in lengths]
-                writer.writerow(([text] if by_text else []) + [label, *cells])
+def run_section(command: str, data: dict) -> str:
+    """The Markdown table of one run's results."""
+    settings = data.get("settings", {})
+    if command == "eval-ppl":
+        return _perplexity_markdown(data["table"])
+    if command == "main-job":
+        return "\n\n".join(f"Perplexity on {text}:\n\n" + _perplexity_markdown(run["table"])
+                            for text, run in data["perplexity"].items())
+    if command == "passkey":
+        table = {(r["model"], r["length"], r["depth"]): (r["accuracy"], r["trials"]) for r in data["accuracy"]}
+        return tables.passkey_markdown(table, settings["lengths"], settings["depths"])
+    if command == "niah":
+        table = {(r["model"], r["length"], r["depth"]): r for r in data["scores"]}
+        return ("Exact-match accuracy (mean log-probability per answer token):\n\n"
+                + tables.retrieval_markdown(table, settings["lengths"], settings["depths"]))
+    return tables.metric_markdown(data["rows"])  # lm-eval
 
 
-def plot_perplexity(path: Path, lengths: list[int],
-                    panels: dict[str, tuple[PerplexityTable, dict[str, int | None]]], title: str = "") -> None:
-    """Perplexity (log axis) vs length, a line per model and a star at the length it was trained at; a panel per
-    entry of ``panels`` (panel title -> (table, training length per row label))."""
-    plt = _pyplot()
-    fig = perplexity_figure(lengths, panels, title)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+def _perplexity_markdown(table: dict) -> str:
+    """The table of an eval-ppl JSON (row label -> length as text -> perplexity)."""
+    lengths = sorted({int(n) for row in table.values() for n in row})
+    return tables.perplexity_markdown({label: {int(n): v for n, v in row.items()} for label, row in table.items()},
+                                      lengths)
 
 
-def perplexity_figure(lengths: list[int], panels: dict[str, tuple[PerplexityTable, dict[str, int | None]]],
-                      title: str = ""):
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(panels), figsize=(1.2 + 5.2 * len(panels), 4.2), squeeze=False)
-    for ax, (panel_title, (table, trained_at)) in zip(axes[0], panels.items()):
-        for label, row in table.items():
-            xs = [n for n in lengths if row.get(n) is not None and math.isfinite(row[n])]
-            ys = [row[n] for n in xs]
-            trained = trained_at.get(label)
-            (line,) = ax.plot(xs, ys, marker="o", markersize=3,
-                              label=label + (f" (trained at {trained})" if trained else ""))
-            if trained and xs and xs[0] <= trained <= xs[-1]:
-                ax.plot([trained], [_interpolate_log_log(trained, xs, ys)], marker="*", markersize=13,
-                        color=line.get_color(), markeredgecolor="black", linestyle="none")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(lengths, [str(n) for n in lengths], fontsize=8)
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("perplexity, log scale (lower is better)")
-        ax.set_title(panel_title, fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    return fig
+TITLES = {"eval-ppl": "Perplexity vs context length", "main-job": "Main job: perplexity vs context length",
+          "passkey": "Passkey retrieval", "niah": "Needle in a haystack", "lm-eval": "Short-context tasks (lm-eval)"}
 
 
-def _interpolate_log_log(x: float, xs: list[int], ys: list[float]) -> float:
-    """The line's value at ``x`` as drawn on log-log axes: linear in log(x) and log(y) between the points around
-    it."""
-    log_xs, t = [math.log(v) for v in xs], math.log(x)
-    for i in range(len(xs) - 1):
-        if log_xs[i] <= t <= log_xs[i + 1]:
-            w = 0.0 if log_xs[i + 1] == log_xs[i] else (t - log_xs[i]) / (log_xs[i + 1] - log_xs[i])
-            return math.exp(math.log(ys[i]) + w * (math.log(ys[i + 1]) - math.log(ys[i])))
-    return ys[-1]
+def _numbers(values) -> list:
+    return sorted({float(v) if not float(v).is_integer() else int(v) for v in values})
 
 
-# --- passkey --------------------------------------------------------------------------------------------------
-def passkey_markdown(table: AccuracyTable, lengths: list[int], depths: list[float]) -> str:
-    lines = ["| model | length | " + " | ".join(f"depth {d:g}" for d in depths) + " |",
-             "| --- | ---: | " + " | ".join("---:" for _ in depths) + " |"]
-    for label in dict.fromkeys(key[0] for key in table):
-        for n in lengths:
-            cells = [table.get((label, n, d)) for d in depths]
-            if any(cells):
-                lines.append(f"| {label} | {n} | " + " | ".join("-" if c is None else f"{c[0]:.0%}" for c in cells)
-                             + " |")
-    return "\n".join(lines)
+def combined_section(command: str, runs: list[tuple[str, dict]], output: Path) -> str:
+    """One table and one plot of every model in several runs of the same command (passkey, niah or lm-eval), over
+    the union of their lengths and depths ("-" where no run measured a cell). Runs of one model at other lengths (or
+    tasks) share its row; a row whose cells another run measured too gets the run's name."""
+    key = {"passkey": "accuracy", "niah": "scores", "lm-eval": "rows"}[command]
+    cell = (lambda r: (r["task"], r["metric"])) if command == "lm-eval" else (lambda r: (r["length"], r["depth"]))
+    measured: dict[str, set] = {}  # row label -> cells of the runs seen so far
+    rows = []
+    for name, data in runs:
+        mine: dict[str, set] = {}
+        for r in data[key]:
+            mine.setdefault(r["model"], set()).add(cell(r))
+        renamed = {label: f"{label} ({name})" if cells & measured.get(label, set()) else label
+                   for label, cells in mine.items()}
+        for label, cells in mine.items():
+            measured.setdefault(renamed[label], set()).update(cells)
+        rows += [{**r, "model": renamed[r["model"]]} for r in data[key]]
+    if command == "lm-eval":
+        tables.metric_bars(output / "combined-lm_eval.png", rows)
+        return tables.metric_markdown(rows) + "\n\n![lm-eval, every run](combined-lm_eval.png)"
+    lengths = _numbers(r["length"] for r in rows)
+    depths = _numbers(r["depth"] for r in rows)
+    if command == "passkey":
+        table = {(r["model"], r["length"], r["depth"]): (r["accuracy"], r["trials"]) for r in rows}
+        tables.passkey_heatmap(output / "combined-passkey.png", table, lengths, depths)
+        return tables.passkey_markdown(table, lengths, depths) + "\n\n![passkey, every run](combined-passkey.png)"
+    table = {(r["model"], r["length"], r["depth"]): r for r in rows}
+    tables.retrieval_heatmaps(output / "combined-niah.png", table, lengths, depths, "needle depth")
+    return ("Exact-match accuracy (mean log-probability per answer token):\n\n"
+            + tables.retrieval_markdown(table, lengths, depths) + "\n\n![needle in a haystack, every run]"
+            "(combined-niah.png)")
 
 
-def write_passkey_csv(path: Path, table: AccuracyTable) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow(["model", "length", "depth", "accuracy", "trials"])
-        for (label, length, depth), (accuracy, trials) in table.items():
-            writer.writerow([label, length, depth, f"{accuracy:.4f}", trials])
+def build_report(run_dirs: list[Path], output: Path, title: str = "Evaluation") -> str:
+    """Write the plots of ``run_dirs`` into ``output`` and return the page (written by the caller). Several runs of
+    passkey, niah or lm-eval also get a section comparing them all in one table and plot."""
+    sections = [f"# {title}"]
+    names: set[str] = set()
+    by_command: dict[str, list[tuple[str, dict]]] = {}
+    for folder in run_dirs:
+        command, data = read_run(folder)
+        name = folder.resolve().name
+        while name in names:  # two runs with the same folder name
+            name += "-2"
+        names.add(name)
+        by_command.setdefault(command, []).append((name, data))
+        section = [f"## {TITLES[command]} ({name})"]
+        settings_line = _settings_line(data.get("settings", {}))
+        if settings_line:
+            section.append(f"`hf-posenc {command}`: {settings_line}.")
+        section.append(run_section(command, data))
+        plot = folder / RESULT_FILES[command][1]
+        if plot.is_file():
+            copied = f"{name}-{plot.name}"
+            (output / copied).write_bytes(plot.read_bytes())
+            section.append(f"![{TITLES[command]}]({copied})")
+        sections.append("\n\n".join(section))
+    for command, runs in by_command.items():
+        if command in ("passkey", "niah", "lm-eval") and len(runs) > 1:
+            sections.append(f"## {TITLES[command]}: every run ({', '.join(name for name, _ in runs)})\n\n"
+                            + combined_section(command, runs, output))
+    return "\n\n".join(sections) + "\n"
 
 
-def passkey_heatmap(path: Path, table: AccuracyTable, lengths: list[int], depths: list[float]) -> None:
-    """Accuracy per prompt length (x) and passkey depth (y), one panel per model."""
-    plt = _pyplot()
-    labels = list(dict.fromkeys(key[0] for key in table))
-    fig, axes = plt.subplots(1, len(labels), figsize=(1.2 + 0.9 * len(lengths) * len(labels) + 1.5 * len(labels),
-                                                      0.5 * len(depths) + 1.8), squeeze=False)
-    for ax, label in zip(axes[0], labels):
-        grid = [[table.get((label, n, d), (float("nan"), 0))[0] for n in lengths] for d in depths]
-        image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
-        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
-        ax.set_xlabel("prompt length (tokens)", fontsize=8)
-        ax.set_ylabel("passkey depth", fontsize=8)
-        ax.set_title(label, fontsize=8)
-        for y, row in enumerate(grid):
-            for x, value in enumerate(row):
-                ax.text(x, y, "-" if math.isnan(value) else f"{value:.0%}", ha="center", va="center", fontsize=7)
-    fig.colorbar(image, ax=axes[0].tolist(), fraction=0.03, label="accuracy")
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hf-posenc report",
+                                description="several runs' results in one Markdown page with tables and plots",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("run_dirs", nargs="+", type=Path,
+                   help="output folders of eval-ppl, main-job, passkey, niah, lm-eval")
+    p.add_argument("--title", default="Evaluation", help="the page's title")
+    p.add_argument("--output-dir", type=Path, default=Path("runs/report"),
+                   help="where report.md and its plots go")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    return p
 
 
-# --- retrieval scored two ways (needle in a haystack) ---------------------------------------------------------
-RetrievalTable = dict[tuple[str, int, float], dict[str, float]]  # (label, length, depth) -> exact, logprob, ...
-
-
-def write_rows_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows({k: f"{v:.4f}" if isinstance(v, float) else v for k, v in row.items()} for row in rows)
-
-
-def retrieval_markdown(table: RetrievalTable, lengths: list[int], depths: list[float]) -> str:
-    """Exact-match accuracy (mean log-probability of the answer) per length and depth."""
-    lines = ["| model | length | " + " | ".join(f"depth {d:g}" for d in depths) + " |",
-             "| --- | ---: | " + " | ".join("---:" for _ in depths) + " |"]
-    for label in dict.fromkeys(key[0] for key in table):
-        for n in lengths:
-            cells = [table.get((label, n, d)) for d in depths]
-            if not any(cells):  # a length this model was not run at (a report of several runs)
-                continue
-            lines.append(f"| {label} | {n} | " + " | ".join(
-                "-" if c is None else f"{c['exact']:.0%} ({c['logprob']:.2f})" for c in cells) + " |")
-    return "\n".join(lines)
-
-
-def retrieval_heatmaps(path: Path, table: RetrievalTable, lengths: list[int], depths: list[float],
-                       depth_label: str) -> None:
-    """Per model a column of two heat-maps over length (x) and depth (y): exact-match accuracy, and the answer's
-    mean log-probability per token (shared colour scale across models)."""
-    plt = _pyplot()
-    labels = list(dict.fromkeys(key[0] for key in table))
-    logprobs = [cell["logprob"] for cell in table.values() if math.isfinite(cell["logprob"])] or [0.0]
-    low, high = min(logprobs), max(max(logprobs), min(logprobs) + 1e-6)
-    fig, axes = plt.subplots(2, len(labels), squeeze=False, layout="constrained",
-                             figsize=(2 + (0.9 * len(lengths) + 2) * len(labels), 2 * (0.5 * len(depths) + 2)))
-    for column, label in enumerate(labels):
-        for row, (score, vmin, vmax, cmap, fmt) in enumerate((("exact", 0, 1, "RdYlGn", "{:.0%}"),
-                                                             ("logprob", low, high, "viridis", "{:.2f}"))):
-            ax = axes[row][column]
-            grid = [[table.get((label, n, d), {}).get(score, float("nan")) for n in lengths] for d in depths]
-            image = ax.imshow(grid, vmin=vmin, vmax=vmax, cmap=cmap, aspect="auto")
-            ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
-            ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
-            ax.set_xlabel("prompt length (tokens)", fontsize=8)
-            if column == 0:
-                ax.set_ylabel(depth_label, fontsize=8)
-            ax.set_title(f"{label}: {'exact match' if score == 'exact' else 'answer log-prob / token'}", fontsize=8)
-            for y, values in enumerate(grid):
-                for x, value in enumerate(values):
-                    ax.text(x, y, "-" if math.isnan(value) else fmt.format(value), ha="center", va="center",
-                            fontsize=7)
-            if column == len(labels) - 1:
-                fig.colorbar(image, ax=axes[row].tolist(), fraction=0.03)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-
-
-# --- metrics of several tasks (lm-eval) --------------------------------------------------------------------------
-def metric_markdown(rows: list[dict]) -> str:
-    """A row per task and metric, a column per model: ``value +- stderr``."""
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    cells = {(r["task"], r["metric"], r["model"]): r for r in rows}
-    lines = ["| task | metric | " + " | ".join(models) + " |",
-             "| --- | --- | " + " | ".join("---:" for _ in models) + " |"]
-    for task, metric in dict.fromkeys((r["task"], r["metric"]) for r in rows):
-        values = []
-        for model in models:
-            r = cells.get((task, metric, model))
-            values.append("-" if r is None else f"{r['value']:.4g}" + (
-                f" \u00b1 {r['stderr']:.2g}" if math.isfinite(r.get("stderr", math.nan)) else ""))
-        lines.append(f"| {task} | {metric} | " + " | ".join(values) + " |")
-    return "\n".join(lines)
-
-
-def metric_bars(path: Path, rows: list[dict]) -> None:
-    """A panel per task and metric, a bar per model with its standard error."""
-    plt = _pyplot()
-    panels = list(dict.fromkeys((r["task"], r["metric"]) for r in rows))
-    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(1 + 3.2 * max(1, len(panels)), 3.6), squeeze=False)
-    for ax, (task, metric) in zip(axes[0], panels):
-        chosen = [r for r in rows if (r["task"], r["metric"]) == (task, metric)]
-        errors = [r["stderr"] if math.isfinite(r.get("stderr", math.nan)) else 0.0 for r in chosen]
-        ax.bar(range(len(chosen)), [r["value"] for r in chosen], yerr=errors, capsize=3)
-        ax.set_xticks(range(len(chosen)), [r["model"] for r in chosen], rotation=30, ha="right", fontsize=7)
-        ax.set_title(f"{task}: {metric}", fontsize=9)
-        ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-# --- the demo: one perplexity per method ----------------------------------------------------------------------
-def demo_markdown(results: Iterable) -> str:
-    """A row per method result (``method``, ``perplexity``, ``n_scored_tokens``, ``seconds``, ``continuation``,
-    ``error``)."""
-    lines = ["| method | perplexity | tokens scored | seconds | continuation |",
-             "| --- | ---: | ---: | ---: | --- |"]
-    for r in results:
-        continuation = f"ERROR {r.error}" if r.error else repr(r.continuation)
-        lines.append(f"| {r.method} | {format_perplexity(r.perplexity)} | {r.n_scored_tokens} | "
-                     f"{r.seconds:.1f} | {_cell(continuation)} |")
-    return "\n".join(lines)
-
-
-def _cell(text: str, limit: int = 120) -> str:
-    text = " ".join(text.split()).replace("|", "\\|")
-    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
-
-
-def plot_demo_perplexity(path: Path, results: list, title: str, unpatched: str = "none") -> None:
-    """A bar per method (the unpatched model in grey), log scale when the values span more than 20x."""
-    plt = _pyplot()
-    names = [r.method for r in results]
-    values = [r.perplexity if r.perplexity is not None and math.isfinite(r.perplexity) else 0.0 for r in results]
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(names) + 1.5), 4.0))
-    bars = ax.bar(names, values, color=["tab:gray" if n == unpatched else "tab:blue" for n in names])
-    finite = [v for v in values if v > 0]
-    if finite and max(finite) / min(finite) > 20:
-        ax.set_yscale("log")
-    for bar, r in zip(bars, results):
-        label = "error" if r.perplexity is None else format_perplexity(r.perplexity)
-        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, max(bar.get_height(), min(finite or [1]))),
-                    ha="center", va="bottom", fontsize=8)
-    ax.set_ylabel("perplexity (lower is better)")
-    ax.set_title(title, fontsize=9)
-    ax.tick_params(axis="x", labelrotation=30)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def run(args: argparse.Namespace) -> None:
+    for folder in args.run_dirs:  # every run readable before anything is written
+        read_run(folder)
+    check_output_dir(args.output_dir, "report", args.overwrite)
+    with atomic_output_dir(args.output_dir, "report", args.overwrite) as out:
+        page = build_report(args.run_dirs, out, args.title)
+        (out / "report.md").write_text(page, encoding="utf-8")
+    print(page)
+    print(f"wrote {args.output_dir}/report.md and its plots")

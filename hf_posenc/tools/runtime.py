@@ -122,6 +122,16 @@ def versions() -> dict[str, str]:
             "accelerate": accelerate.__version__}
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's formatter that shows each option's default in --help, except where there is none to show (None,
+    a flag's False) or the help already says it in its own words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def settings_from(parser, **overrides):
     """The settings of a run as its command line would give them: ``parser``'s defaults with ``overrides`` (keyword
     names as the options', '-' -> '_'), for calling a command's run function from code."""

@@ -248,12 +248,12 @@ def add_text_arguments(parser: argparse.ArgumentParser, split: str = "test") -> 
     g = parser.add_argument_group("text")
     g.add_argument("--text-file", action="append", default=None, help="text file or glob; repeatable")
     g.add_argument("--encoding", default=DEFAULT_ENCODING,
-                   help="encoding of the text files (default utf-8; a file that does not decode is refused, naming "
-                        "the byte; e.g. cp1252 or latin-1 for older files)")
+                   help="encoding of the text files (a file that does not decode is refused, naming the byte; e.g. "
+                        "cp1252 or latin-1 for older files)")
     g.add_argument("--dataset", default=None, help="a datasets name or path (Hub, offline cache, or local)")
-    g.add_argument("--dataset-config", default=None)
-    g.add_argument("--split", default=split, help="dataset split (default %(default)s)")
-    g.add_argument("--text-column", default="text")
+    g.add_argument("--dataset-config", default=None, help="the dataset's configuration name, where it has several")
+    g.add_argument("--split", default=split, help="dataset split")
+    g.add_argument("--text-column", default="text", help="the dataset's column that holds the text")
     g.add_argument("--text-fraction", default=None,
                    help="part of every document to use, START:END fractions, e.g. 0:0.8 or 0.8:1 (default: all)")
     g.add_argument("--start-text", default=None, help="start each text file at the first occurrence of this string")

@@ -121,11 +121,25 @@ def test_help_shows_defaults_version_and_the_learning_rate_alias(capsys):
     with pytest.raises(SystemExit):
         run_cli("finetune", ["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--lora-r LORA_R default: 8" in text and "--lora-dropout LORA_DROPOUT default: 0.0" in text
+    assert "--lora-r LORA_R LoRA rank (default: 8)" in text and "(default: 0.0)" in text
     assert "optimizer steps (default: 100)" in text and "(default: --lr)" in text  # its own words kept
+    assert "(default: None)" not in text and "(default: False)" not in text  # nothing to show: left out
     assert cli.main(["--version"]) == 0 and capsys.readouterr().out.strip().endswith(hf_posenc.__version__)
     assert finetune.build_parser().parse_args(["--learning-rate", "1e-3"]).lr == 1e-3
     assert main_job.build_parser().parse_args(["--learning-rate", "2e-4"]).lr == 2e-4
+
+
+def test_every_option_with_a_default_says_it_in_help():
+    """argparse's ArgumentDefaultsHelpFormatter shows a default only for an option with a help text: every option of
+    every command that has a default to show has one, so none is left without its default."""
+    import argparse
+    import importlib
+
+    for name, command in cli.COMMANDS.items():
+        parser = importlib.import_module(f"hf_posenc.tools.{command.module}").build_parser()
+        silent = [action.option_strings[0] for action in parser._actions if action.option_strings
+                  and action.help is None and not any(action.default is v for v in (None, False, argparse.SUPPRESS))]
+        assert not silent, f"{name}: {silent} have a default and no help"
 
 
 def test_help_and_import_do_not_load_torch():

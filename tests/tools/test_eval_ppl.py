@@ -193,10 +193,10 @@ def test_a_long_evaluation_is_announced_with_its_estimate(tiny_dir, tmp_path, ca
 def test_plot_shows_perplexity_on_a_log_axis_and_stars_only_trained_rows():
     """Perplexity on a log axis (was log perplexity on a linear one); "trained at N" only where a length is known
     (an untrained swap has none; issue 19, item 10)."""
-    from hf_posenc.tools import report
+    from hf_posenc.tools import tables
 
     table = {"smollm2": {256: 30.0, 512: 25.0}, "smollm2 + kerple": {256: 180.0, 512: 190.0}}
-    fig = report.perplexity_figure([256, 512], {"text": (table, {"smollm2": 512, "smollm2 + kerple": None})})
+    fig = tables.perplexity_figure([256, 512], {"text": (table, {"smollm2": 512, "smollm2 + kerple": None})})
     ax = fig.axes[0]
     assert ax.get_yscale() == "log" and ax.get_ylabel().startswith("perplexity")
     assert [text.get_text() for text in ax.get_legend().get_texts()] == ["smollm2 (trained at 512)",

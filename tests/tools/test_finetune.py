@@ -271,6 +271,17 @@ def test_method_options_in_the_method_and_repeated():
         finetune.settings(max_step=3)
 
 
+def test_every_offered_schedule_is_one_transformers_builds_from_warmup_and_steps():
+    """--lr-scheduler offers transformers' schedules (the parser keeps their names, so that --help imports no
+    transformers): each is a transformers SchedulerType that get_scheduler builds from warm-up and total steps."""
+    from transformers import SchedulerType, get_scheduler
+
+    for name in finetune.LR_SCHEDULERS:
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        scheduler = get_scheduler(SchedulerType(name), optimizer, num_warmup_steps=2, num_training_steps=10)
+        assert scheduler.get_last_lr() == [1.0 if name == "constant" else 0.0], name  # warm-up starts at 0
+
+
 def test_lora_leaves_out_projections_the_patch_hooks():
     from tiny_models import tiny_model
 

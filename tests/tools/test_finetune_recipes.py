@@ -1,5 +1,5 @@
 """The fine-tune's recipes (issue 18): PoSE position ids, positions that restart at each packed document, and
-distillation from the original model (tools/training_positions.py, tools/distill.py, tools/finetune.py)."""
+distillation from the original model (tools/finetune/positions.py, tools/finetune/teacher.py, tools/finetune/)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from tool_helpers import BOOK, WIKI, run_cli, save_tiny_model
 
 import hf_posenc
-from hf_posenc.tools.distill import Teacher, distillation_loss, mixed_loss, unpatched
-from hf_posenc.tools.training_positions import pack_documents, pose_chunks, pose_position_ids
+from hf_posenc.tools.finetune.positions import pack_documents, pose_chunks, pose_position_ids
+from hf_posenc.tools.finetune.teacher import Teacher, distillation_loss, mixed_loss, unpatched
 from tiny_models import random_ids, tiny_model
 
 

@@ -8,7 +8,7 @@ import pytest
 from tool_helpers import BOOK, run_cli, save_tiny_model
 
 import hf_posenc
-from hf_posenc.tools import collect
+from hf_posenc.tools import report
 
 pytestmark = pytest.mark.skipif(not BOOK.is_file(), reason="../shared/data is not there")
 
@@ -105,4 +105,4 @@ def test_bad_input_is_one_line(runs, tmp_path, capsys):
         assert "passkey.json cannot be read" in capsys.readouterr().err
     finally:
         (runs / "pk" / "moved.json").rename(runs / "pk" / "passkey.json")
-    assert collect.read_run(runs / "pk")[0] == "passkey"
+    assert report.read_run(runs / "pk")[0] == "passkey"

@@ -4,22 +4,43 @@ Each is written into a partial folder (``.hf_posenc-partial-step-N``) and rename
 so a kill while saving leaves no ``step-N`` behind. Its ``trainer_state.json``, written last and atomically, lists the
 size of every file in it: ``--resume-from latest`` takes the newest checkpoint that is complete, saying which ones it
 skipped (one cut short by an older version, or damaged since), and a named one that is not complete is refused.
+What is in it (model, optimizer, schedule, RNG states) is accelerate's ``save_state`` / ``load_state``; the naming,
+the staging and the limit are ours (see ``save_checkpoint``). ``--resume-from`` is refused where the checkpoint was
+saved with other settings (``RESUME_SETTINGS``).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .outputs import PARTIAL, error_text, fsync_dir, mark_work_dir, unmark_work_dir, write_json
-from .runtime import UsageError
+from ..outputs import PARTIAL, error_text, fsync_dir, mark_work_dir, unmark_work_dir, write_json
+from ..runtime import MethodRequest, UsageError
 
 STATE_FILE = "trainer_state.json"
 _PROGRESS_KEYS = ("step", "epoch", "batches_in_epoch", "log")
+# What a resumed run must share with the run that saved the checkpoint: the model, what trains, the data, the schedule.
+# (--method is compared as the method and options it resolves to, whichever way it was spelled.)
+RESUME_SETTINGS = ("model", "dtype", "train_only", "lora_r", "lora_alpha", "lora_dropout", "text_file", "encoding",
+                   "dataset", "dataset_config", "split", "text_column", "text_fraction", "start_text", "max_length",
+                   "batch_size", "gradient_accumulation_steps", "eval_blocks", "seed", "max_steps", "lr",
+                   "positional_lr", "weight_decay", "lr_scheduler", "warmup_steps", "pose_target_length",
+                   "pose_chunks", "document_restarts", "distill_from", "distill_temperature", "distill_alpha")
+
+
+@dataclass
+class Progress:
+    """Where training stands; saved with every resumable checkpoint."""
+    step: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0  # batches of the current epoch already trained (skipped when resuming)
+    log: list[dict] = field(default_factory=list)
 
 
 class IncompleteCheckpoint(UsageError):
@@ -73,6 +94,9 @@ def save_checkpoint(accelerator, directory: Path, progress, limit: int, run_sett
     only the newest ``limit`` of ours are kept. One that cannot be written (a full disk) is left out with a one-line
     warning and training goes on: the run is not lost for it, and its end still saves the model or says where it
     went."""
+    # Staging, naming and `limit` are ours, not ProjectConfiguration(total_limit=...): accelerate 1.16 saves
+    # checkpoint_N in place and removes the oldest before the new one is written, and its load_state() takes the
+    # highest number unchecked, so a kill or a full disk mid-save would leave an incomplete newest and one fewer.
     name = f"step-{progress.step}"
     partial = directory / f"{PARTIAL}{name}"
     main = accelerator.is_main_process
@@ -139,3 +163,59 @@ def _finish(partial: Path, final: Path, progress, run_settings: dict[str, Any]) 
         shutil.rmtree(final)
     os.replace(partial, final)
     fsync_dir(final.parent)
+
+
+def resume_settings(args: argparse.Namespace, request: MethodRequest | None) -> dict[str, Any]:
+    """The settings a resumed run must share with the one that saved the checkpoint (RESUME_SETTINGS), as JSON."""
+    settings = {name: getattr(args, name) for name in RESUME_SETTINGS}
+    settings["method"] = None if request is None else request.settings()  # every option, defaults included
+    return json.loads(json.dumps(settings, default=str))
+
+
+def resume_point(args: argparse.Namespace, checkpoint_dir: Path, run_settings: dict[str, Any],
+                 verbose: bool = True) -> Path | None:
+    """The checkpoint ``--resume-from`` names (a folder, or ``latest`` in ``checkpoint_dir``: the newest complete
+    one), or None; refused when it is not complete, or was saved with other settings (another --method would fail
+    on loading, another --max-length would go on silently with other data)."""
+    if not args.resume_from:
+        return None
+    say = (lambda line: print(line, file=sys.stderr, flush=True)) if verbose else None
+    resume = latest_checkpoint(checkpoint_dir, say) if args.resume_from == "latest" else Path(args.resume_from)
+    if resume is None or not (resume / STATE_FILE).is_file():
+        raise UsageError(f"--resume-from {args.resume_from}: no checkpoint there "
+                         f"(looked for {STATE_FILE} in {resume or checkpoint_dir})")
+    try:
+        saved = read_state(resume).get("settings")
+    except IncompleteCheckpoint as why:
+        raise UsageError(f"--resume-from {resume} is not a complete checkpoint ({why}); resume from an earlier one, "
+                         "or pass --resume-from latest to take the newest complete one") from None
+    if saved is None:
+        return resume  # written before the settings were recorded
+    differ = [name for name in run_settings if saved.get(name) != run_settings[name]]
+    if differ:
+        shown = "; ".join(f"{_resume_option(name)} {_shown(saved.get(name))} there, {_shown(run_settings[name])} now"
+                          for name in differ)
+        raise UsageError(f"--resume-from {resume} was saved with other settings ({shown}); resume with the settings "
+                         "it was saved with, or start a new run without --resume-from")
+    return resume
+
+
+def _resume_option(name: str) -> str:
+    return "--method" if name == "method" else "--" + name.replace("_", "-")
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, dict) and "method" in value:  # a method's config
+        options = {key: option for key, option in value.items() if key != "method"}
+        return value["method"] + (f" {json.dumps(options)}" if options else "")
+    return "unset" if value is None else str(value)
+
+
+def resume_progress(accelerator, resume: Path | None) -> Progress:
+    if resume is None:
+        return Progress()
+    accelerator.load_state(str(resume))
+    state = read_state(resume)
+    if accelerator.is_main_process:
+        print(f"resumed from {resume} at step {state['step']}", flush=True)
+    return Progress(state["step"], state["epoch"], state["batches_in_epoch"], state["log"])

@@ -24,9 +24,11 @@ import contextlib
 import copy
 from typing import TYPE_CHECKING, Any
 
-from .runtime import uncompiled
+from ..runtime import DTYPES, uncompiled
 
 if TYPE_CHECKING:
+    import argparse
+
     import torch
 
 
@@ -72,7 +74,7 @@ class Teacher:
     def loaded(cls, path: str, dtype) -> "Teacher":
         from hf_posenc.registry import get_family
 
-        from .models import load_model
+        from ..models import load_model
 
         teacher, _ = load_model(path, dtype=dtype, verbose=False)
         teacher.eval().requires_grad_(False)
@@ -97,6 +99,15 @@ class Teacher:
                 return self.model(**inputs).logits
             with unpatched(student) as model:
                 return model(**inputs).logits
+
+
+def make_teacher(args: argparse.Namespace, model) -> Teacher | None:
+    """The teacher ``--distill-from`` asks for (None without it); made before the patch is applied."""
+    if args.distill_from is None:
+        return None
+    if args.distill_from == "original":
+        return Teacher.original(model, frozen_base=args.train_only != "all")
+    return Teacher.loaded(args.distill_from, DTYPES[args.dtype])
 
 
 def _inner_model(model):

@@ -1,0 +1,197 @@
+"""What ``hf-posenc finetune`` builds before its loop: the accelerator (and its trackers), what trains
+(``--train-only``: the positional parameters, all, or LoRA), the optimizer, the transformers schedule and the data
+loaders, prepared by accelerate (``Training``); and their release at the end."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ...registry import get_family
+from ..estimates import check_memory, estimate_training_bytes
+from ..runtime import UsageError
+from .data import TrainingData
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class Training:
+    """The prepared pieces of a run (after ``accelerator.prepare``)."""
+    accelerator: Any
+    model: Any
+    trainable: list[torch.nn.Parameter]
+    optimizer: Any
+    scheduler: Any
+    loader: Any
+    eval_loader: Any
+    warmup_steps: int
+    teacher: Any = None  # teacher.Teacher under --distill-from
+    restarts: bool = False  # position ids restart at each document (--document-restarts, where the model takes them)
+    compiled_step: dict | None = None  # the check of a compiled step (accelerate's --dynamo_backend), once made
+
+
+def make_accelerator(args: argparse.Namespace, trackers: list[str], logging_dir: Path):
+    """accelerate's Accelerator for the run (mixed precision, accumulation, trackers, seedable data order); a launch
+    configuration that needs GPUs on a CPU-only machine is refused in one line."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
+    from accelerate.utils.environment import parse_flag_from_env
+
+    needs_gpus = ("this accelerate configuration needs GPUs ({}); on a CPU-only machine launch with "
+                  "scripts/accelerate_configs/ddp.yaml (several CPU processes) or cpu_single.yaml")
+    # Told by the launcher's environment, not by the plugin's error: accelerate 1.16 refuses FSDP on the CPU with
+    # another message ("sync_module_states=True is not supported on cpu") than 1.15 did ("no available devices").
+    if parse_flag_from_env("ACCELERATE_USE_FSDP") and not torch.cuda.is_available():
+        raise UsageError(needs_gpus.format("FSDP, and torch sees no CUDA device"))
+    try:
+        return Accelerator(
+            mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.gradient_accumulation_steps,
+            cpu=not torch.cuda.is_available(), log_with=trackers or None,
+            project_config=ProjectConfiguration(project_dir=str(logging_dir), logging_dir=str(logging_dir))
+            if trackers else None,
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    except RuntimeError as error:
+        if "no available devices" not in str(error):
+            raise
+        # accelerate's FSDP and DeepSpeed plugins need an accelerator: they refuse CPU-only machines.
+        raise UsageError(needs_gpus.format(error)) from None
+
+
+def trackers_for(report_to: str, logging_dir: Path) -> list[str]:
+    """The accelerate trackers asked for; a named one whose package is missing is an error, not a silent no-op."""
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, filter_trackers, get_available_trackers
+
+    if report_to in ("none", "", None):
+        return []
+    if report_to == "all":
+        return filter_trackers("all", str(logging_dir))
+    wanted = [t.strip() for t in report_to.split(",") if t.strip()]
+    unknown = [t for t in wanted if t not in LOGGER_TYPE_TO_CLASS]
+    if unknown:
+        raise UsageError(f"--report-to {', '.join(unknown)}: unknown tracker; accelerate knows "
+                         f"{', '.join(sorted(LOGGER_TYPE_TO_CLASS))}")
+    # Checked here rather than by filter_trackers: that one logs the missing tracker through accelerate's logger,
+    # which raises before an Accelerator exists.
+    available = [str(t) for t in get_available_trackers()]
+    missing = [t for t in wanted if t not in available]
+    if missing:
+        raise UsageError(f"--report-to {', '.join(missing)}: its package is not installed (pip install "
+                         f"{' '.join(missing)}), or leave it out")
+    return wanted
+
+
+def positional_parameters(model) -> list[torch.nn.Parameter]:
+    from hf_posenc import get_positional_module
+
+    module = get_positional_module(model)
+    return [] if module is None else list(module.parameters())
+
+
+def select_trainable(model, train_only: str, args: argparse.Namespace):
+    """Set ``requires_grad`` per ``--train-only``; returns (model, positional parameter ids). For ``lora`` the
+    model comes back wrapped in a PEFT model."""
+    positional = positional_parameters(model)
+    positional_ids = {id(p) for p in positional}
+    if train_only == "positional":
+        if not positional:
+            raise UsageError("--train-only positional: this patch has no trainable parameters (only trainable "
+                             "methods have them, e.g. alibi with trainable=true, fire, t5, kerple, learned); "
+                             "use --train-only all or lora")
+        for p in model.parameters():
+            p.requires_grad_(id(p) in positional_ids)
+    elif train_only == "all":
+        for p in model.parameters():
+            p.requires_grad_(True)
+    else:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError:
+            raise UsageError("--train-only lora needs PEFT: pip install peft") from None
+        config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                            target_modules=lora_targets(model), bias="none", task_type="CAUSAL_LM")
+        model = get_peft_model(model, config)
+        for p in positional:  # PEFT froze everything that is not LoRA; the positional parameters train too
+            p.requires_grad_(True)
+    return model, positional_ids
+
+
+def lora_targets(model) -> list[str]:
+    """Full names of the attention projections LoRA wraps. A projection that carries a hook of the positional
+    patch (RoPE on GPT-2 / BLOOM rotates the fused qkv output in a forward hook) is left out: PEFT would add its
+    update after the hook, unrotated."""
+    modules = dict(model.named_modules())
+    names, hooked = [], []
+    for name in get_family(model.config).lora_target_modules(model):
+        module = modules[name]
+        (hooked if module._forward_hooks or module._forward_pre_hooks else names).append(name)
+    if hooked:
+        print(f"LoRA leaves out {len(hooked)} projection(s) that the positional patch hooks "
+              f"(e.g. {hooked[0]}); they stay frozen", file=sys.stderr)
+    if not names:
+        raise UsageError("--train-only lora: no attention projection of this model can take LoRA "
+                         f"(hooked by the patch: {len(hooked)})")
+    return names
+
+
+def enable_gradient_checkpointing(model):
+    """Non-reentrant gradient checkpointing of every decoder layer of `model` (of a PEFT wrapper's base model, which
+    it returns), through `activation_checkpointing_enable` where transformers has it: 5.23 deprecates
+    `gradient_checkpointing_enable`, which warns on every call, for removal in v6."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    options = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+    return base
+
+
+def prepare_training(args: argparse.Namespace, accelerator, model, data: TrainingData, teacher=None) -> Training:
+    """Choose what trains, check the memory it needs, and build the optimizer, schedule and data loaders."""
+    import torch
+    from transformers import get_scheduler
+
+    model, positional_ids = select_trainable(model, args.train_only, args)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not args.no_memory_check:
+        check_memory(estimate_training_bytes(model, args.max_length, args.batch_size,
+                                             sum(p.numel() for p in trainable), args.gradient_checkpointing,
+                                             teacher),
+                     f"training on {args.batch_size} x {args.max_length} tokens")
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(model).config.use_cache = False
+    groups = [{"params": [p for p in trainable if id(p) not in positional_ids], "lr": args.lr},
+              {"params": [p for p in trainable if id(p) in positional_ids], "lr": args.positional_lr or args.lr}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, weight_decay=args.weight_decay)
+    warmup = args.warmup_steps if args.warmup_steps is not None else max(0, round(0.1 * args.max_steps))
+    scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=warmup,
+                              num_training_steps=args.max_steps)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data.train_blocks, data.train_positions),
+                                         batch_size=args.batch_size, shuffle=True, drop_last=True,
+                                         generator=torch.Generator().manual_seed(args.seed))
+    eval_loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data.eval_blocks, data.eval_positions),
+                                              batch_size=args.batch_size)
+    model, optimizer, loader, eval_loader, scheduler = accelerator.prepare(model, optimizer, loader, eval_loader,
+                                                                           scheduler)
+    return Training(accelerator, model, trainable, optimizer, scheduler, loader, eval_loader, warmup)
+
+
+def release_prepared(training: Training) -> None:
+    """Drop the prepared objects (the DDP-wrapped model first of all) while the process group still exists.
+    Otherwise DDP's reducer outlives the group, and when it goes (at return) it destroys the group holding the GIL,
+    while gloo's worker thread may still be releasing a finished collective's tensors, which needs the GIL: a
+    deadlock at exit (py-spy: ~ProcessGroupGloo under ~Reducer in the main thread, ~AsyncBarrierWork waiting for
+    the GIL in runLoop). Seen in about one `accelerate launch --cpu` (mpirun) run in 10-25 on 2 busy cores. Dropped
+    here, the group's last reference goes in `destroy_process_group`, which releases the GIL."""
+    import gc
+
+    training.model = training.optimizer = training.scheduler = None
+    training.loader = training.eval_loader = training.teacher = None
+    training.accelerator.free_memory()
+    gc.collect()

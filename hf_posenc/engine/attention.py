@@ -28,7 +28,7 @@ Ways to compute attention with a bias (and content methods' blocks), never mater
 - "fused" (a fused CPU kernel, under "auto"): stick-breaking and CoPE on a causal square (query i is key i, nothing
   else masked, no dropout or attention weights), and Self-Extend and ReRoPE there when their far keys are the triangle
   j <= i - a, by one C++ kernel call per layer call, forward and backward, the per-pair chain in cache-sized tiles
-  (engine/fused_cpu.py; built on first use, checked like the others).
+  (engine/kernels/fused_cpu.py; built on first use, checked like the others).
 
 Methods that score each query block themselves (Self-Extend, ReRoPE, attention sinks: `_scored_blocks`) and content
 methods (`_content_blocks`) compute the block's logits in eager code where they must (attention weights to return,
@@ -75,11 +75,12 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .kernel_check import (PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, KernelCheckWarning,  # noqa: F401
-                           kernel_status, reset_kernel_status, serve as serve_checked, table_attention_reference)
+from .kernels.check import (PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, KernelCheckWarning,  # noqa: F401
+                            kernel_status, reset_kernel_status, serve as serve_checked, table_attention_reference)
 from ..methods.base import (AttentionBiasMethod, ContentBlock, ContentMethod, PositionalMethod, PositionSpan,
                            RotaryMethod, fill_disallowed_)
-from .fused_cpu import causal_attention, fused_kernels_enabled, near_far_causal
+from .kernels.by_method import causal_kernel, kernel_heads, serves_near_far
+from .kernels.fused_cpu import causal_attention, fused_kernels_enabled, near_far_causal
 from .content import layer_state
 from .state import STATE_ATTR, PositionState
 from .separable_attention import NearFarAttention, SeparableBiasAttention, near_far_calls, near_far_columns
@@ -436,7 +437,7 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
         if separable_path_applies(query):  # the CPU kernel on each part's segments, one autograd node
             plans, far_rows = _near_far_plans(state, attention_mask, kv, blocks, block_masks, query.dtype)
             # The kernel scores every causal key, near or far: not for a method that masks keys (sinks)
-            if (plans is not None and far_rows is not None and _path == "auto" and state.method.fused_near_far
+            if (plans is not None and far_rows is not None and _path == "auto" and serves_near_far(state.method)
                     and not state.method.masks_keys and fused_kernels_enabled()
                     and _causal_square(attention_mask, query.shape[2], kv)):
                 output = serve_checked(_fused_near_far_call(state, query, keys, value, scaling, far_rows,
@@ -493,10 +494,11 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
 
 def _fused_near_far_call(state, query, keys, value, scaling, far_rows: int, query_positions,
                          key_positions) -> KernelCall:
-    """A `fused_near_far` method's call (Self-Extend, ReRoPE) whose far keys are the causal triangle j <= i - far_rows
-    of a causal square, by the fused CPU kernel (engine/fused_cpu.py near_far_causal) on the method's block_parts for
-    the whole call (`keys`: its block_keys, near and far), checked against its block_scores and a softmax like any
-    kernel. Its kind: the method, dtype, grad mode and the length's size class."""
+    """A call of a method the near/far kernel serves (Self-Extend, ReRoPE: engine/kernels/by_method.py) whose far
+    keys are the causal triangle j <= i - far_rows of a causal square, by the fused CPU kernel
+    (engine/kernels/fused_cpu.py near_far_causal) on the method's block_parts for the whole call (`keys`: its
+    block_keys, near and far), checked against its block_scores and a softmax like any kernel. Its kind: the method,
+    dtype, grad mode and the length's size class."""
     method = state.method
 
     def kernel(query, near_key, far_key, value, query_positions=query_positions, key_positions=key_positions):
@@ -683,8 +685,8 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
         return method.finish_output(layer_idx, output, layer_input).transpose(1, 2).contiguous(), None
     fused = _path == "auto" and query.device.type == "cpu" and fused_kernels_enabled()
     # The kernel form turns the keys at their key-value heads, before they are repeated for the query heads.
-    heads_form = method.kernel_heads(layer_idx, query, key, query_state, key_state, query_positions,
-                                     key_positions, fused=fused) if not eager and dropout == 0.0 else None
+    heads_form = kernel_heads(method, layer_idx, query, key, query_state, key_state, query_positions,
+                              key_positions, fused=fused) if not eager and dropout == 0.0 else None
     kernel = _kernel_content(state, layer_idx, heads_form, value, attention_mask, scaling, query_slots, key_slots,
                              query_positions, key_positions, key_state, fused) if heads_form is not None else None
     if kernel is not None:  # the logits are a dot product of transformed queries and keys: SDPA serves
@@ -694,10 +696,11 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
             state.call.content.mixed[layer_idx] = mixed_state
         return method.finish_output(layer_idx, output, layer_input).transpose(1, 2).contiguous(), None
     key, value = _match_heads(key, heads), _match_heads(value, heads)
-    if _path == "auto" and method.has_fused_causal and query.device.type == "cpu" and fused_kernels_enabled() \
+    causal = causal_kernel(method)
+    if _path == "auto" and causal is not None and query.device.type == "cpu" and fused_kernels_enabled() \
             and not eager and dropout == 0.0 and query_state is None and key_state is None \
             and _plain_causal(method, layer_idx, attention_mask, q, kv, query_positions, key_positions) \
-            and method.fused_causal_applies(layer_idx, query_positions):
+            and causal.applies(method, layer_idx, query_positions):
         output = serve_checked(_fused_content_call(state, layer_idx, scaling, query, key, value, attention_mask,
                                                    query_slots, key_slots, query_positions, key_positions))
         if output is not None:
@@ -834,9 +837,9 @@ def _kernel_content(state, layer_idx, heads_form, value, attention_mask, scaling
 
 def _fused_causal_call(state, query, key, value, scaling) -> KernelCall:
     """A content kernel form's causal square whose queries and keys differ in head size from the values
-    (Transformer-XL, TAPE) by the fused CPU kernel (engine/fused_cpu.py causal_attention), unpadded; checked against
-    the materialised softmax like any kernel (the distance-table reference with no bias). Its kind: the method, dtype,
-    grad mode and the length's size class."""
+    (Transformer-XL, TAPE) by the fused CPU kernel (engine/kernels/fused_cpu.py causal_attention), unpadded; checked
+    against the materialised softmax like any kernel (the distance-table reference with no bias). Its kind: the
+    method, dtype, grad mode and the length's size class."""
     no_bias = query.new_zeros(query.shape[1], 1)
 
     def materialised(query, key, value, rows: slice) -> torch.Tensor:
@@ -923,7 +926,7 @@ def content_probabilities(method: ContentMethod, query, key, block: ContentBlock
         return method.content_weights(query, key, block)
     low = torch.finfo(torch.float32).min
     scores = method.content_scores(query, key, block)
-    if not method.fresh_scores:
+    if not method.scores_maskable_in_place:
         return F.softmax(scores.masked_fill(~block.allowed, low), dim=-1)
     return F.softmax(fill_disallowed_(scores, block.allowed, low), dim=-1)
 
@@ -992,16 +995,18 @@ def _compiled_content_call(state, layer_idx, scaling, query, key, value, attenti
 def _fused_content_call(state, layer_idx, scaling, query, key, value, attention_mask, query_slots, key_slots,
                         query_positions, key_positions) -> KernelCall:
     """A content call of a causal square (`_plain_causal`, no per-token state) by the method's fused CPU kernel
-    (engine/fused_cpu.py), checked against the eager blocks like any kernel; its kind: the method, dtype, grad mode and
-    the length's size class (one compiled kernel serves every shape; its tiles split differently by length), and the
-    method's `fused_causal_variant` (the kernel's code paths its options choose)."""
+    (engine/kernels/fused_cpu.py), checked against the eager blocks like any kernel; its kind: the method, dtype, grad
+    mode and the length's size class (one compiled kernel serves every shape; its tiles split differently by
+    length), and the `variant` of the method's entry in engine/kernels/by_method.py (the kernel's code paths its
+    options choose)."""
     method = state.method
+    causal = causal_kernel(method)
     q, kv = query.shape[2], key.shape[2]
     needs_grad = _needs_grad(state, query, key, value)
     fixed = (attention_mask, query_slots, key_slots, query_positions, key_positions, None, None)
 
     def kernel(query, key, value, positions=query_positions):
-        return method.fused_causal(layer_idx, query, key, value, scaling, positions).transpose(1, 2)
+        return causal.run(method, layer_idx, query, key, value, scaling, positions).transpose(1, 2)
 
     def reference(rows: slice) -> torch.Tensor:
         columns = causal_columns(rows, kv, state.query_offset(q, kv))
@@ -1009,7 +1014,7 @@ def _fused_content_call(state, layer_idx, scaling, query, key, value, attention_
                               attention_mask, rows, columns, query_slots, key_slots, query_positions, key_positions,
                               0.0, False)[0].transpose(1, 2)
 
-    name, dtype, variant = method.config.method, str(query.dtype), method.fused_causal_variant
+    name, dtype, variant = method.config.method, str(query.dtype), causal.variant(method)
     return KernelCall(
         kernel=f"fused cpu ({name})", device=query.device,
         kind=(name, *variant, dtype, "grad" if needs_grad else "no grad", size_class(query.shape[2])),

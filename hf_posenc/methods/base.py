@@ -35,6 +35,16 @@ from ..errors import PosEncError
 from ..model_info import ModelInfo
 
 
+@dataclass(frozen=True)
+class KeptKeys:
+    """The keys a method attends to however long the text: the first `num_sinks` tokens and the `window - 1` before
+    the newest. The engine keeps only those in a bounded KV cache (engine/sink_cache.py SinkCache), which `generate`
+    creates in place of its DynamicCache."""
+
+    num_sinks: int
+    window: int
+
+
 class PositionalMethod(nn.Module):
     """Capabilities of every method (subclass it directly for a method that adds no position at all)."""
 
@@ -69,10 +79,9 @@ class PositionalMethod(nn.Module):
         """An extra key mask [B or 1, 1, q, kv] (True = may attend) on top of causality, or None."""
         return None
 
-    def kv_cache(self, num_layers: int):
-        """A bounded KV cache (a transformers Cache) holding only the keys this method can still attend to, which
-        `generate` creates in place of its DynamicCache (StreamingLLM's sinks: engine/sink_cache.py); None for
-        methods that may attend to every earlier token."""
+    def kept_keys(self) -> KeptKeys | None:
+        """The only keys this method can still attend to (StreamingLLM's sinks and window), which the engine's
+        bounded KV cache keeps; None for methods that may attend to every earlier token."""
         return None
 
     def is_native(self, info: ModelInfo) -> bool:
@@ -250,10 +259,6 @@ class RotaryMethod(PositionalMethod):
         own position alone: on the CPU the attention path calls this once for every query of the call."""
         raise NotImplementedError
 
-    # The method's block_parts are all there is to its scores (no other term, no other key mask), so where a call's far
-    # keys are a causal triangle the fused CPU kernel may serve it (engine/fused_cpu.py near_far_causal).
-    fused_near_far: ClassVar[bool] = False
-
     def window_holds(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> bool:
         """For `scores_per_query_block` methods, a call whose query i is key i (positions [B or 1, L] each): whether
         every causal pair takes one plain rotation (`window_heads`), so that one causal SDPA call serves the call.
@@ -325,7 +330,7 @@ class ContentMethod(PositionalMethod):
     # `content_scores` returns a tensor of its own that autograd did not save (the output of an add or a multiply):
     # the attention path then masks the disallowed keys in place instead of in a copy (a pass over the block fewer;
     # about 5% of CoPE's layer step at 2048 tokens on the CPU). A saved one would fail in the backward.
-    fresh_scores: ClassVar[bool] = False
+    scores_maskable_in_place: ClassVar[bool] = False
 
     @property
     def keeps_native(self) -> bool:
@@ -380,15 +385,15 @@ class ContentMethod(PositionalMethod):
         return None
 
     def kernel_heads(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, query_state: torch.Tensor | None,
-                     key_state: torch.Tensor | None, query_positions: torch.Tensor, key_positions: torch.Tensor,
-                     fused: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+                     key_state: torch.Tensor | None, query_positions: torch.Tensor, key_positions: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For methods whose logits (content_scores) are block.scaling * q'_i . k'_j + block.bias: (q' [B, H, q, E],
         k' [B, H_kv, kv, E]), float32, from query [B, H, q, D] and key [B, H_kv, kv, D] (at its key-value heads, each
         shared by a group of query heads), the carried state of the queries [B, S, q, ...] and keys [B, S, kv, ...]
         and their positions [B or 1, q] and [B or 1, kv]; the attention path then runs SDPA on them
-        (engine/attention.py `_kernel_content`), for `mixes_state` methods with the keys' state beside the values.
-        `fused`: fused CPU kernels (engine/fused_cpu.py) may compute them. None (the default): content_scores
-        serves."""
+        (engine/attention.py `_kernel_content`), for `mixes_state` methods with the keys' state beside the values;
+        a fused CPU form of it, where there is one, is the method's entry in engine/kernels/by_method.py. None (the
+        default): content_scores serves."""
         return None
 
     # The form of `kernel_heads` holds only for attended pairs whose key position is not after the query's (a method
@@ -399,25 +404,6 @@ class ContentMethod(PositionalMethod):
     def content_weights(self, query: torch.Tensor, key: torch.Tensor, block: ContentBlock) -> torch.Tensor:
         """For `replaces_softmax` methods: query [B, H, r, D], key [B, H, k, D] -> float32 attention weights
         [B, H, r, k] (zero where `block.allowed` is False), which the attention path applies to the values."""
-        raise NotImplementedError
-
-    # `fused_causal` computes a whole call of a causal square on the CPU with a fused kernel (engine/fused_cpu.py).
-    has_fused_causal: ClassVar[bool] = False
-    # The kernel's code paths this method's options choose (CAPE's activation): part of the kind the kernel check
-    # passes (engine/kernel_check.py), so a check of one path does not vouch for another.
-    fused_causal_variant: tuple = ()
-
-    def fused_causal_applies(self, layer_idx: int, positions: torch.Tensor) -> bool:
-        """For `has_fused_causal` methods: whether the kernel serves a causal square whose tokens have these position
-        ids ([B or 1, L]); a method whose logits read positions says where its kernel's form holds."""
-        return True
-
-    def fused_causal(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     scaling: float, positions: torch.Tensor) -> torch.Tensor:
-        """For `has_fused_causal` methods: query, key [B, H, L, D] and value [B, H, L, E] (heads matched) of a call in
-        which query i is key i and nothing but causality masks (no padding, cache, native bias or state), the tokens'
-        position ids [B or 1, L] -> output [B, H, L, E] in value's dtype: what the blocks would give, served after
-        the kernel check."""
         raise NotImplementedError
 
     def finish_output(self, layer_idx: int, output: torch.Tensor, layer_input: torch.Tensor | None) -> torch.Tensor:

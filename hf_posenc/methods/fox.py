@@ -102,7 +102,7 @@ def decay_time_bias(num_heads: int, low: float, high: float) -> torch.Tensor:
 class ForgettingAttention(ContentAttention):
     reads_layer_input = True
     block_cost = 3.0
-    fresh_scores = True
+    scores_maskable_in_place = True
 
     def __init__(self, config: FoxConfig, info: ModelInfo):
         super().__init__(config, info)

@@ -1,7 +1,8 @@
-"""The method protocol. A positional method is an nn.Module built from its config and the model's ModelInfo, and a
-subclass of exactly one of the four classes below, which says where it acts (tested with isinstance, nothing else):
+"""The method protocol. A positional method is an nn.Module built from its config and the model's ModelInfo: a
+subclass of PositionalMethod and of at most one of its four kinds below, which says where it acts (tested with
+isinstance, nothing else):
 
-- PositionalMethod itself: nowhere (NoPE);
+- PositionalMethod alone: nowhere (NoPE);
 - AbsolutePositionMethod: `embed(positions)` is added to the input embeddings;
 - AttentionBiasMethod: `bias(layer_idx, query_positions, key_positions)` is added to attention scores;
 - RotaryMethod: `rotation(positions)` (by default `cos_sin(positions)`) rotates queries and keys, applied by
@@ -15,7 +16,9 @@ Every capability the engine (families, per-forward state, attention path, checkp
 declared here, once, with its default: a class attribute or a method that a subclass overrides in its class body.
 Defining a subclass checks its names (`check_method_names`): a name that misses a capability by a typo
 (`alibi_slope`), or a capability of another kind of method, is refused, since the engine would never read it and the
-method would silently take a slower or different path. A method's own helpers are free otherwise.
+method would silently take a slower or different path. A method's own helpers are free otherwise. A method's fast
+kernels are not capabilities: the engine finds them by the method's name (engine/kernels/by_method.py), and this
+package imports nothing from the engine.
 
 Everything here is computed in float32 whatever the model's dtype (a bf16 bias or frequency table
 loses the precision that long contexts need).

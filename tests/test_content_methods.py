@@ -520,7 +520,7 @@ def test_recomputed_blocks_give_the_gradients_of_plain_autograd(method, options,
         for param in module.parameters():
             param.add_(0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(6)))
     model.to(device)
-    monkeypatch.setattr(type(module), "separable_terms", lambda self, query_state, key_state: None)
+    monkeypatch.setattr(type(module), "separable_terms", lambda self, query_state, key_state: None, raising=False)
     without_kernel(monkeypatch, module, causal=None)
     padded, mask = (x.to(device) for x in left_pad([random_ids(1, 20, seed=3)[0], random_ids(1, 13, seed=4)[0]]))
     ids = random_ids(2, 20).to(device)
@@ -599,7 +599,7 @@ def test_fox_kernel_path_equals_the_generic_path_in_float64(options, model_type,
     engine.last_paths.clear()
     fast = run()
     assert engine.last_paths["separable"] > 0
-    monkeypatch.setattr(type(module), "separable_terms", lambda self, query_state, key_state: None)
+    monkeypatch.setattr(type(module), "separable_terms", lambda self, query_state, key_state: None, raising=False)
     engine.last_paths.clear()
     generic = run()
     assert engine.last_paths["separable"] == 0 and len(fast) == len(generic) > 2
@@ -631,7 +631,7 @@ def test_fox_one_causal_call_equals_the_generic_path_in_float64(options, monkeyp
     engine.last_paths.clear()
     fast = run()
     assert engine.last_paths["separable causal"] > 0 and engine.last_paths["content"] == engine.last_paths["separable"]
-    monkeypatch.setattr(type(module), "separable_terms", lambda self, query_state, key_state: None)
+    monkeypatch.setattr(type(module), "separable_terms", lambda self, query_state, key_state: None, raising=False)
     engine.last_paths.clear()
     generic = run()
     assert engine.last_paths["separable causal"] == 0 and len(fast) == len(generic) > 2
@@ -780,16 +780,17 @@ MASKED_IN_PLACE = [name for name in hf_posenc.registry.available_methods()
 
 @pytest.mark.parametrize("method", MASKED_IN_PLACE)
 def test_scores_masked_in_place_train_like_scores_masked_in_a_copy(method, monkeypatch):
-    """A method that declares `scores_maskable_in_place` has the attention path mask its logits in place: autograd must not have
-    saved them (else the backward raises) and nothing else may read them. On the generic blocks (kernel forms off),
-    a left-padded batch and a chunk after a cache give the same logits and gradients either way, bit for bit."""
+    """A method that declares `scores_maskable_in_place` has the attention path mask its logits in place: autograd
+    must not have saved them (else the backward raises) and nothing else may read them. On the generic blocks (kernel
+    forms off), a left-padded batch and a chunk after a cache give the same logits and gradients either way, bit for
+    bit."""
     model = hf_posenc.patch_model(tiny_model("llama"), method).double()
     module = hf_posenc.get_positional_module(model)
     with torch.no_grad():
         for param in module.parameters():
             param.add_(0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(6)))
-    monkeypatch.setattr(type(module), "separable_terms", lambda self, query_state, key_state: None)
-    monkeypatch.setattr(type(module), "kernel_heads", lambda self, *args, **options: None)
+    monkeypatch.setattr(type(module), "separable_terms", lambda self, query_state, key_state: None, raising=False)
+    monkeypatch.setattr(type(module), "kernel_heads", lambda self, *args, **options: None, raising=False)
     without_kernel(monkeypatch, module, heads=None)
     padded, mask = left_pad([random_ids(1, 20, seed=3)[0], random_ids(1, 13, seed=4)[0]])
     ids = random_ids(2, 20)

@@ -77,8 +77,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kernels.check import (PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, KernelCheckWarning,  # noqa: F401
                             kernel_status, reset_kernel_status, serve as serve_checked, table_attention_reference)
-from ..methods.base import (AttentionBiasMethod, ContentBlock, ContentMethod, PositionalMethod, PositionSpan,
-                           RotaryMethod, fill_disallowed_)
+from ..methods.base import (AttentionBiasMethod, ContentBlock, ContentMethod, NearFarForm, PositionalMethod,
+                           PositionSpan, RotaryMethod, SeparableBiasForm, fill_disallowed_)
 from .kernels.by_method import causal_kernel, kernel_heads, serves_near_far
 from .kernels.fused_cpu import causal_attention, fused_kernels_enabled, near_far_causal
 from .content import layer_state
@@ -415,7 +415,8 @@ def _scored_blocks(module, state, query, key, value, attention_mask, scaling, dr
     eager = state.eager
     dropout = dropout if module.training else 0.0
     low = torch.finfo(torch.float32).min
-    if (not eager and dropout == 0.0 and _causal_square(attention_mask, query.shape[2], kv)
+    if (not eager and dropout == 0.0 and isinstance(state.method, NearFarForm)
+            and _causal_square(attention_mask, query.shape[2], kv)
             and state.once_per_forward(("window holds", q, kv),
                                        lambda: state.method.window_holds(query_positions, key_positions))):
         # Every pair within the window: ordinary RoPE attention, one causal call (as native), not two per block.
@@ -592,7 +593,7 @@ def _near_far_masks(state, attention_mask, rows, columns, *, query_slots, key_sl
     given = attention_mask[..., rows, columns] if attention_mask is not None else None
     mask = _combine(state, allowed, None, given, query_positions[:, rows], key_positions[:, columns], torch.float32)
     near = state.method.block_near(query_positions[:, rows], key_positions[:, columns]) \
-        if mask.dtype == torch.bool else None
+        if mask.dtype == torch.bool and isinstance(state.method, NearFarForm) else None
     if near is None:
         return None
     return mask & near, mask & ~near
@@ -664,8 +665,8 @@ def _content_blocks(module, state, query, key, value, attention_mask, scaling, d
     outputs, weights, mixed = [], [], []
     step = block_rows(batch, heads, kv, method.block_cost, query.device,
                       CONTENT_BLOCK_BYTES if query.device.type == "cpu" else None)
-    terms = method.separable_terms(query_state, key_state) if not eager and dropout == 0.0 \
-        and separable_path_applies(query) else None
+    terms = method.separable_terms(query_state, key_state) if isinstance(method, SeparableBiasForm) \
+        and not eager and dropout == 0.0 and separable_path_applies(query) else None
     if terms is not None:  # the logits' bias is a term per query minus one per key: SDPA's kernel per block
         last_paths["separable"] += 1
 

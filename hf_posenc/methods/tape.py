@@ -57,7 +57,7 @@ from ..config import BASE_WHY, MIN_BASE
 from ..errors import PosEncError
 from ..model_info import ModelInfo
 from ..registry import register_method
-from .base import rotate
+from .base import DotProductForm, rotate
 from .content import ContentAttention, ContentConfig
 from .rope import DEFAULT_THETA, default_inv_freq
 
@@ -80,7 +80,7 @@ class TapeConfig(ContentConfig):
 
 
 @register_method("tape", TapeConfig)
-class Tape(ContentAttention):
+class Tape(DotProductForm, ContentAttention):
     reads_layer_input = True
     mixes_state = True
     block_cost = 3.0

@@ -42,7 +42,7 @@ from torch import nn
 
 from ..model_info import ModelInfo
 from ..registry import register_method
-from .base import relative_distance
+from .base import DotProductForm, relative_distance
 from .content import ContentAttention, ContentConfig
 
 BIAS_INIT_STD = 0.02
@@ -80,7 +80,7 @@ def position_sin_cos(positions: torch.Tensor, dim: int) -> tuple[torch.Tensor, t
 
 
 @register_method("transformer-xl", TransformerXlConfig)
-class TransformerXlAttention(ContentAttention):
+class TransformerXlAttention(DotProductForm, ContentAttention):
     block_cost = 5.0
     scores_maskable_in_place = True
 

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from ...methods.base import DotProductForm
 from .check import PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, serve as serve_checked
 from .fused_cpu import cape_causal, cope_causal, stick_breaking_causal, turn_by_features
 
@@ -131,7 +132,10 @@ def serves_near_far(method) -> bool:
 
 def kernel_heads(method, layer_idx, query, key, query_state, key_state, query_positions, key_positions,
                  fused: bool = False):
-    """The method's `kernel_heads`, by its fused entry where `fused` (the CPU kernels may serve) and it has one."""
+    """The method's `kernel_heads` (None for a method whose logits are no dot product, DotProductForm), by its fused
+    entry where `fused` (the CPU kernels may serve) and it has one."""
+    if not isinstance(method, DotProductForm):
+        return None
     heads = kernels_for(method).heads if fused else None
     if heads is not None:
         return heads(method, layer_idx, query, key, query_state, key_state, query_positions, key_positions)

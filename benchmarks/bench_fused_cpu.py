@@ -83,6 +83,7 @@ def _step(model, ids, path: str) -> float:
 def _kernel_times(method: str, model, length: int, rounds: int) -> tuple[float, float]:
     """(fused forward + backward, causal SDPA's) on random queries, keys and values of the model's shapes."""
     from hf_posenc import get_positional_module
+    from hf_posenc.engine.kernels.by_method import kernels_for
     from hf_posenc.engine.kernels.fused_cpu import causal_attention, near_far_causal
 
     module = get_positional_module(model)
@@ -99,11 +100,12 @@ def _kernel_times(method: str, model, length: int, rounds: int) -> tuple[float, 
             causal_attention(*inputs, HEAD_DIM ** -0.5).backward(form_grad)
             return
         inputs = [x.clone().requires_grad_() for x in (query, key, value)]
-        if getattr(module, "fused_near_far", False):  # both pairs the same tensors: the kernel's cost is the same
+        if kernels_for(module).near_far:  # both pairs the same tensors: the kernel's cost is the same
             output = near_far_causal(inputs[0], inputs[1], inputs[0], inputs[1], inputs[2], module.window,
                                      HEAD_DIM ** -0.5)
         else:
-            output = module.fused_causal(0, *inputs, HEAD_DIM ** -0.5, torch.arange(length)[None])
+            positions = torch.arange(length)[None]
+            output = kernels_for(module).causal.run(module, 0, *inputs, HEAD_DIM ** -0.5, positions)
         output.backward(grad)
 
     def sdpa():

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import device_name, synchronize  # noqa: E402
 
-from hf_posenc.engine.kernel_check import table_attention_reference  # noqa: E402
+from hf_posenc.engine.kernels.check import table_attention_reference  # noqa: E402
 
 OPTIONS = {  # name -> kernel_options for flex_attention (None: inductor's defaults)
     "default": None,

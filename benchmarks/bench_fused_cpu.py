@@ -1,4 +1,4 @@
-"""The fused CPU kernels (engine/fused_cpu.py: stick-breaking, CoPE, Self-Extend, ReRoPE, and the plain causal kernel
+"""The fused CPU kernels (engine/kernels/fused_cpu.py: stick-breaking, CoPE, Self-Extend, ReRoPE, and the plain causal kernel
 of Transformer-XL's and TAPE's kernel form) against the path they replace (the blocked path; for Transformer-XL and
 TAPE, SDPA on their form padded to one head size) and against native RoPE with causal SDPA, all in one process, on
 the CPU:
@@ -83,7 +83,8 @@ def _step(model, ids, path: str) -> float:
 def _kernel_times(method: str, model, length: int, rounds: int) -> tuple[float, float]:
     """(fused forward + backward, causal SDPA's) on random queries, keys and values of the model's shapes."""
     from hf_posenc import get_positional_module
-    from hf_posenc.engine.fused_cpu import causal_attention, near_far_causal
+    from hf_posenc.engine.kernels.by_method import kernels_for
+    from hf_posenc.engine.kernels.fused_cpu import causal_attention, near_far_causal
 
     module = get_positional_module(model)
     generator = torch.Generator().manual_seed(1)
@@ -99,11 +100,12 @@ def _kernel_times(method: str, model, length: int, rounds: int) -> tuple[float, 
             causal_attention(*inputs, HEAD_DIM ** -0.5).backward(form_grad)
             return
         inputs = [x.clone().requires_grad_() for x in (query, key, value)]
-        if getattr(module, "fused_near_far", False):  # both pairs the same tensors: the kernel's cost is the same
+        if kernels_for(module).near_far:  # both pairs the same tensors: the kernel's cost is the same
             output = near_far_causal(inputs[0], inputs[1], inputs[0], inputs[1], inputs[2], module.window,
                                      HEAD_DIM ** -0.5)
         else:
-            output = module.fused_causal(0, *inputs, HEAD_DIM ** -0.5, torch.arange(length)[None])
+            positions = torch.arange(length)[None]
+            output = kernels_for(module).causal.run(module, 0, *inputs, HEAD_DIM ** -0.5, positions)
         output.backward(grad)
 
     def sdpa():

@@ -19,7 +19,7 @@ from .checkpoints.saving import attach_save_hook, changed_positional_state
 from .config import PosEncConfig
 from .engine.hybrid import REST, HybridConfig, parse_layers, part_config, refuse_per_layer, rest_layers
 from .engine.install import applied_patch, install_patch, remove_patch, unwrap_peft
-from .engine.sink_cache import SinkCache, num_layers
+from .engine.sink_cache import SinkCache, bounded_cache, num_layers
 from .errors import PosEncError
 from .methods.base import PositionalMethod
 from .registry import config_for, get_family, get_method
@@ -130,7 +130,7 @@ def sink_cache(model: nn.Module) -> SinkCache:
     """The bounded KV cache for a model patched with `sinks` (what `model.generate` creates by itself): pass it as
     `past_key_values` to your own decoding loop; memory stays at num_sinks + window - 1 keys per layer."""
     applied = applied_patch(model)
-    cache = applied.method.kv_cache(num_layers(unwrap_peft(model))) if applied is not None else None
+    cache = bounded_cache(applied.method, num_layers(unwrap_peft(model))) if applied is not None else None
     if cache is None:
         method = applied.config.method if applied is not None else None
         raise PosEncError(f"sink_cache(model) needs a model patched with 'sinks'; this one is "

@@ -3,26 +3,30 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 from .config import PosEncConfig
 from .errors import PosEncError
 
-if TYPE_CHECKING:
-    from .families.base import ModelFamily
-    from .methods.base import PositionalMethod
+
+class Family(Protocol):
+    """What the registry reads of a model family; families/base.py ModelFamily is the whole protocol (named here
+    without importing it: the families import the engine, which imports the registry)."""
+
+    name: str
+    model_types: tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class MethodSpec:
     name: str
     config_class: type[PosEncConfig]
-    module_class: type["PositionalMethod"]
+    module_class: type  # a methods/base.py PositionalMethod subclass
     listed: bool = True  # False: loadable by name (checkpoints), but not in available_methods() (the hybrid)
 
 
 _METHODS: dict[str, MethodSpec] = {}
-_FAMILIES: dict[str, "ModelFamily"] = {}
+_FAMILIES: dict[str, Family] = {}
 
 
 # Set by hf_posenc/__init__.py: imports the built-in methods and families, which register themselves, on first use
@@ -78,7 +82,7 @@ def config_for(config: PosEncConfig) -> MethodSpec:
     raise PosEncError(f"{type(config).__name__} is not the config of any registered method.")
 
 
-def register_family(family: "ModelFamily | type[ModelFamily]") -> Any:
+def register_family(family: Family | type) -> Any:
     """Register a model family (an instance or, as a class decorator, the class) for its `model_types`."""
     instance = family() if isinstance(family, type) else family
     for model_type in instance.model_types:
@@ -95,7 +99,7 @@ def supported_model_types() -> dict[str, list[str]]:
     return out
 
 
-def get_family(model_config: Any) -> "ModelFamily":
+def get_family(model_config: Any) -> Family:
     if getattr(model_config, "is_encoder_decoder", False):
         raise PosEncError(
             f"{type(model_config).__name__} is an encoder-decoder model; hf_posenc patches decoder-only causal "

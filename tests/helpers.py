@@ -223,3 +223,14 @@ def padded_and_cached_outputs_and_gradients(model, padded, mask, ids, split: int
     chunk = model(ids[:, split:], past_key_values=cache, use_cache=True).logits
     (padded_logits.sin().sum() + chunk.cos().sum()).backward()
     return [padded_logits, chunk] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def without_kernel(monkeypatch, module, **entry_fields):
+    """Take one kind of the method's kernels out of the engine's table (engine/kernels/by_method.py) for this test:
+    `causal=None`, `heads=None` or `near_far=False`."""
+    import dataclasses
+
+    from hf_posenc.engine.kernels import by_method
+
+    name = module.config.method
+    monkeypatch.setitem(by_method.KERNELS, name, dataclasses.replace(by_method.kernels_for(module), **entry_fields))

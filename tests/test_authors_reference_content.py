@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_posenc
 from helpers import max_diff
+from hf_posenc.engine.kernels.by_method import causal_kernel
 from hf_posenc.methods.base import ContentBlock
 from tiny_models import CONFIGS, random_ids, tiny_model
 
@@ -113,7 +114,7 @@ def test_cape_fused_kernel_is_the_authors_alibi_c(activation, authors_activation
     query, key, value = cape_inputs()
     length, scaling = query.shape[2], query.shape[-1] ** -0.5
     for layer in range(2):
-        ours = module.fused_causal(layer, query, key, value, scaling, torch.arange(length)[None])
+        ours = causal_kernel(module).run(module, layer, query, key, value, scaling, torch.arange(length)[None])
         scores = authors_alibi_c_scores(query @ key.transpose(-1, -2) * scaling,
                                         authors_mlp(module, layer, authors_activation))
         theirs = causal_attention(scores, value)

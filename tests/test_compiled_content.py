@@ -1,7 +1,7 @@
 """The "compiled" attention path (engine/attention/compiled_content.py `compiled_content_call`): a content method's per-block chain
 (its logits or weights, the softmax, the values) under torch.compile, served only after the kernel check
-(kernel_check.py) compared it with the eager blocks on this machine, forward and gradients, the method's parameters'
-gradients included. Each test compiles for real on the CPU running it (tens of seconds per method)."""
+(engine/kernels/check.py) compared it with the eager blocks on this machine, forward and gradients, the method's
+parameters' gradients included. Each test compiles for real on the CPU running it (tens of seconds per method)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from transformers import DynamicCache, StaticCache
 import hf_posenc
 from hf_posenc.methods.base import unmasked_columns
 from helpers import (TOL, count_hooks, decode_token_by_token, left_pad, max_diff,
-                     padded_and_cached_outputs_and_gradients, positions_from_mask)
+                     padded_and_cached_outputs_and_gradients, positions_from_mask, without_kernel)
 from tiny_models import FAMILIES, random_ids, tiny_model
 
 
@@ -529,8 +529,8 @@ def test_recomputed_blocks_give_the_gradients_of_plain_autograd(method, options,
         for param in module.parameters():
             param.add_(0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(6)))
     model.to(device)
-    monkeypatch.setattr(type(module), "separable_terms", lambda self, query_state, key_state: None)
-    monkeypatch.setattr(type(module), "has_fused_causal", False)
+    monkeypatch.setattr(type(module), "separable_terms", lambda self, query_state, key_state: None, raising=False)
+    without_kernel(monkeypatch, module, causal=None)
     padded, mask = (x.to(device) for x in left_pad([random_ids(1, 20, seed=3)[0], random_ids(1, 13, seed=4)[0]]))
     ids = random_ids(2, 20).to(device)
     for budget in ("CONTENT_BLOCK_BYTES", "ACCELERATOR_BLOCK_BYTES"):  # the CPU's content blocks and a GPU's
@@ -608,7 +608,7 @@ def test_fox_kernel_path_equals_the_generic_path_in_float64(options, model_type,
     engine.last_paths.clear()
     fast = run()
     assert engine.last_paths["separable"] > 0
-    monkeypatch.setattr(type(module), "separable_terms", lambda self, query_state, key_state: None)
+    monkeypatch.setattr(type(module), "separable_terms", lambda self, query_state, key_state: None, raising=False)
     engine.last_paths.clear()
     generic = run()
     assert engine.last_paths["separable"] == 0 and len(fast) == len(generic) > 2
@@ -640,7 +640,7 @@ def test_fox_one_causal_call_equals_the_generic_path_in_float64(options, monkeyp
     engine.last_paths.clear()
     fast = run()
     assert engine.last_paths["separable causal"] > 0 and engine.last_paths["content"] == engine.last_paths["separable"]
-    monkeypatch.setattr(type(module), "separable_terms", lambda self, query_state, key_state: None)
+    monkeypatch.setattr(type(module), "separable_terms", lambda self, query_state, key_state: None, raising=False)
     engine.last_paths.clear()
     generic = run()
     assert engine.last_paths["separable causal"] == 0 and len(fast) == len(generic) > 2
@@ -686,6 +686,7 @@ def test_kernel_heads_path_equals_the_generic_path(method, options, model_type, 
     fast = run()
     assert 0 < engine.last_paths["content kernel"] == engine.last_paths["content"]
     monkeypatch.setattr(type(module), "kernel_heads", lambda self, *arguments, **options: None)
+    without_kernel(monkeypatch, module, heads=None)
     engine.last_paths.clear()
     generic = run()
     assert engine.last_paths["content kernel"] == 0 and len(fast) == len(generic) > 3
@@ -782,27 +783,29 @@ def exact_position_logits(module, query, distances):
     return (coefficients[:, :, :, None, :] * table).sum(-1)
 
 
-FRESH_SCORES = [name for name in hf_posenc.registry.available_methods()
-                if getattr(hf_posenc.registry.get_method(name).module_class, "fresh_scores", False)]
+MASKED_IN_PLACE = [name for name in hf_posenc.registry.available_methods()
+                   if getattr(hf_posenc.registry.get_method(name).module_class, "scores_maskable_in_place", False)]
 
 
-@pytest.mark.parametrize("method", FRESH_SCORES)
+@pytest.mark.parametrize("method", MASKED_IN_PLACE)
 def test_scores_masked_in_place_train_like_scores_masked_in_a_copy(method, monkeypatch):
-    """A method that declares `fresh_scores` has the attention path mask its logits in place: autograd must not have
-    saved them (else the backward raises) and nothing else may read them. On the generic blocks (kernel forms off),
-    a left-padded batch and a chunk after a cache give the same logits and gradients either way, bit for bit."""
+    """A method that declares `scores_maskable_in_place` has the attention path mask its logits in place: autograd
+    must not have saved them (else the backward raises) and nothing else may read them. On the generic blocks (kernel
+    forms off), a left-padded batch and a chunk after a cache give the same logits and gradients either way, bit for
+    bit."""
     model = hf_posenc.patch_model(tiny_model("llama"), method).double()
     module = hf_posenc.get_positional_module(model)
     with torch.no_grad():
         for param in module.parameters():
             param.add_(0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(6)))
-    monkeypatch.setattr(type(module), "separable_terms", lambda self, query_state, key_state: None)
-    monkeypatch.setattr(type(module), "kernel_heads", lambda self, *args, **options: None)
+    monkeypatch.setattr(type(module), "separable_terms", lambda self, query_state, key_state: None, raising=False)
+    monkeypatch.setattr(type(module), "kernel_heads", lambda self, *args, **options: None, raising=False)
+    without_kernel(monkeypatch, module, heads=None)
     padded, mask = left_pad([random_ids(1, 20, seed=3)[0], random_ids(1, 13, seed=4)[0]])
     ids = random_ids(2, 20)
     results = {}
     for fresh in (True, False):
-        monkeypatch.setattr(type(module), "fresh_scores", fresh)
+        monkeypatch.setattr(type(module), "scores_maskable_in_place", fresh)
         results[fresh] = padded_and_cached_outputs_and_gradients(model, padded, mask, ids, 7)
     assert len(results[True]) > 2 + len(list(module.parameters())) - 1
     for a, b in zip(results[True], results[False]):

@@ -17,7 +17,7 @@ from hf_posenc.engine.attention import geometry, near_far
 from hf_posenc.engine.state import STATE_ATTR
 from hf_posenc import PosEncError
 from helpers import (decode_token_by_token, left_pad, max_diff, padded_and_cached_outputs_and_gradients,
-                     patch_for_contract)
+                     patch_for_contract, without_kernel)
 from tiny_models import random_ids, tiny_model
 
 THETA = 10000.0
@@ -390,7 +390,7 @@ def test_far_keys_that_form_a_causal_triangle_are_one_kernel_call(method, option
     ends inside a block. Sinks' far keys (the sinks) are no triangle and go per block. (The fused CPU kernel, which
     serves a whole sequence's triangle under "auto", is held off: tests/test_fused_cpu.py has it.)"""
     model = hf_posenc.patch_model(tiny_model("llama"), method, **options).double()
-    monkeypatch.setattr(type(hf_posenc.get_positional_module(model)), "fused_near_far", False)
+    without_kernel(monkeypatch, hf_posenc.get_positional_module(model), near_far=False)
     monkeypatch.setattr(geometry, "BLOCK_BYTES", 4 * 2 * 30 * 7)  # blocks of 7 rows
     ids = random_ids(2, 30)
     triangles = []
@@ -482,7 +482,7 @@ def test_training_memory_of_the_near_far_parts_grows_linearly(method, options, t
     config = LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                          num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0)
     model = hf_posenc.patch_model(AutoModelForCausalLM.from_config(config), method, **options).train()
-    monkeypatch.setattr(type(hf_posenc.get_positional_module(model)), "fused_near_far", False)
+    without_kernel(monkeypatch, hf_posenc.get_positional_module(model), near_far=False)
     attention_module.last_paths.clear()
     short, long = held_for_backward(model, 1024), held_for_backward(model, 2048)
     assert attention_module.last_paths["scored parts"] == 2

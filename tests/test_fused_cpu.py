@@ -1,4 +1,4 @@
-"""Fused CPU kernels (engine/fused_cpu.py, engine/cpu_kernels/*.cpp): stick-breaking's, CoPE's, the near/far
+"""Fused CPU kernels (engine/kernels/fused_cpu.py, cpu_kernels/*.cpp): stick-breaking's, CoPE's, the near/far
 kernel's (Self-Extend, ReRoPE) and the plain causal one's (Transformer-XL, TAPE) forward and backward of a causal
 square against autograd of the chains in float64 (stick-breaking's through the blocked path's StickBreakingWeights,
 itself checked against the chain in test_content_methods.py; CoPE's, the merged near/far scores and the causal
@@ -17,7 +17,7 @@ import torch
 
 import hf_posenc
 from hf_posenc import attention as engine
-from hf_posenc.engine import fused_cpu
+from hf_posenc.engine.kernels import fused_cpu
 from hf_posenc.methods.stick_breaking import StickBreakingWeights
 from helpers import left_pad, max_diff
 from tiny_models import random_ids, tiny_model

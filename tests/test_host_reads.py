@@ -158,10 +158,10 @@ def test_the_count_sees_a_read_per_layer(gpu_paths, monkeypatch):
 
 @pytest.mark.parametrize("method", ["self-extend", "rerope", "sinks", "xpos", "fire", "alibi", "transformer-xl", "fox",
                                     "t5", "cape"])
-def test_facts_read_once_give_the_logits_of_reading_them_in_every_layer(gpu_paths, monkeypatch, method):
+def test_host_values_read_once_give_the_logits_of_reading_them_in_every_layer(gpu_paths, monkeypatch, method):
     """What the first layer reads is what every layer would read: the same logits, bit for bit, for a left-padded
-    forward, the decoding step after it and a packed forward, with the facts kept and with them read again by each
-    layer."""
+    forward, the decoding step after it and a packed forward, with the values kept (CallPositions.host_values) and
+    with them read again by each layer."""
     from hf_posenc.engine import state
 
     def logits(model):
@@ -177,7 +177,7 @@ def test_facts_read_once_give_the_logits_of_reading_them_in_every_layer(gpu_path
             return padded, step, model(packed_ids, position_ids=packed).logits
 
     kept = logits(model_with(method, 4))
-    monkeypatch.setattr(state.CallPositions, "facts", property(lambda self: {}, lambda self, value: None),
+    monkeypatch.setattr(state.CallPositions, "host_values", property(lambda self: {}, lambda self, value: None),
                         raising=False)
     again = logits(model_with(method, 4))
     assert all(torch.equal(a, b) for a, b in zip(kept, again))

@@ -354,7 +354,7 @@ def test_the_flex_path_serves_only_the_patched_layers_of_a_hybrid(monkeypatch):
     machine); layer 0 stays native: one flex call per forward, and the numbers of the blocked path."""
     from hf_posenc import attention
     from hf_posenc.engine.attention import bias_path
-    from hf_posenc.engine.kernel_check import table_attention_reference
+    from hf_posenc.engine.kernels.check import table_attention_reference
 
     model = hf_posenc.patch_model(tiny_model("llama"), "t5", layers=[1])
     ids = random_ids(2, 20)

@@ -1,5 +1,5 @@
 """The flex and flash attention paths, and the rule that no compiled or external kernel serves numbers that were not
-checked on the machine it runs on (hf_posenc/kernel_check.py): stand-in kernels that are wrong (perturbed, NaN,
+checked on the machine it runs on (hf_posenc/engine/kernels/check.py): stand-in kernels that are wrong (perturbed, NaN,
 raising, wrong gradients) are refused with one warning and the blocked path's numbers are served; a right one is
 checked once per kind."""
 
@@ -18,8 +18,8 @@ import hf_posenc
 from hf_posenc import attention
 from hf_posenc.engine.attention import bias_path
 from hf_posenc.engine.attention.call import AttentionCall
-from hf_posenc.engine import kernel_check
-from hf_posenc.engine.kernel_check import KernelCall, KernelCheckWarning, table_attention_reference
+from hf_posenc.engine.kernels import check as kernel_check
+from hf_posenc.engine.kernels.check import KernelCall, KernelCheckWarning, table_attention_reference
 from helpers import decode_token_by_token, left_pad, max_diff
 from tiny_models import random_ids, tiny_model
 

@@ -1,6 +1,8 @@
-"""The package's layout, read from its source: the import graph of hf_posenc has no cycle, the engine imports only
-the engine, the checkpoint code imports only the engine and itself, and neither reaches a module by a dynamic
-import (which would hide it from this graph and from the module closure that standalone export ships)."""
+"""The package's layout, read from its source: the import graph of hf_posenc has no cycle (counting the imports
+under `if TYPE_CHECKING:`, which a type checker and a reader follow), the engine imports only the engine, the methods
+import nothing from the engine (the engine calls a method, never the method the engine: a method's fast kernels are
+the engine's, engine/kernels/), the checkpoint code imports only the engine and itself, and neither reaches a module
+by a dynamic import (which would hide it from this graph and from the module closure that standalone export ships)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ PACKAGE_DIR = Path(hf_posenc.__file__).parent
 ENGINE = ("hf_posenc.engine", "hf_posenc.methods", "hf_posenc.families", "hf_posenc.registry", "hf_posenc.config",
           "hf_posenc.errors", "hf_posenc.model_info", "hf_posenc.version")
 CHECKPOINTS = ("hf_posenc.checkpoints",)
+METHODS = ("hf_posenc.methods",)
 
 
 def module_name(path: Path) -> str:
@@ -31,21 +34,24 @@ def exists(module: str) -> bool:
     return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
 
 
-def import_statements(tree: ast.AST):
+def import_statements(tree: ast.AST, type_checking: bool = False):
     """Every import statement that can run, at any depth (imports inside functions run too); those under
-    `if TYPE_CHECKING:` never run and are left out."""
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
-            node.body = []
-    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    `if TYPE_CHECKING:`, which never run, only with `type_checking`."""
+    skipped = set()
+    if not type_checking:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                skipped |= {id(inner) for statement in node.body for inner in ast.walk(statement)}
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+            and id(node) not in skipped]
 
 
-def imported_modules(module: str, tree: ast.AST) -> set[str]:
+def imported_modules(module: str, tree: ast.AST, type_checking: bool = False) -> set[str]:
     """Every hf_posenc module that importing `module` may import: the modules its import statements name and, for
     a module outside a package, that package's __init__ (Python runs it first)."""
     package = module if is_package(module) else module.rpartition(".")[0]
     named = set()
-    for node in import_statements(tree):
+    for node in import_statements(tree, type_checking):
         if isinstance(node, ast.Import):
             named |= {alias.name for alias in node.names if alias.name.split(".")[0] == "hf_posenc"}
             continue
@@ -71,11 +77,11 @@ def dynamic_imports(tree: ast.AST) -> list[str]:
     return calls
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
     graph = {}
     for path in sorted(PACKAGE_DIR.rglob("*.py")):
         module = module_name(path)
-        graph[module] = imported_modules(module, ast.parse(path.read_text(encoding="utf-8")))
+        graph[module] = imported_modules(module, ast.parse(path.read_text(encoding="utf-8")), type_checking)
     return graph
 
 
@@ -125,7 +131,29 @@ def test_the_graph_is_read_from_every_module():
 
 
 def test_no_import_cycle():
-    assert find_cycle(import_graph()) is None, " -> ".join(find_cycle(import_graph()))
+    for type_checking in (False, True):
+        graph = import_graph(type_checking)
+        assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_type_checking_imports_are_read_for_the_cycle_check():
+    source = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .families.base import ModelFamily\n")
+    assert imported_modules("hf_posenc.registry", source) == set()
+    assert imported_modules("hf_posenc.registry", source, type_checking=True) == {
+        "hf_posenc.families", "hf_posenc.families.base"}
+    # the circle such an import made: registry -> families.base -> engine.hybrid -> registry
+    graph = import_graph(type_checking=True)
+    graph["hf_posenc.registry"] = graph["hf_posenc.registry"] | {"hf_posenc.families.base"}
+    graph["hf_posenc.families.base"] = graph["hf_posenc.families.base"] | {"hf_posenc.engine.hybrid"}
+    assert find_cycle(graph) is not None
+
+
+def test_the_methods_import_nothing_from_the_engine():
+    """A method says what it computes; the engine finds its kernels (engine/kernels/by_method.py) and its caches."""
+    for type_checking in (False, True):
+        wrong = {(module, target) for module, targets in import_graph(type_checking).items()
+                 if in_area(module, METHODS) for target in targets if in_area(target, ("hf_posenc.engine",))}
+        assert not wrong, sorted(wrong)
 
 
 def test_the_cycle_finder_finds_cycles():

@@ -28,6 +28,25 @@ def test_a_misspelt_or_misplaced_capability_is_refused(body, message):
     assert "Misspelt" not in namespace
 
 
+def test_an_optional_form_is_read_only_from_a_method_that_derives_from_it():
+    """The SDPA forms of a method's scores (kernel_heads, separable_terms, block_near, ...) are mixins beside the kind,
+    not capabilities every method carries: defining one without its mixin is refused, with it accepted."""
+    from hf_posenc.methods.base import ContentMethod, DotProductForm, capabilities
+
+    assert "kernel_heads" not in capabilities(ContentMethod) and "block_near" not in capabilities(hf_posenc.RotaryMethod)
+    with pytest.raises(PosEncError, match=r"NoForm\.kernel_heads is a capability of DotProductForm methods, and NoForm "
+                                          r"derives from ContentMethod: it would never be read"):
+        class NoForm(ContentMethod):
+            def kernel_heads(self, *arguments):
+                return None
+
+    class WithForm(DotProductForm, ContentMethod):
+        def kernel_heads(self, *arguments):
+            return None
+
+    assert issubclass(WithForm, ContentMethod)
+
+
 def test_a_method_of_two_kinds_and_a_config_that_is_not_a_posenc_config_are_refused():
     with pytest.raises(PosEncError, match="derives from AttentionBiasMethod and RotaryMethod; a method acts in one"):
         class Both(hf_posenc.AttentionBiasMethod, hf_posenc.RotaryMethod):

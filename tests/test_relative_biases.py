@@ -271,7 +271,7 @@ def test_xpos_reads_its_spread_once_per_forward(monkeypatch):
         far = model(ids, position_ids=torch.arange(40).expand(2, -1) * 5).logits  # 195 apart: per block
         assert len(reads) > 1
         reads.clear()
-        monkeypatch.setattr(hf_posenc.engine.state.CallPositions, "facts",
+        monkeypatch.setattr(hf_posenc.engine.state.CallPositions, "host_values",
                             property(lambda self: {}, lambda self, value: None), raising=False)
         again, far_again = model(ids).logits, model(ids, position_ids=torch.arange(40).expand(2, -1) * 5).logits
     assert len(reads) >= 2 * model.config.num_hidden_layers

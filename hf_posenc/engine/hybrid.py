@@ -7,7 +7,7 @@ other layers), as recent models interleave RoPE and NoPE layers.
 
 A hybrid is one patch whose config (`HybridConfig`) lists its parts: {"method", "options", "layers"}; its module
 (`HybridMethod`) holds one method module per part (parameters `<base>.posenc.parts.<i>.*`). Each part gets its own
-per-forward position state; the family installs it on the part's layers only (`ModelFamily.install_hybrid`). The
+per-forward position state; it is installed on the part's layers only (engine/install.py `install_hybrid`). The
 checkpoint records the parts (and, in posenc_config.json, `layer_methods`: what each layer runs).
 
 What cannot be per layer: absolute methods (`learned`, `sinusoidal`) add their embedding to the input of the first
@@ -189,7 +189,7 @@ class HybridMethod(PositionalMethod):
     """Methods on some layers only, the model's own mechanism on the others.
 
     Holds the method module of each part (`parts[i]`, on the layers `part_layers[i]`) and acts through them: the
-    family installs each on its layers (ModelFamily.install_hybrid)."""
+    family installs each on its layers (engine/install.py install_hybrid)."""
 
     def __init__(self, config: HybridConfig, info: ModelInfo):
         super().__init__(config, info)

@@ -2,6 +2,11 @@
 keep an undo log of every change. If anything fails half way, the log is undone and the model is left exactly as
 it was (with the previous patch, if there was one, put back).
 
+Which parts of the family a method takes is decided here, by the method's kind (`install_method`): every method
+gets the per-forward position capture; an absolute method is added to the input embeddings, a bias, a content
+method or a rotation inside attention routes attention through the shared path, another rotation goes where the
+family applies its own. The family says where position enters and how the native mechanism is removed.
+
 The public entry points (hf_posenc/patching.py) wrap this with what a patched model offers beyond computing:
 its `save_pretrained` (checkpoints/saving.py), attached through `before_install`.
 """
@@ -17,10 +22,15 @@ from typing import Callable
 from torch import nn
 
 from ..config import PosEncConfig
-from ..methods.base import PositionalMethod, RotaryMethod
+from ..errors import PosEncError
+from ..methods.base import AttentionBiasMethod, ContentMethod, PositionalMethod, RotaryMethod
 from ..model_info import ModelInfo
 from ..registry import config_for, get_family
-from .state import PositionState
+from .content import install_content
+from .hybrid import HybridMethod
+from .replay import PrefixReplay
+from .sink_cache import GenerateWithBoundedCache
+from .state import PositionCapture, PositionState, RecordKeyPositions, forward_parameter_names
 from .undo import UndoLog
 
 PATCH_ATTR = "hf_posenc_patch"
@@ -60,7 +70,7 @@ def install_patch(model: nn.Module, config: PosEncConfig, before_install: Before
         _move_like(method_module, model)
         if before_install is not None:
             before_install(model, method_module, log)
-        state = family.install(model, method_module, info, log)
+        state = install_method(family, model, method_module, info, log)
     except BaseException:
         log.undo()
         if previous is not None:
@@ -68,6 +78,91 @@ def install_patch(model: nn.Module, config: PosEncConfig, before_install: Before
         raise
     setattr(model, PATCH_ATTR, AppliedPatch(config, method_module, state, log))
     return model
+
+
+def install_method(family, model: nn.Module, method: PositionalMethod, info: ModelInfo, log: UndoLog
+                   ) -> PositionState:
+    """Install `method` on `model` through its family (a families/base.py ModelFamily), every change in `log`."""
+    if isinstance(method, HybridMethod):
+        state = install_hybrid(family, model, method, info, log)
+    else:
+        state = _install_whole(family, model, method, info, log)
+    family.after_install(model, method, info, log)
+    return state
+
+
+def _install_whole(family, model: nn.Module, method: PositionalMethod, info: ModelInfo, log: UndoLog
+                   ) -> PositionState:
+    base = family.base_model(model)
+    attribute = family.method_attribute(method)
+    state = PositionState(method, model.config, holder=base, attribute=attribute)
+    log.set_attr(base, attribute, method)  # registers the method's parameters under the base model
+    parameter_names = forward_parameter_names(base)
+    replay = None
+    if isinstance(method, RotaryMethod) and method.length_dependent and method.exact_cache:
+        replay = PrefixReplay(method, "position_ids" in parameter_names, model.config)
+        log.add_forward_hook(base, replay.cut_outputs, with_kwargs=True)
+    capture = PositionCapture(state, parameter_names, family.default_positions, replay,
+                              adds_embeddings=attribute == "posenc")
+    log.add_forward_pre_hook(base, capture, with_kwargs=True)
+    log.add_forward_hook(base, RecordKeyPositions(state), with_kwargs=True)
+    if method.kept_keys() is not None:  # generate creates the bounded cache of the keys the method keeps
+        log.set_attr(model, "_prepare_cache_for_generation", GenerateWithBoundedCache(model, method))
+    if family.patch_is_identity(method, info):
+        return state
+    if isinstance(method, ContentMethod):  # base="native" keeps the model's own mechanism underneath
+        if not method.keeps_native:
+            family.remove_native(model, state, log)
+        family.route_attention(model, state, log)
+        install_content(family, model, state, log)
+        return state
+    family.remove_native(model, state, log)
+    _add_in_layers(family, model, method, state, log)
+    return state
+
+
+def _add_in_layers(family, model: nn.Module, method: PositionalMethod, state: PositionState, log: UndoLog,
+                   layers: list[int] | None = None) -> None:
+    """A bias or a rotation inside attention: the shared attention path; another rotation: where the family applies
+    its own. (An absolute method is added to the input by the position capture; NoPE adds nothing.)"""
+    rotates_in_attention = isinstance(method, RotaryMethod) and method.rotates_in_attention
+    if isinstance(method, AttentionBiasMethod) or rotates_in_attention:
+        family.route_attention(model, state, log, layers)
+    elif isinstance(method, RotaryMethod):
+        family.add_rotary(model, method, state, log, layers)
+
+
+def install_hybrid(family, model: nn.Module, hybrid: HybridMethod, info: ModelInfo, log: UndoLog) -> PositionState:
+    """Install each part of a hybrid on its layers only, with a position state of its own; the other layers keep
+    the model's own mechanism. Returns the first part's state."""
+    base = family.base_model(model)
+    log.set_attr(base, "posenc", hybrid)
+    parameter_names = forward_parameter_names(base)
+    # Parts that replace the position of every layer: no layer reads the native mechanism any more, so a family
+    # whose own positions are not a layer's (GPT-2's wpe, added to the input) loses them as with the full patch.
+    every_layer = {index for layers in hybrid.part_layers for index in layers} == set(range(info.num_layers))
+    replaces_all = every_layer and not any(family.patch_is_identity(method, info) for method in hybrid.parts)
+    states = []
+    for method, layers in zip(hybrid.parts, hybrid.part_layers):
+        state = PositionState(method, model.config)
+        states.append(state)
+        log.add_forward_pre_hook(base, PositionCapture(state, parameter_names, family.default_positions,
+                                                       adds_embeddings=False), with_kwargs=True)
+        log.add_forward_hook(base, RecordKeyPositions(state), with_kwargs=True)
+        if family.patch_is_identity(method, info):
+            continue
+        if not family.native_per_layer and not replaces_all and \
+                not isinstance(method, (AttentionBiasMethod, RotaryMethod)):
+            raise PosEncError(
+                f"On {family.name} models position enters as an embedding added to the input, not inside the "
+                f"layers, and a hybrid that leaves some layers native keeps it: {method.config.method!r} on "
+                f"layers {layers} would change nothing. Patch the whole model with {method.config.method!r} (no "
+                "layers=), or put a method that acts inside attention on those layers.")
+        family.remove_native(model, state, log, layers)
+        _add_in_layers(family, model, method, state, log, layers)
+    if replaces_all and not family.native_per_layer:
+        family.remove_native(model, states[0], log)
+    return states[0]
 
 
 def remove_patch(model: nn.Module) -> nn.Module:
@@ -129,7 +224,7 @@ def _reinstall(model: nn.Module, family, previous: AppliedPatch, before_install:
         give_own_config(model, log)
         if before_install is not None:
             before_install(model, previous.installed, log)
-        state = family.install(model, previous.installed, family.model_info(model), log)
+        state = install_method(family, model, previous.installed, family.model_info(model), log)
     except BaseException:
         log.undo()  # leave the original model rather than a half-installed one
         raise

@@ -187,8 +187,8 @@ class SinkCache(Cache):
 
     def check_for(self, method) -> None:
         """Refuse to serve a method that attends to keys this cache drops (one without sinks, or other sizes)."""
-        expected = method.kv_cache(0)
-        if not isinstance(expected, SinkCache):
+        expected = method.kept_keys()
+        if expected is None:
             raise PosEncError(
                 f"A SinkCache drops every key but the sinks and a window, and this model is patched with "
                 f"{method.config.method!r}, which attends to all of them. Use a DynamicCache (or patch with 'sinks').")
@@ -243,8 +243,15 @@ class GenerateWithBoundedCache:
         name = cache_keyword(model_kwargs)
         created = model_kwargs.get(name)
         if given is None and type(created) is DynamicCache and not getattr(created, "_is_user_defined", False):
-            model_kwargs[name] = self.method.kv_cache(num_layers(self.model))
+            model_kwargs[name] = bounded_cache(self.method, num_layers(self.model))
         return result
+
+
+def bounded_cache(method, num_layers: int) -> SinkCache | None:
+    """The bounded KV cache of a method that attends only to some keys (`kept_keys`: StreamingLLM's sinks and
+    window), for a model of `num_layers` layers; None for a method that may attend to every earlier token."""
+    kept = method.kept_keys()
+    return None if kept is None else SinkCache(num_layers, kept.num_sinks, kept.window)
 
 
 def num_layers(model) -> int:

@@ -70,9 +70,10 @@ class CallPositions:
     # `key_positions` holds only the position of slot 0 [B or 1, 1]: each key sits at its slot plus that.
     traced: bool = False
     content: Any = None  # a content method's per-token state of this forward (engine/content.py ContentCall)
-    # Facts about this forward's positions that the layers need as Python values (PositionState.once_per_forward):
-    # read once, not once per layer, since reading a tensor's value waits for the device.
-    facts: dict = field(default_factory=dict)
+    # Values read from this forward's positions that the layers need as Python values, by what they depend on
+    # (PositionState.once_per_forward): read once, not once per layer, since reading a tensor's value waits for the
+    # device.
+    host_values: dict = field(default_factory=dict)
     # ((method, attention mask, dtype, kv, blocks), each block's kernel calls) for a `block_near` method on the
     # CPU kernel, made by the first layer that asks (attention/near_far.py _near_far_plans) and reused by the others
     near_far_plans: list = field(default_factory=list)
@@ -289,13 +290,13 @@ class PositionState:
         return int(self.forward.slot_offset) - self.first_key_slot(q, kv)
 
     def once_per_forward(self, key, compute: Callable[[], Any]) -> Any:
-        """compute() the first time a layer of this forward asks for `key`, then its value: for facts about the
+        """compute() the first time a layer of this forward asks for `key`, then its value: for values read from the
         forward's positions that every layer reads as Python values (so the device is waited for once per forward,
         not once per layer). `key` must name everything the value depends on besides the forward."""
-        facts = self.forward.facts
-        if key not in facts:
-            facts[key] = compute()
-        return facts[key]
+        values = self.forward.host_values
+        if key not in values:
+            values[key] = compute()
+        return values[key]
 
     def relative_positions(self, q: int, kv: int, device: torch.device):
         """(query_slots [q], key_slots [kv], query_positions [B or 1, q], key_positions [B or 1, kv]): each token's

@@ -3,9 +3,9 @@
 and trained window (`model_info`, `trained_window`), the attention projections LoRA adapts
 (`lora_target_modules`), and when plain transformers computes a patch itself (`is_native`).
 
-The shared parts live here: reading the positions of each forward (a pre-hook on the base model), adding
-absolute embeddings there, and routing attention through the shared bias path. A family subclass names its
-modules and overrides what its architecture does differently.
+The shared parts live here: routing attention through the shared path, and rotating a fused qkv projection's
+output. A family subclass names its modules and overrides what its architecture does differently. Which of these a
+method takes (by its kind), and the per-forward position capture, is engine/install.py's `install_method`.
 """
 
 from __future__ import annotations
@@ -16,15 +16,9 @@ import torch
 from torch import nn
 
 from ..engine.attention import RoutedAttentionConfig, register_attention
-from ..engine.content import install_content
-from ..engine.hybrid import HybridMethod
-from ..engine.replay import PrefixReplay
-from ..engine.sink_cache import GenerateWithBoundedCache
-from ..engine.state import (STATE_ATTR, PositionCapture, PositionState, RecordKeyPositions, forward_parameter_names,
-                            positions_after_offset)
+from ..engine.state import STATE_ATTR, PositionState, positions_after_offset
 from ..engine.undo import UndoLog
-from ..errors import PosEncError
-from ..methods.base import AttentionBiasMethod, ContentMethod, PositionalMethod, RotaryMethod
+from ..methods.base import PositionalMethod, RotaryMethod
 from ..model_info import ModelInfo
 
 
@@ -71,8 +65,8 @@ class ModelFamily:
     def default_positions(self, arguments: dict[str, Any], q: int, offset: int, device: torch.device):
         return positions_after_offset(arguments, q, offset, device)
 
-    def keeps_native(self, method: PositionalMethod, info: ModelInfo) -> bool:
-        """True when the method is exactly what the model already computes (nothing to remove or add)."""
+    def patch_is_identity(self, method: PositionalMethod, info: ModelInfo) -> bool:
+        """True when the method is exactly what the model already computes (the patch removes and adds nothing)."""
         return method.is_native(info)
 
     def trained_window(self, model: nn.Module) -> int | None:
@@ -92,77 +86,11 @@ class ModelFamily:
         """True when plain transformers, reading this model's config as the patch left it, computes exactly what
         `method` computes on it (so a saved checkpoint needs no hf_posenc): the method keeps the model's own
         mechanism and has no state of its own."""
-        return not method.state_dict() and self.keeps_native(method, self.model_info(model))
+        return not method.state_dict() and self.patch_is_identity(method, self.model_info(model))
 
-    def install(self, model: nn.Module, method: PositionalMethod, info: ModelInfo, log: UndoLog) -> PositionState:
-        if isinstance(method, HybridMethod):
-            return self.install_hybrid(model, method, info, log)
-        base = self.base_model(model)
-        attribute = self.method_attribute(method)
-        state = PositionState(method, model.config, holder=base, attribute=attribute)
-        log.set_attr(base, attribute, method)  # registers the method's parameters under the base model
-        parameter_names = forward_parameter_names(base)
-        replay = None
-        if isinstance(method, RotaryMethod) and method.length_dependent and method.exact_cache:
-            replay = PrefixReplay(method, "position_ids" in parameter_names, model.config)
-            log.add_forward_hook(base, replay.cut_outputs, with_kwargs=True)
-        capture = PositionCapture(state, parameter_names, self.default_positions, replay,
-                                  adds_embeddings=attribute == "posenc")
-        log.add_forward_pre_hook(base, capture, with_kwargs=True)
-        log.add_forward_hook(base, RecordKeyPositions(state), with_kwargs=True)
-        if method.kv_cache(0) is not None:  # generate creates the method's bounded cache
-            log.set_attr(model, "_prepare_cache_for_generation", GenerateWithBoundedCache(model, method))
-        if self.keeps_native(method, info):
-            return state
-        if isinstance(method, ContentMethod):  # base="native" keeps the model's own mechanism underneath
-            if not method.keeps_native:
-                self.remove_native(model, state, log)
-            self.route_attention(model, state, log)
-            install_content(self, model, state, log)
-            return state
-        self.remove_native(model, state, log)
-        rotates_in_attention = isinstance(method, RotaryMethod) and method.rotates_in_attention
-        if isinstance(method, AttentionBiasMethod) or rotates_in_attention:
-            self.route_attention(model, state, log)
-        elif isinstance(method, RotaryMethod):
-            self.add_rotary(model, method, state, log)
-        return state
-
-    def install_hybrid(self, model: nn.Module, hybrid: HybridMethod, info: ModelInfo, log: UndoLog) -> PositionState:
-        """Install each part of a hybrid on its layers only, with a position state of its own; the other layers keep
-        the model's own mechanism. Returns the first part's state."""
-        base = self.base_model(model)
-        log.set_attr(base, "posenc", hybrid)
-        parameter_names = forward_parameter_names(base)
-        # Parts that replace the position of every layer: no layer reads the native mechanism any more, so a family
-        # whose own positions are not a layer's (GPT-2's wpe, added to the input) loses them as with the full patch.
-        every_layer = {index for layers in hybrid.part_layers for index in layers} == set(range(info.num_layers))
-        replaces_all = every_layer and not any(self.keeps_native(method, info) for method in hybrid.parts)
-        states = []
-        for method, layers in zip(hybrid.parts, hybrid.part_layers):
-            state = PositionState(method, model.config)
-            states.append(state)
-            log.add_forward_pre_hook(base, PositionCapture(state, parameter_names, self.default_positions,
-                                                           adds_embeddings=False), with_kwargs=True)
-            log.add_forward_hook(base, RecordKeyPositions(state), with_kwargs=True)
-            if self.keeps_native(method, info):
-                continue
-            if not self.native_per_layer and not replaces_all and \
-                    not isinstance(method, (AttentionBiasMethod, RotaryMethod)):
-                raise PosEncError(
-                    f"On {self.name} models position enters as an embedding added to the input, not inside the "
-                    f"layers, and a hybrid that leaves some layers native keeps it: {method.config.method!r} on "
-                    f"layers {layers} would change nothing. Patch the whole model with {method.config.method!r} (no "
-                    "layers=), or put a method that acts inside attention on those layers.")
-            self.remove_native(model, state, log, layers)
-            rotates_in_attention = isinstance(method, RotaryMethod) and method.rotates_in_attention
-            if isinstance(method, AttentionBiasMethod) or rotates_in_attention:
-                self.route_attention(model, state, log, layers)
-            elif isinstance(method, RotaryMethod):
-                self.add_rotary(model, method, state, log, layers)
-        if replaces_all and not self.native_per_layer:
-            self.remove_native(model, states[0], log)
-        return states[0]
+    def after_install(self, model: nn.Module, method: PositionalMethod, info: ModelInfo, log: UndoLog) -> None:
+        """What the family changes once the method is installed (engine/install.py `install_method`): by default
+        nothing."""
 
     def layer_attention_modules(self, model: nn.Module, layers: list[int] | None) -> list[nn.Module]:
         modules = self.attention_modules(model)

@@ -95,16 +95,14 @@ class LlamaFamily(ModelFamily):
         for index in layers:
             log.add_forward_pre_hook(self.base_model(model).layers[index], LayerRotation(None), with_kwargs=True)
 
-    def install(self, model, method, info, log):
-        state = super().install(model, method, info, log)
-        update = None if self.keeps_native(method, info) else method.native_config_update()
+    def after_install(self, model, method, info, log):
+        update = None if self.patch_is_identity(method, info) else method.native_config_update()
         for name, value in (update or {}).items():
             # So that save_pretrained writes a config.json plain transformers loads to the same logits.
             if name == "rope_parameters":
                 value = {**{k: v for k, v in (info.rope_parameters or {}).items()
                             if k == "partial_rotary_factor"}, **value}
             log.set_attr(model.config, name, value)
-        return state
 
     def is_native(self, model, method):
         """Also true for a rotary method whose native settings (RoPE scalings, a RoPE theta) the patch wrote into

@@ -1,7 +1,8 @@
-"""The method protocol. A positional method is an nn.Module built from its config and the model's ModelInfo, and a
-subclass of exactly one of the four classes below, which says where it acts (tested with isinstance, nothing else):
+"""The method protocol. A positional method is an nn.Module built from its config and the model's ModelInfo: a
+subclass of PositionalMethod and of at most one of its four kinds below, which says where it acts (tested with
+isinstance, nothing else):
 
-- PositionalMethod itself: nowhere (NoPE);
+- PositionalMethod alone: nowhere (NoPE);
 - AbsolutePositionMethod: `embed(positions)` is added to the input embeddings;
 - AttentionBiasMethod: `bias(layer_idx, query_positions, key_positions)` is added to attention scores;
 - RotaryMethod: `rotation(positions)` (by default `cos_sin(positions)`) rotates queries and keys, applied by
@@ -15,7 +16,9 @@ Every capability the engine (families, per-forward state, attention path, checkp
 declared here, once, with its default: a class attribute or a method that a subclass overrides in its class body.
 Defining a subclass checks its names (`check_method_names`): a name that misses a capability by a typo
 (`alibi_slope`), or a capability of another kind of method, is refused, since the engine would never read it and the
-method would silently take a slower or different path. A method's own helpers are free otherwise.
+method would silently take a slower or different path. A method's own helpers are free otherwise. A method's fast
+kernels are not capabilities: the engine finds them by the method's name (engine/kernels/by_method.py), and this
+package imports nothing from the engine.
 
 Everything here is computed in float32 whatever the model's dtype (a bf16 bias or frequency table
 loses the precision that long contexts need).
@@ -33,6 +36,16 @@ from torch import nn
 from ..config import PosEncConfig
 from ..errors import PosEncError
 from ..model_info import ModelInfo
+
+
+@dataclass(frozen=True)
+class KeptKeys:
+    """The keys a method attends to however long the text: the first `num_sinks` tokens and the `window - 1` before
+    the newest. The engine keeps only those in a bounded KV cache (engine/sink_cache.py SinkCache), which `generate`
+    creates in place of its DynamicCache."""
+
+    num_sinks: int
+    window: int
 
 
 class PositionalMethod(nn.Module):
@@ -69,10 +82,9 @@ class PositionalMethod(nn.Module):
         """An extra key mask [B or 1, 1, q, kv] (True = may attend) on top of causality, or None."""
         return None
 
-    def kv_cache(self, num_layers: int):
-        """A bounded KV cache (a transformers Cache) holding only the keys this method can still attend to, which
-        `generate` creates in place of its DynamicCache (StreamingLLM's sinks: engine/sink_cache.py); None for
-        methods that may attend to every earlier token."""
+    def kept_keys(self) -> KeptKeys | None:
+        """The only keys this method can still attend to (StreamingLLM's sinks and window), which the engine's
+        bounded KV cache keeps; None for methods that may attend to every earlier token."""
         return None
 
     def is_native(self, info: ModelInfo) -> bool:
@@ -236,33 +248,6 @@ class RotaryMethod(PositionalMethod):
         and any mask."""
         raise NotImplementedError
 
-    def block_near(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor | None:
-        """For `scores_per_query_block` methods whose block_scores are where(near, q_n . k_n, q_f . k_f): positions
-        [B or 1, r] and [B or 1, k] -> the near mask bool [B or 1, 1, r, k]; the attention path then runs SDPA on the
-        method's `block_parts` (kernel calls per part and block) instead of block_scores and an eager softmax, and
-        rebuilds this mask in the backward rather than keep it. None (the default): block_scores serves."""
-        return None
-
-    def block_parts(self, query: torch.Tensor, keys: tuple[torch.Tensor, ...], query_positions: torch.Tensor,
-                    key_positions: torch.Tensor, far: bool):
-        """For methods with a `block_near` mask: the block_scores arguments -> ((q_n [B, H, r, D], k_n [B, H, k, D]),
-        (q_f, k_f) if `far` (some allowed entry of the block is far) else None). Each query's rotations depend on its
-        own position alone: on the CPU the attention path calls this once for every query of the call."""
-        raise NotImplementedError
-
-    # The method's block_parts are all there is to its scores (no other term, no other key mask), so where a call's far
-    # keys are a causal triangle the fused CPU kernel may serve it (engine/fused_cpu.py near_far_causal).
-    fused_near_far: ClassVar[bool] = False
-
-    def window_holds(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> bool:
-        """For `scores_per_query_block` methods, a call whose query i is key i (positions [B or 1, L] each): whether
-        every causal pair takes one plain rotation (`window_heads`), so that one causal SDPA call serves the call.
-        False (the default): per query block."""
-        return False
-
-    def window_heads(self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor):
-        """For a call `window_holds` accepts: (query [B, H, L, D], key [B, H, L, D]) rotated for it."""
-        raise NotImplementedError
 
 
 def unmasked_columns(mask: torch.Tensor) -> int:
@@ -329,7 +314,7 @@ class ContentMethod(PositionalMethod):
     # `content_scores` returns a tensor of its own that autograd did not save (the output of an add or a multiply):
     # the attention path then masks the disallowed keys in place instead of in a copy (a pass over the block fewer;
     # about 5% of CoPE's layer step at 2048 tokens on the CPU). A saved one would fail in the backward.
-    fresh_scores: ClassVar[bool] = False
+    scores_maskable_in_place: ClassVar[bool] = False
 
     @property
     def keeps_native(self) -> bool:
@@ -376,54 +361,9 @@ class ContentMethod(PositionalMethod):
         including `block.scaling` and `block.bias`; masked entries are overwritten by the attention path."""
         raise NotImplementedError
 
-    def separable_terms(self, query_state: torch.Tensor | None, key_state: torch.Tensor | None
-                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """For methods whose logits (content_scores) are block.scaling * q_i . k_j + u_i - w_j + block.bias, with
-        u and w from the carried state: (u [B, H, q], w [B, H, kv]), float32, for the queries' state [B, S, q, ...]
-        and the keys' [B, S, kv, ...]; the attention path then runs SDPA's kernel per block
-        (engine/attention/separable.py) instead of content_scores. None (the default): content_scores serves."""
-        return None
-
-    def kernel_heads(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, query_state: torch.Tensor | None,
-                     key_state: torch.Tensor | None, query_positions: torch.Tensor, key_positions: torch.Tensor,
-                     fused: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """For methods whose logits (content_scores) are block.scaling * q'_i . k'_j + block.bias: (q' [B, H, q, E],
-        k' [B, H_kv, kv, E]), float32, from query [B, H, q, D] and key [B, H_kv, kv, D] (at its key-value heads, each
-        shared by a group of query heads), the carried state of the queries [B, S, q, ...] and keys [B, S, kv, ...]
-        and their positions [B or 1, q] and [B or 1, kv]; the attention path then runs SDPA on them
-        (engine/attention/content_path.py `_kernel_content`), for `mixes_state` methods with the keys' state beside
-        the values.
-        `fused`: fused CPU kernels (engine/fused_cpu.py) may compute them. None (the default): content_scores
-        serves."""
-        return None
-
-    # The form of `kernel_heads` holds only for attended pairs whose key position is not after the query's (a method
-    # that clamps negative distances to 0, as `relative_distance` does): the attention path checks, and keeps
-    # content_scores for a call with such a pair.
-    kernel_needs_ordered_keys: ClassVar[bool] = False
-
     def content_weights(self, query: torch.Tensor, key: torch.Tensor, block: ContentBlock) -> torch.Tensor:
         """For `replaces_softmax` methods: query [B, H, r, D], key [B, H, k, D] -> float32 attention weights
         [B, H, r, k] (zero where `block.allowed` is False), which the attention path applies to the values."""
-        raise NotImplementedError
-
-    # `fused_causal` computes a whole call of a causal square on the CPU with a fused kernel (engine/fused_cpu.py).
-    has_fused_causal: ClassVar[bool] = False
-    # The kernel's code paths this method's options choose (CAPE's activation): part of the kind the kernel check
-    # passes (engine/kernel_check.py), so a check of one path does not vouch for another.
-    fused_causal_variant: tuple = ()
-
-    def fused_causal_applies(self, layer_idx: int, positions: torch.Tensor) -> bool:
-        """For `has_fused_causal` methods: whether the kernel serves a causal square whose tokens have these position
-        ids ([B or 1, L]); a method whose logits read positions says where its kernel's form holds."""
-        return True
-
-    def fused_causal(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     scaling: float, positions: torch.Tensor) -> torch.Tensor:
-        """For `has_fused_causal` methods: query, key [B, H, L, D] and value [B, H, L, E] (heads matched) of a call in
-        which query i is key i and nothing but causality masks (no padding, cache, native bias or state), the tokens'
-        position ids [B or 1, L] -> output [B, H, L, E] in value's dtype: what the blocks would give, served after
-        the kernel check."""
         raise NotImplementedError
 
     def finish_output(self, layer_idx: int, output: torch.Tensor, layer_input: torch.Tensor | None) -> torch.Tensor:
@@ -432,6 +372,71 @@ class ContentMethod(PositionalMethod):
         return output
 
 
+# --- Optional forms: a method derives from one beside its kind where its scores have that form, and the attention
+# path then runs SDPA (or a kernel) on the parts instead of materialising each block's scores.
+
+class NearFarForm(RotaryMethod):
+    """A `scores_per_query_block` method whose block_scores are where(near, q_n . k_n, q_f . k_f) (Self-Extend,
+    ReRoPE, sinks)."""
+
+    def block_near(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor | None:
+        """Positions [B or 1, r] and [B or 1, k] -> the near mask bool [B or 1, 1, r, k]; the attention path then runs
+        SDPA on the method's `block_parts` (kernel calls per part and block) instead of block_scores and an eager
+        softmax, and rebuilds this mask in the backward rather than keep it. None: block_scores serves."""
+        raise NotImplementedError
+
+    def block_parts(self, query: torch.Tensor, keys: tuple[torch.Tensor, ...], query_positions: torch.Tensor,
+                    key_positions: torch.Tensor, far: bool):
+        """The block_scores arguments -> ((q_n [B, H, r, D], k_n [B, H, k, D]), (q_f, k_f) if `far` (some allowed
+        entry of the block is far) else None). Each query's rotations depend on its own position alone: on the CPU the
+        attention path calls this once for every query of the call."""
+        raise NotImplementedError
+
+    def window_holds(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> bool:
+        """For a call whose query i is key i (positions [B or 1, L] each): whether every causal pair takes one plain
+        rotation (`window_heads`), so that one causal SDPA call serves the call. False (the default): per query
+        block."""
+        return False
+
+    def window_heads(self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor):
+        """For a call `window_holds` accepts: (query [B, H, L, D], key [B, H, L, D]) rotated for it."""
+        raise NotImplementedError
+
+
+class SeparableBiasForm(ContentMethod):
+    """A content method whose logits (content_scores) are block.scaling * q_i . k_j + u_i - w_j + block.bias, with u
+    and w from the carried state (FoX)."""
+
+    def separable_terms(self, query_state: torch.Tensor | None, key_state: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(u [B, H, q], w [B, H, kv]), float32, for the queries' state [B, S, q, ...] and the keys' [B, S, kv, ...];
+        the attention path then runs SDPA's kernel per block (engine/attention/separable.py) instead of
+        content_scores. None: content_scores serves."""
+        raise NotImplementedError
+
+
+class DotProductForm(ContentMethod):
+    """A content method whose logits (content_scores) are block.scaling * q'_i . k'_j + block.bias, for transformed
+    queries and keys (Transformer-XL, TAPE)."""
+
+    def kernel_heads(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, query_state: torch.Tensor | None,
+                     key_state: torch.Tensor | None, query_positions: torch.Tensor, key_positions: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(q' [B, H, q, E], k' [B, H_kv, kv, E]), float32, from query [B, H, q, D] and key [B, H_kv, kv, D] (at its
+        key-value heads, each shared by a group of query heads), the carried state of the queries [B, S, q, ...] and keys [B, S, kv, ...]
+        and their positions [B or 1, q] and [B or 1, kv]; the attention path then runs SDPA on them
+        (engine/attention/content_path.py `_kernel_content`), for `mixes_state` methods with the keys' state beside the values;
+        a fused CPU form of it, where there is one, is the method's entry in engine/kernels/by_method.py. None:
+        content_scores serves."""
+        raise NotImplementedError
+
+    # The form of `kernel_heads` holds only for attended pairs whose key position is not after the query's (a method
+    # that clamps negative distances to 0, as `relative_distance` does): the attention path checks, and keeps
+    # content_scores for a call with such a pair.
+    kernel_needs_ordered_keys: ClassVar[bool] = False
+
+
+FORMS = (NearFarForm, SeparableBiasForm, DotProductForm)
 KINDS = (AbsolutePositionMethod, AttentionBiasMethod, RotaryMethod, ContentMethod)
 
 
@@ -452,15 +457,20 @@ def kind_of(cls: type) -> type[PositionalMethod]:
 
 def check_method_names(cls: type) -> None:
     """Refuse public names in the class bodies of `cls` (up to its protocol class) that the engine would not read
-    although they look like a capability: a capability of another kind, or a near miss of a capability's name."""
+    although they look like a capability: a capability of another kind or form, or a near miss of a capability's
+    name."""
     kind = kind_of(cls)
-    own, every = capabilities(kind), set().union(*(capabilities(k) for k in (PositionalMethod, *KINDS)))
+    protocol = (PositionalMethod, *KINDS, *FORMS)
+    own = set().union(*(capabilities(k) for k in protocol if issubclass(cls, k)))
+    every = set().union(*(capabilities(k) for k in protocol))
     for klass in cls.__mro__[:cls.__mro__.index(kind)]:
+        if klass in FORMS:
+            continue
         for name in vars(klass):
             if name.startswith("_") or name in own or hasattr(nn.Module, name):
                 continue
             if name in every:
-                owner = next(k.__name__ for k in KINDS if name in capabilities(k))
+                owner = next(k.__name__ for k in (*KINDS, *FORMS) if name in vars(k))
                 raise PosEncError(f"{klass.__name__}.{name} is a capability of {owner} methods, and {cls.__name__} "
                                   f"derives from {kind.__name__}: it would never be read. Derive from {owner} or "
                                   "rename it.")

@@ -12,8 +12,9 @@ authors' in every DAPE module, or "gelu", erf's):
 
 Computed per query block; the MLP sees [B, rows, keys, 2H] at a time, never [L, L] for the whole sequence. On the CPU
 a causal square whose bias is a table of distances (consecutive position ids, a bias method with `bias_table`) goes to
-a fused kernel (engine/cpu_kernels/cape.cpp): every head's pairs of a tile in cache, the MLP per chunk of a row's pairs
-on register vectors, flash attention's softmax, the backward recomputing each tile.
+a fused kernel (engine/kernels/cpu_kernels/cape.cpp, found by the engine in engine/kernels/by_method.py): every head's
+pairs of a tile in cache, the MLP per chunk of a row's pairs on register vectors, flash attention's softmax, the
+backward recomputing each tile.
 
 Init: the authors' nn.Linear default for each layer of f (weights and biases U(-1/sqrt(fan_in), 1/sqrt(fan_in))),
 drawn from a generator of its own (seed 0), except that on top of the model's own mechanism (base="native") the
@@ -36,7 +37,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..engine.fused_cpu import cape_causal
 from ..model_info import ModelInfo
 from ..registry import available_methods, get_method, register_method
 # The built-in bias methods CAPE may name, registered by importing them. Standalone export also ships the module of
@@ -95,8 +95,7 @@ class CapeConfig(ContentConfig):
 
 @register_method("cape", CapeConfig)
 class ContextAdaptivePositions(ContentAttention):
-    fresh_scores = True
-    has_fused_causal = True
+    scores_maskable_in_place = True
     reads_position_span = True
 
     def __init__(self, config: CapeConfig, info: ModelInfo):
@@ -115,24 +114,7 @@ class ContextAdaptivePositions(ContentAttention):
         self.output_bias = nn.Parameter(output_bias)
         # float32 [B, H, r, k] tensors per block: logits, bias, the MLP's input (2H) and hidden (2 x width) per pair.
         self.block_cost = 4.0 + (2 * heads + 2 * width) / heads
-
-    def fused_causal_applies(self, layer_idx, positions):
-        """The kernel takes the bias as a table of distances i - j: every row's position ids consecutive, and a bias
-        method whose bias depends on the distance alone up to the call's last position."""
-        if positions.shape[-1] > 1 and not bool((positions.diff(dim=-1) == 1).all()):
-            return False
-        return self.bias_method.bias_table(layer_idx, 1, int(positions.max()), positions.device) is not None
-
-    def fused_causal(self, layer_idx, query, key, value, scaling, positions):
-        table = self.bias_method.bias_table(layer_idx, query.shape[2], int(positions.max()), query.device)
-        return cape_causal(query, key, value, table, self.input_weight[layer_idx], self.input_bias[layer_idx],
-                           self.output_weight[layer_idx], self.output_bias[layer_idx], scaling,
-                           self.config.base == "none", activation=self.config.activation,
-                           negative_slope=LEAKY_RELU_SLOPE)
-
-    @property
-    def fused_causal_variant(self) -> tuple:
-        return (self.config.activation,)
+        self.leaky_relu_slope = LEAKY_RELU_SLOPE  # what the fused kernel (engine/kernels/by_method.py) reads
 
     def content_scores(self, query, key, block):
         layer = block.layer_idx

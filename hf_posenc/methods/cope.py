@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..engine.fused_cpu import cope_causal
 from ..model_info import ModelInfo
 from ..registry import register_method
 from .base import fill_disallowed_
@@ -44,8 +43,7 @@ class CopeConfig(ContentConfig):
 @register_method("cope", CopeConfig)
 class ContextualPositions(ContentAttention):
     block_cost = 6.0
-    fresh_scores = True
-    has_fused_causal = True
+    scores_maskable_in_place = True
 
     def __init__(self, config: CopeConfig, info: ModelInfo):
         super().__init__(config, info)
@@ -55,9 +53,6 @@ class ContextualPositions(ContentAttention):
         scores = ContextualScores.apply(query, key, self.position_embeddings[block.layer_idx], block.allowed,
                                         block.scaling, float(self.config.max_pos))
         return scores if block.bias is None else scores + block.bias
-
-    def fused_causal(self, layer_idx, query, key, value, scaling, positions):
-        return cope_causal(query, key, value, self.position_embeddings[layer_idx], scaling, self.config.max_pos)
 
 
 class ContextualScores(torch.autograd.Function):

@@ -56,6 +56,7 @@ from torch import nn
 from ..errors import PosEncError
 from ..model_info import ModelInfo
 from ..registry import register_method
+from .base import SeparableBiasForm
 from .content import ContentAttention, ContentConfig, rms_norm
 
 GATE_INIT_STD = 0.02
@@ -99,10 +100,10 @@ def decay_time_bias(num_heads: int, low: float, high: float) -> torch.Tensor:
 
 
 @register_method("fox", FoxConfig)
-class ForgettingAttention(ContentAttention):
+class ForgettingAttention(SeparableBiasForm, ContentAttention):
     reads_layer_input = True
     block_cost = 3.0
-    fresh_scores = True
+    scores_maskable_in_place = True
 
     def __init__(self, config: FoxConfig, info: ModelInfo):
         super().__init__(config, info)

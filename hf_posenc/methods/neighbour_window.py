@@ -20,7 +20,7 @@ import torch
 from ..config import BASE_WHY, MIN_BASE, PosEncConfig
 from ..errors import PosEncError
 from ..model_info import ModelInfo
-from .base import RotaryMethod
+from .base import NearFarForm
 from .rope import RopeConfig, default_inv_freq, theta_to_build_on
 
 WINDOW_NONE_MEANS = "a quarter of the model's trained window"
@@ -39,13 +39,12 @@ class NeighbourWindowConfig(PosEncConfig):
         self.require_int("original_max_position_embeddings", 1, none_means="read from the model's config")
 
 
-class NeighbourWindowRope(RotaryMethod):
+class NeighbourWindowRope(NearFarForm):
     """RoPE with two position assignments per query: ordinary within `window`, beyond it `far_query_positions` and
     `far_key_positions`."""
 
     rotates_in_attention = True
     scores_per_query_block = True
-    fused_near_far = True
     block_cost = 5.0  # near scores, far scores, the merged scores, the mask, the probabilities
 
     def __init__(self, config: NeighbourWindowConfig, info: ModelInfo):

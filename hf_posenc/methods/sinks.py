@@ -12,9 +12,10 @@ token-by-token decoding with the bounded cache (a float64 materialised reference
 tests/test_context_extension.py), and a text of at most S + W tokens is the unpatched model's.
 
 Keys are cached un-rotated and rotated inside the shared attention path per query block (`scores_per_query_block`):
-the window keys at their ordinary positions, the sinks with the query moved to min(t, S + W - 1). The bounded cache
-itself (engine/sink_cache.py: SinkCache) is created by `model.generate(...)` or `hf_posenc.sink_cache(model)`; with a
-DynamicCache or StaticCache the results are the same and memory grows with the text. On a model without RoPE of its
+the window keys at their ordinary positions, the sinks with the query moved to min(t, S + W - 1). The method declares
+the keys it keeps (`kept_keys`); the engine's bounded cache of them (engine/sink_cache.py: SinkCache) is created by
+`model.generate(...)` or `hf_posenc.sink_cache(model)`; with a DynamicCache or StaticCache the results are the same
+and memory grows with the text. On a model without RoPE of its
 own (GPT-2, BLOOM) this builds on a `rope` patch, as the RoPE scalings do.
 """
 
@@ -28,7 +29,7 @@ from ..config import BASE_WHY, MIN_BASE, PosEncConfig
 from ..errors import PosEncError
 from ..model_info import ModelInfo
 from ..registry import register_method
-from ..engine.sink_cache import SinkCache
+from .base import KeptKeys
 from .neighbour_window import NeighbourWindowRope
 
 
@@ -101,5 +102,5 @@ class AttentionSinks(NeighbourWindowRope):
         far_pair = (self.rotated(query, self.far_query_positions(query_positions)), key) if far else None
         return (self.rotated(query, query_positions), key), far_pair
 
-    def kv_cache(self, num_layers: int) -> SinkCache:
-        return SinkCache(num_layers, self.num_sinks, self.window)
+    def kept_keys(self) -> KeptKeys:
+        return KeptKeys(self.num_sinks, self.window)

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..engine.fused_cpu import stick_breaking_causal
 from ..registry import register_method
 from .base import fill_disallowed_, unmasked_columns
 from .content import ContentAttention, ContentConfig
@@ -50,11 +49,7 @@ class StickBreakingConfig(ContentConfig):
 @register_method("stick-breaking", StickBreakingConfig)
 class StickBreakingAttention(ContentAttention):
     replaces_softmax = True
-    has_fused_causal = True
     block_cost = 5.0
-
-    def fused_causal(self, layer_idx, query, key, value, scaling, positions):
-        return stick_breaking_causal(query, key, value, scaling, self.config.attend_current)
 
     def content_weights(self, query, key, block):
         logits = torch.matmul(query, key.transpose(2, 3)).float() * block.scaling

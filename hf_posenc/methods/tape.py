@@ -40,8 +40,8 @@ the logits are a plain dot product of the turned q'_i and k'_j (`kernel_heads`, 
 heads), and a_i is the same softmax weights applied to the keys' features, so one SDPA call per layer on q', k' and
 the values with the keys' features beside them (queries and keys padded with zeros to that width: SDPA's CPU kernel
 needs one head size; on the CPU a causal square takes the fused causal kernel, unpadded) gives the attention output
-and a_i at once, autograd as is. On the CPU the turn itself is a fused kernel too (`turned`, engine/fused_cpu.py
-turn_by_features), checked against `turn` like any kernel.
+and a_i at once, autograd as is. On the CPU the turn itself is a fused kernel too (engine/kernels/by_method.py
+`tape_heads`, turn.cpp), checked against `turn` like any kernel.
 
 `base="none"` (default): TAPE replaces the model's positional mechanism. `base="native"` keeps it underneath (GPT-2's
 learned positions, BLOOM's ALiBi); refused on RoPE models, whose RoPE TAPE already is at init.
@@ -56,12 +56,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import BASE_WHY, MIN_BASE
-from ..engine.fused_cpu import turn_by_features
-from ..engine.kernel_check import PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, serve as serve_checked
 from ..errors import PosEncError
 from ..model_info import ModelInfo
 from ..registry import register_method
-from .base import rotate
+from .base import DotProductForm, rotate
 from .content import ContentAttention, ContentConfig
 from .rope import DEFAULT_THETA, default_inv_freq
 
@@ -90,11 +88,11 @@ class TapeConfig(ContentConfig):
 
 
 @register_method("tape", TapeConfig)
-class Tape(ContentAttention):
+class Tape(DotProductForm, ContentAttention):
     reads_layer_input = True
     mixes_state = True
     block_cost = 3.0
-    fresh_scores = True
+    scores_maskable_in_place = True
 
     @property
     def reads_mlp_output(self) -> bool:
@@ -153,39 +151,8 @@ class Tape(ContentAttention):
         real, imaginary = features.chunk(2, dim=-1)
         return rotate(x.float(), torch.cat((real, real), dim=-1), torch.cat((imaginary, imaginary), dim=-1))
 
-    def kernel_heads(self, layer_idx, query, key, query_state, key_state, query_positions, key_positions,
-                     fused=False):
-        return self.turned(query, query_state, fused), self.turned(key, key_state, fused)
-
-    def turned(self, x: torch.Tensor, features: torch.Tensor, fused: bool) -> torch.Tensor:
-        """`turn`, by the fused CPU kernel (engine/fused_cpu.py turn_by_features, one pass where `turn` takes about
-        ten) where `fused` and that kernel's check on this machine passed (engine/kernel_check.py)."""
-        if fused:
-            output = serve_checked(self._fused_turn_call(x, features))
-            if output is not None:
-                return output.transpose(1, 2)
-        return self.turn(x, features)
-
-    def _fused_turn_call(self, x: torch.Tensor, features: torch.Tensor) -> KernelCall:
-        """The fused turn of x [B, H, n, D] by features [B, G, n, d] as a checked kernel call (outputs [B, n, H, D]);
-        its kind: dtype, grad mode and heads per feature group."""
-        def kernel(x, features):
-            return turn_by_features(x, features).transpose(1, 2)
-
-        def reference(x, features):
-            return self.turn(x, features).transpose(1, 2)
-
-        def gradient_probe() -> GradientProbe:
-            cut = (slice(0, PROBE_BATCH), slice(None), slice(max(0, x.shape[2] - PROBE_ROWS), None))
-            return GradientProbe({"x": x[cut], "features": features[cut]}, kernel=kernel, reference=reference)
-
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or features.requires_grad)
-        kind = (str(x.dtype), "grad" if needs_grad else "no grad", x.shape[1] // features.shape[1])
-        return KernelCall(kernel="fused cpu (turn)", device=x.device, kind=kind, function=kernel,
-                          inputs={"x": x, "features": features},
-                          reference=lambda rows: reference(x[:, :, rows], features[:, :, rows]),
-                          gradient_kind=kind[:1] if needs_grad else None,
-                          gradient_probe=gradient_probe if needs_grad else None)
+    def kernel_heads(self, layer_idx, query, key, query_state, key_state, query_positions, key_positions):
+        return self.turn(query, query_state), self.turn(key, key_state)
 
     def content_scores(self, query, key, block):
         scores = torch.matmul(self.turn(query, block.query_state),

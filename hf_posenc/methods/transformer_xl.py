@@ -43,7 +43,7 @@ from torch import nn
 
 from ..model_info import ModelInfo
 from ..registry import register_method
-from .base import relative_distance
+from .base import DotProductForm, relative_distance
 from .content import ContentAttention, ContentConfig
 
 BIAS_INIT_STD = 0.02
@@ -81,9 +81,9 @@ def position_sin_cos(positions: torch.Tensor, dim: int) -> tuple[torch.Tensor, t
 
 
 @register_method("transformer-xl", TransformerXlConfig)
-class TransformerXlAttention(ContentAttention):
+class TransformerXlAttention(DotProductForm, ContentAttention):
     block_cost = 5.0
-    fresh_scores = True
+    scores_maskable_in_place = True
 
     def __init__(self, config: TransformerXlConfig, info: ModelInfo):
         super().__init__(config, info)
@@ -119,8 +119,7 @@ class TransformerXlAttention(ContentAttention):
 
     kernel_needs_ordered_keys = True  # relative_distance clamps a key after the query to distance 0
 
-    def kernel_heads(self, layer_idx, query, key, query_state, key_state, query_positions, key_positions,
-                     fused=False):
+    def kernel_heads(self, layer_idx, query, key, query_state, key_state, query_positions, key_positions):
         """The logits as one dot product (module docstring, "Kernel form"): [q_i + u, a^s sin + a^c cos,
         a^c sin - a^s cos] (angles p_i w) against [k_j, cos(p_j w), sin(p_j w)], a = W_R^T (q_i + v)."""
         query = query.float()

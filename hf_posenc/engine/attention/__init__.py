@@ -12,7 +12,7 @@ near/far methods, content methods), computed without a [B, H, L, L] tensor. One 
 How each path is chosen and what it costs: docs/attention-paths.md.
 """
 
-from ..kernel_check import KernelCheckWarning, kernel_status, reset_kernel_status  # noqa: F401
+from ..kernels.check import KernelCheckWarning, kernel_status, reset_kernel_status  # noqa: F401
 from .bias_path import FLEX_RECOMPILE_LIMIT  # noqa: F401
 from .call import AttentionCall  # noqa: F401
 from .content_blocks import content_block_output, content_probabilities  # noqa: F401

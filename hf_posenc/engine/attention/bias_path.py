@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from ...methods.base import AttentionBiasMethod, RotaryMethod
-from ..kernel_check import PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, table_attention_reference
-from ..kernel_check import serve as serve_checked
+from ..kernels.check import PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, table_attention_reference
+from ..kernels.check import serve as serve_checked
 from .call import AttentionCall
 from .geometry import (block_mask, block_rows, causal_square, combined_mask, distance_table, max_query_position,
                        needs_grad, padded_table, position_span, power_of_two_bucket, query_blocks,

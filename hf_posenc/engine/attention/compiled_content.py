@@ -9,7 +9,8 @@ import functools
 import torch
 
 from ...methods.base import ContentBlock
-from ..kernel_check import PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall
+from ..kernels.check import PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall
+from ..kernels.by_method import causal_kernel
 from .bias_path import recompile_allowance
 from .call import AttentionCall
 from .content_blocks import (RecomputedBlocks, content_block, content_block_of, content_block_output,
@@ -51,22 +52,23 @@ def compiled_content_call(call: AttentionCall, query, key, value, query_state, k
 
 def fused_content_call(call: AttentionCall, query, key, value) -> KernelCall:
     """A content call of a causal square (`_plain_causal`, no per-token state) by the method's fused CPU kernel
-    (engine/fused_cpu.py); its kind: the method, dtype, grad mode and the length's size class (one compiled kernel
-    serves every shape; its tiles split differently by length), and the method's `fused_causal_variant` (the
-    kernel's code paths its options choose)."""
+    (engine/kernels/fused_cpu.py); its kind: the method, dtype, grad mode and the length's size class (one compiled kernel
+    serves every shape; its tiles split differently by length), and the `variant` of the method's entry in
+    engine/kernels/by_method.py (the kernel's code paths its options choose)."""
     method, state, layer_idx, scaling = call.method, call.state, call.layer_idx, call.scaling
+    causal = causal_kernel(method)
     q, kv = query.shape[2], key.shape[2]
     with_grad = needs_grad(method, query, key, value)
 
     def kernel(query, key, value, positions=call.query_positions):
-        return method.fused_causal(layer_idx, query, key, value, scaling, positions).transpose(1, 2)
+        return causal.run(method, layer_idx, query, key, value, scaling, positions).transpose(1, 2)
 
     def reference(rows: slice) -> torch.Tensor:
         columns = causal_columns(rows, kv, state.query_offset(q, kv))
         return content_block(call, rows, columns,
                              *cut_block(rows, columns, query, key, value, None, None))[0].transpose(1, 2)
 
-    name, dtype, variant = method.config.method, str(query.dtype), method.fused_causal_variant
+    name, dtype, variant = method.config.method, str(query.dtype), causal.variant(method)
     return KernelCall(
         kernel=f"fused cpu ({name})", device=query.device,
         kind=(name, *variant, dtype, "grad" if with_grad else "no grad", power_of_two_bucket(query.shape[2])),

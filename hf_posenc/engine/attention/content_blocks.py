@@ -52,7 +52,7 @@ def content_probabilities(method: ContentMethod, query, key, block: ContentBlock
         return method.content_weights(query, key, block)
     low = torch.finfo(torch.float32).min
     scores = method.content_scores(query, key, block)
-    if not method.fresh_scores:
+    if not method.scores_maskable_in_place:
         return F.softmax(scores.masked_fill(~block.allowed, low), dim=-1)
     return F.softmax(fill_disallowed_(scores, block.allowed, low), dim=-1)
 

@@ -10,9 +10,11 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from ..content import layer_state
-from ..fused_cpu import causal_attention, fused_kernels_enabled
-from ..kernel_check import PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, table_attention_reference
-from ..kernel_check import serve as serve_checked
+from ..kernels.fused_cpu import causal_attention, fused_kernels_enabled
+from ..kernels.by_method import causal_kernel, kernel_heads
+from ...methods.base import SeparableBiasForm
+from ..kernels.check import PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, table_attention_reference
+from ..kernels.check import serve as serve_checked
 from .call import AttentionCall
 from .compiled_content import compiled_content_call, fused_content_call
 from .content_blocks import RecomputedBlocks, content_block, content_mask, cut_block
@@ -47,7 +49,8 @@ def content_attention(call: AttentionCall):
     outputs, weights, mixed = [], [], []
     step = block_rows(batch, heads, kv, method.block_cost, query.device,
                       CONTENT_BLOCK_BYTES if query.device.type == "cpu" else None)
-    terms = method.separable_terms(query_state, key_state) if not eager and dropout == 0.0 \
+    terms = method.separable_terms(query_state, key_state) if isinstance(method, SeparableBiasForm) \
+        and not eager and dropout == 0.0 \
         and cpu_flash_applies(query) else None
     if terms is not None:  # the logits' bias is a term per query minus one per key: SDPA's kernel per block
         count_path(state, "separable")
@@ -67,8 +70,8 @@ def content_attention(call: AttentionCall):
         return method.finish_output(layer_idx, output, layer_input).transpose(1, 2).contiguous(), None
     fused = chosen_path(state) == "auto" and query.device.type == "cpu" and fused_kernels_enabled()
     # The kernel form turns the keys at their key-value heads, before they are repeated for the query heads.
-    kernel_query_key = method.kernel_heads(layer_idx, query, key, query_state, key_state, query_positions,
-                                           key_positions, fused=fused) if not eager and dropout == 0.0 else None
+    kernel_query_key = kernel_heads(method, layer_idx, query, key, query_state, key_state, query_positions,
+                                    key_positions, fused=fused) if not eager and dropout == 0.0 else None
     kernel = _kernel_content(call, kernel_query_key, value, key_state, fused) if kernel_query_key is not None else None
     if kernel is not None:  # the logits are a dot product of transformed queries and keys: SDPA serves
         count_path(state, "content kernel")
@@ -77,10 +80,11 @@ def content_attention(call: AttentionCall):
             state.forward.content.mixed[layer_idx] = mixed_state
         return method.finish_output(layer_idx, output, layer_input).transpose(1, 2).contiguous(), None
     key, value = match_heads(key, heads), match_heads(value, heads)
-    if chosen_path(state) == "auto" and method.has_fused_causal and query.device.type == "cpu" \
+    causal = causal_kernel(method)
+    if chosen_path(state) == "auto" and causal is not None and query.device.type == "cpu" \
             and fused_kernels_enabled() and not eager and dropout == 0.0 and query_state is None \
-            and key_state is None and _plain_causal(call, q, kv) and method.fused_causal_applies(layer_idx,
-                                                                                                query_positions):
+            and key_state is None and _plain_causal(call, q, kv) and causal.applies(method, layer_idx,
+                                                                                   query_positions):
         output = serve_checked(fused_content_call(call, query, key, value))
         if output is not None:
             count_path(state, "fused content")
@@ -199,7 +203,7 @@ def _kernel_content(call: AttentionCall, kernel_query_key, value, key_state, fus
 
 def _fused_causal_call(call: AttentionCall, query, key, value) -> KernelCall:
     """A content kernel form's causal square whose queries and keys differ in head size from the values
-    (Transformer-XL, TAPE) by the fused CPU kernel (engine/fused_cpu.py causal_attention), unpadded; checked against
+    (Transformer-XL, TAPE) by the fused CPU kernel (engine/kernels/fused_cpu.py causal_attention), unpadded; checked against
     the materialised softmax like any kernel (the distance-table reference with no bias). Its kind: the method, dtype,
     grad mode and the length's size class."""
     scaling = call.scaling

@@ -14,9 +14,11 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from ..fused_cpu import fused_kernels_enabled, near_far_causal
-from ..kernel_check import PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall
-from ..kernel_check import serve as serve_checked
+from ..kernels.fused_cpu import fused_kernels_enabled, near_far_causal
+from ..kernels.by_method import serves_near_far
+from ...methods.base import NearFarForm
+from ..kernels.check import PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall
+from ..kernels.check import serve as serve_checked
 from .call import AttentionCall
 from .geometry import (FLASH, FLASH_BACKWARD, block_rows, causal_blocks, causal_square, combined_mask,
                        cpu_flash_applies, needs_grad, power_of_two_bucket)
@@ -42,7 +44,7 @@ def scored_attention(call: AttentionCall):
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     low = torch.finfo(torch.float32).min
-    if (not eager and dropout == 0.0 and causal_square(attention_mask, query.shape[2], kv)
+    if (not eager and dropout == 0.0 and isinstance(method, NearFarForm) and causal_square(attention_mask, query.shape[2], kv)
             and state.once_per_forward(("window holds", q, kv),
                                        lambda: method.window_holds(query_positions, key_positions))):
         # Every pair within the window: ordinary RoPE attention, one causal call (as native), not two per block.
@@ -62,7 +64,7 @@ def scored_attention(call: AttentionCall):
         if cpu_flash_applies(query):  # the CPU kernel on each part's segments, one autograd node
             plans, far_rows = _near_far_plans(call, blocks, block_masks)
             # The kernel scores every causal key, near or far: not for a method that masks keys (sinks)
-            if (plans is not None and far_rows is not None and chosen_path(state) == "auto" and method.fused_near_far
+            if (plans is not None and far_rows is not None and chosen_path(state) == "auto" and serves_near_far(method)
                     and not method.masks_keys and fused_kernels_enabled()
                     and causal_square(attention_mask, query.shape[2], kv)):
                 output = serve_checked(_fused_near_far_call(call, keys, value, far_rows))
@@ -115,8 +117,8 @@ def scored_attention(call: AttentionCall):
 
 
 def _fused_near_far_call(call: AttentionCall, keys, value, far_rows: int) -> KernelCall:
-    """A `fused_near_far` method's call (Self-Extend, ReRoPE) whose far keys are the causal triangle j <= i - far_rows
-    of a causal square, by the fused CPU kernel (engine/fused_cpu.py near_far_causal) on the method's block_parts for
+    """A call of a method the near/far kernel serves (Self-Extend, ReRoPE: engine/kernels/by_method.py) whose far keys are the causal triangle j <= i - far_rows
+    of a causal square, by the fused CPU kernel (engine/kernels/fused_cpu.py near_far_causal) on the method's block_parts for
     the whole call (`keys`: its block_keys, near and far), checked against its block_scores and a softmax like any
     kernel. Its kind: the method, dtype, grad mode and the length's size class."""
     method, query, scaling = call.method, call.query, call.scaling
@@ -212,7 +214,8 @@ def _near_far_masks(call: AttentionCall, rows: slice, columns: slice):
     query_positions, key_positions = call.query_positions[:, rows], call.key_positions[:, columns]
     mask = combined_mask(call.method, call.causal_allowed(rows, columns), None, call.given_mask(rows, columns),
                          query_positions, key_positions, torch.float32)
-    near = call.method.block_near(query_positions, key_positions) if mask.dtype == torch.bool else None
+    near = call.method.block_near(query_positions, key_positions) \
+        if mask.dtype == torch.bool and isinstance(call.method, NearFarForm) else None
     if near is None:
         return None
     return mask & near, mask & ~near

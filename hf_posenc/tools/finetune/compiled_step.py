@@ -21,7 +21,7 @@ COMPILED_STEP_TOLERANCE = {"no": 1e-3, "bf16": 3e-2, "fp16": 3e-2}
 def checked_compiled_loss(args: argparse.Namespace, training: Training, batch, positions, step: int):
     """The first micro-step of a compiled model (accelerate's ``--dynamo_backend``), checked on this machine before
     the compiled graph trains: its loss against the uncompiled model's on the same batch (no compiled number counts
-    unchecked; see engine/kernel_check.py). Where the model draws random numbers in training (dropout), the two are
+    unchecked; see engine/kernels/check.py). Where the model draws random numbers in training (dropout), the two are
     compared in eval mode instead. Where they differ beyond COMPILED_STEP_TOLERANCE on any process, or compiling
     fails (a method torch.compile cannot trace says so), the uncompiled model trains from this step on, with a
     warning. The verdict goes into ``training_args.json`` (``compiled_step``)."""

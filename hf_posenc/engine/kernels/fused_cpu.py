@@ -7,14 +7,16 @@ does. Forward and backward of a causal square (query i is key i, nothing else ma
 threads), CoPE (cope.cpp, about SDPA's time with max_pos 64), the near/far scores of Self-Extend and ReRoPE where
 the far keys are the triangle j <= i - a (near_far.cpp), plain causal attention whose queries and keys have
 another head size than the values (Transformer-XL's and TAPE's kernel form; near_far.cpp with no far key, where SDPA
-would pad both to one size), and CAPE's MLP across the heads per pair (cape.cpp; about 3.2x causal SDPA's time at 2048 tokens):
-docs/attention-paths.md, "Fused CPU kernels". Besides attention, TAPE's turn of queries and keys by its per-token
-features (turn.cpp: one pass each way where the eager form takes about ten).
+would pad both to one size), and CAPE's MLP across the heads per pair (cape.cpp; about 3.2x causal SDPA's time at 2048
+tokens): docs/attention-paths.md, "Fused CPU kernels". Besides attention, TAPE's turn of queries and keys by its
+per-token features (turn.cpp: one pass each way where the eager form takes about ten). Which method each kernel serves
+is by_method.py's table.
 
 The source is compiled with `torch.utils.cpp_extension` (a C++ compiler and ninja, a dependency) the first time a
 process needs it, into torch's extension cache (later processes load it in about a second). Like any kernel outside
-the blocked path it serves only after kernel_check compared it on this machine (engine/attention.py
-`_fused_content_call`); a failed build is such a check's failure: one KernelCheckWarning, and the blocked path serves.
+the blocked path it serves only after check.py compared it on this machine (engine/attention/
+compiled_content.py `fused_content_call`); a failed build is such a check's failure: one KernelCheckWarning, and
+the blocked path serves.
 `HF_POSENC_CPU_KERNELS=0` turns the fused kernels off (nothing is built).
 """
 

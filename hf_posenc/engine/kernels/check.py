@@ -25,9 +25,9 @@ CUDA) and the error, and from then on the blocked path serves every call of that
 of the process; the checking call itself is served by the blocked path. A kernel thus serves only kinds of call
 it has passed on this device; later calls of a passed kind are not compared again.
 
-What a kind is belongs to each kernel (`_flex_call`, `_flash_call`, `_compiled_content_call` in
-hf_posenc/engine/attention.py): the calls that run the same compiled code, as far as its known failure modes go
-(compiled flex: every new shape; flash-attn: dtype, heads, head size and power-of-two size classes of batch, queries
+What a kind is belongs to each kernel (`_flex_call`, `_flash_call` in engine/attention/bias_path.py,
+`compiled_content_call` in engine/attention/compiled_content.py): the calls that run the same compiled code, as
+far as its known failure modes go (compiled flex: every new shape; flash-attn: dtype, heads, head size and power-of-two size classes of batch, queries
 and keys; compiled content blocks: the method, dtype, heads, head size, mask, grad mode and size classes).
 
 The check's own computations (the fenced run, the gradient probe) keep their saved tensors out of an enclosing

@@ -1,0 +1,142 @@
+"""The kernels of each method, in one table keyed by the method's registered name (`KERNELS`).
+
+An entry takes the method object and reads its parameters; it names the plain form the kernel check compares it with
+(check.py), which is what serves wherever the kernel does not apply, fails its check, or is turned off
+(`HF_POSENC_CPU_KERNELS=0`). A method registered under another name (a user's subclass of one of these) adds its own
+entry: `KERNELS["my-method"] = MethodKernels(...)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ...methods.base import DotProductForm
+from .check import PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, serve as serve_checked
+from .fused_cpu import cape_causal, cope_causal, stick_breaking_causal, turn_by_features
+
+
+@dataclass(frozen=True)
+class CausalKernel:
+    """A fused kernel computing a content method's whole call on a causal square (query i is key i, nothing but
+    causality masks: no padding, cache, native bias or per-token state), checked against the method's blocks."""
+
+    # (method, layer_idx, query, key [B, H, L, D], value [B, H, L, E], scaling, positions [B or 1, L]) -> output
+    # [B, H, L, E] in value's dtype
+    run: Callable[..., torch.Tensor]
+    reference: str  # the plain form it is checked against (through the engine's eager blocks)
+    # (method, layer_idx, positions) -> whether the kernel's form holds for tokens at these position ids
+    applies: Callable[..., bool] = lambda method, layer_idx, positions: True
+    # method -> the kernel's code paths its options choose: part of the checked kind, so that a check of one path
+    # does not vouch for another
+    variant: Callable[..., tuple] = lambda method: ()
+
+
+@dataclass(frozen=True)
+class MethodKernels:
+    causal: CausalKernel | None = None
+    # (method, *kernel_heads' arguments) -> kernel_heads computed by fused CPU kernels; reference: method.kernel_heads
+    heads: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
+    # The fused near/far kernel (fused_cpu.near_far_causal) may serve the method's block_parts where the far keys are
+    # a causal triangle: its block_parts are all there is to its scores. Reference: block_scores and a softmax.
+    near_far: bool = False
+
+
+# --- stick-breaking, CoPE, CAPE: a causal square in one call ---------------------------------------------------------
+
+def stick_breaking_kernel(method, layer_idx, query, key, value, scaling, positions):
+    return stick_breaking_causal(query, key, value, scaling, method.config.attend_current)
+
+
+def cope_kernel(method, layer_idx, query, key, value, scaling, positions):
+    return cope_causal(query, key, value, method.position_embeddings[layer_idx], scaling, method.config.max_pos)
+
+
+def cape_applies(method, layer_idx, positions) -> bool:
+    """cape.cpp takes the bias as a table of distances i - j: every row's position ids consecutive, and a bias
+    method whose bias depends on the distance alone up to the call's last position."""
+    if positions.shape[-1] > 1 and not bool((positions.diff(dim=-1) == 1).all()):
+        return False
+    return method.bias_method.bias_table(layer_idx, 1, int(positions.max()), positions.device) is not None
+
+
+def cape_kernel(method, layer_idx, query, key, value, scaling, positions):
+    table = method.bias_method.bias_table(layer_idx, query.shape[2], int(positions.max()), query.device)
+    return cape_causal(query, key, value, table, method.input_weight[layer_idx], method.input_bias[layer_idx],
+                       method.output_weight[layer_idx], method.output_bias[layer_idx], scaling,
+                       method.config.base == "none", activation=method.config.activation,
+                       negative_slope=method.leaky_relu_slope)
+
+
+# --- TAPE: queries and keys turned by their features ----------------------------------------------------------------
+
+def tape_heads(method, layer_idx, query, key, query_state, key_state, query_positions, key_positions):
+    """TAPE's kernel_heads with each turn by the fused kernel (turn.cpp, one pass where `Tape.turn` takes about ten)
+    where its check on this machine passed, else by `turn`."""
+    return turn_checked(method, query, query_state), turn_checked(method, key, key_state)
+
+
+def turn_checked(method, x: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    output = serve_checked(fused_turn_call(method, x, features))
+    return output.transpose(1, 2) if output is not None else method.turn(x, features)
+
+
+def fused_turn_call(method, x: torch.Tensor, features: torch.Tensor) -> KernelCall:
+    """The fused turn of x [B, H, n, D] by features [B, G, n, d] as a checked kernel call (outputs [B, n, H, D]),
+    against `method.turn`; its kind: dtype, grad mode and heads per feature group."""
+    def kernel(x, features):
+        return turn_by_features(x, features).transpose(1, 2)
+
+    def reference(x, features):
+        return method.turn(x, features).transpose(1, 2)
+
+    def gradient_probe() -> GradientProbe:
+        cut = (slice(0, PROBE_BATCH), slice(None), slice(max(0, x.shape[2] - PROBE_ROWS), None))
+        return GradientProbe({"x": x[cut], "features": features[cut]}, kernel=kernel, reference=reference)
+
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or features.requires_grad)
+    kind = (str(x.dtype), "grad" if needs_grad else "no grad", x.shape[1] // features.shape[1])
+    return KernelCall(kernel="fused cpu (turn)", device=x.device, kind=kind, function=kernel,
+                      inputs={"x": x, "features": features},
+                      reference=lambda rows: reference(x[:, :, rows], features[:, :, rows]),
+                      gradient_kind=kind[:1] if needs_grad else None,
+                      gradient_probe=gradient_probe if needs_grad else None)
+
+
+KERNELS: dict[str, MethodKernels] = {
+    "stick-breaking": MethodKernels(causal=CausalKernel(stick_breaking_kernel, reference="content_weights")),
+    "cope": MethodKernels(causal=CausalKernel(cope_kernel, reference="content_scores")),
+    "cape": MethodKernels(causal=CausalKernel(cape_kernel, reference="content_scores", applies=cape_applies,
+                                              variant=lambda method: (method.config.activation,))),
+    "tape": MethodKernels(heads=tape_heads),
+    "self-extend": MethodKernels(near_far=True),
+    "rerope": MethodKernels(near_far=True),
+}
+NO_KERNELS = MethodKernels()
+
+
+def kernels_for(method) -> MethodKernels:
+    """The kernels of `method` (a method module): its entry in KERNELS, or none."""
+    return KERNELS.get(getattr(method.config, "method", None), NO_KERNELS)
+
+
+def causal_kernel(method) -> CausalKernel | None:
+    return kernels_for(method).causal
+
+
+def serves_near_far(method) -> bool:
+    return kernels_for(method).near_far
+
+
+def kernel_heads(method, layer_idx, query, key, query_state, key_state, query_positions, key_positions,
+                 fused: bool = False):
+    """The method's `kernel_heads` (None for a method whose logits are no dot product, DotProductForm), by its fused
+    entry where `fused` (the CPU kernels may serve) and it has one."""
+    if not isinstance(method, DotProductForm):
+        return None
+    heads = kernels_for(method).heads if fused else None
+    if heads is not None:
+        return heads(method, layer_idx, query, key, query_state, key_state, query_positions, key_positions)
+    return method.kernel_heads(layer_idx, query, key, query_state, key_state, query_positions, key_positions)

@@ -52,8 +52,8 @@ def compiled_content_call(call: AttentionCall, query, key, value, query_state, k
 
 def fused_content_call(call: AttentionCall, query, key, value) -> KernelCall:
     """A content call of a causal square (`_plain_causal`, no per-token state) by the method's fused CPU kernel
-    (engine/kernels/fused_cpu.py); its kind: the method, dtype, grad mode and the length's size class (one compiled kernel
-    serves every shape; its tiles split differently by length), and the `variant` of the method's entry in
+    (engine/kernels/fused_cpu.py); its kind: the method, dtype, grad mode and the length's size class (one
+    compiled kernel serves every shape; its tiles split differently by length), and the `variant` of the method's entry in
     engine/kernels/by_method.py (the kernel's code paths its options choose)."""
     method, state, layer_idx, scaling = call.method, call.state, call.layer_idx, call.scaling
     causal = causal_kernel(method)

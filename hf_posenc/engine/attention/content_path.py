@@ -203,9 +203,9 @@ def _kernel_content(call: AttentionCall, kernel_query_key, value, key_state, fus
 
 def _fused_causal_call(call: AttentionCall, query, key, value) -> KernelCall:
     """A content kernel form's causal square whose queries and keys differ in head size from the values
-    (Transformer-XL, TAPE) by the fused CPU kernel (engine/kernels/fused_cpu.py causal_attention), unpadded; checked against
-    the materialised softmax like any kernel (the distance-table reference with no bias). Its kind: the method, dtype,
-    grad mode and the length's size class."""
+    (Transformer-XL, TAPE) by the fused CPU kernel (engine/kernels/fused_cpu.py causal_attention), unpadded;
+    checked against the materialised softmax like any kernel (the distance-table reference with no bias). Its kind:
+    the method, dtype, grad mode and the length's size class."""
     scaling = call.scaling
     no_bias = query.new_zeros(query.shape[1], 1)
 

@@ -44,7 +44,8 @@ def scored_attention(call: AttentionCall):
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     low = torch.finfo(torch.float32).min
-    if (not eager and dropout == 0.0 and isinstance(method, NearFarForm) and causal_square(attention_mask, query.shape[2], kv)
+    if (not eager and dropout == 0.0 and isinstance(method, NearFarForm)
+            and causal_square(attention_mask, query.shape[2], kv)
             and state.once_per_forward(("window holds", q, kv),
                                        lambda: method.window_holds(query_positions, key_positions))):
         # Every pair within the window: ordinary RoPE attention, one causal call (as native), not two per block.
@@ -117,9 +118,9 @@ def scored_attention(call: AttentionCall):
 
 
 def _fused_near_far_call(call: AttentionCall, keys, value, far_rows: int) -> KernelCall:
-    """A call of a method the near/far kernel serves (Self-Extend, ReRoPE: engine/kernels/by_method.py) whose far keys are the causal triangle j <= i - far_rows
-    of a causal square, by the fused CPU kernel (engine/kernels/fused_cpu.py near_far_causal) on the method's block_parts for
-    the whole call (`keys`: its block_keys, near and far), checked against its block_scores and a softmax like any
+    """A call of a method the near/far kernel serves (Self-Extend, ReRoPE: engine/kernels/by_method.py) whose far
+    keys are the causal triangle j <= i - far_rows of a causal square, by the fused CPU kernel
+    (engine/kernels/fused_cpu.py near_far_causal) on the method's block_parts for the whole call (`keys`: its block_keys, near and far), checked against its block_scores and a softmax like any
     kernel. Its kind: the method, dtype, grad mode and the length's size class."""
     method, query, scaling = call.method, call.query, call.scaling
     query_positions, key_positions = call.query_positions, call.key_positions

@@ -27,8 +27,8 @@ it has passed on this device; later calls of a passed kind are not compared agai
 
 What a kind is belongs to each kernel (`_flex_call`, `_flash_call` in engine/attention/bias_path.py,
 `compiled_content_call` in engine/attention/compiled_content.py): the calls that run the same compiled code, as
-far as its known failure modes go (compiled flex: every new shape; flash-attn: dtype, heads, head size and power-of-two size classes of batch, queries
-and keys; compiled content blocks: the method, dtype, heads, head size, mask, grad mode and size classes).
+far as its known failure modes go (compiled flex: every new shape; flash-attn: dtype, heads, head size and
+power-of-two size classes of batch, queries and keys; compiled content blocks: the method, dtype, heads, head size, mask, grad mode and size classes).
 
 The check's own computations (the fenced run, the gradient probe) keep their saved tensors out of an enclosing
 non-reentrant gradient checkpoint (a layer under `gradient_checkpointing_enable()`), whose recomputation, which does

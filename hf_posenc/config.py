@@ -1,7 +1,7 @@
 """The base class of every method's options: a dataclass that serialises to JSON, like PEFT's configs.
 
 Every config checks its options with the few shared validators below (`require_bool`, `require_choice`,
-`require_int`, `require_number`, `require_numbers`), so the rules are written once: types are exact (a bool is
+`require_int`, `require_size`, `require_number`, `require_numbers`), so the rules are written once: types are exact (a bool is
 neither an integer nor a float, and a number is not a bool), and numbers stay within ranges that keep the float32
 arithmetic of positions, frequencies and biases finite. Each refusal names the option, the bad value and what to
 pass instead.
@@ -33,6 +33,19 @@ BASE_WHY = ("the frequencies base ** (-2k / d) are computed in float32: closer t
 HIDDEN_MAX = math.sqrt(FLOAT32_MAX)
 # Normal draws stay within 8 standard deviations (the chance of one beyond is about 1e-15).
 NORMAL_REACH = 8.0
+
+# The upper bound of every size option (`require_size`), with its reason: unbounded, mlp_width=10**9 tried to allocate
+# about 40 GB (issue 51). Each is what a method can use, far beyond what its paper does.
+SIZE_BOUNDS = {
+    # windows, trained windows, groups, sink counts, rescale steps: positions themselves
+    "positions": (MAX_DISTANCE, "positions past 2^24 are not exact in float32, so a larger size is never reached"),
+    # learned tables with one row per position or bucket
+    "table": (2 ** 20, "one learned row per position or bucket: 2^20 rows cover a million-token context"),
+    # hidden units of a positional MLP or update (FIRE, CAPE, TAPE), computed for every token or query-key pair
+    "width": (4096, "hidden units computed for every token or query-key pair: 4096 is over 80x the papers' 32 to 48"),
+    # dimensions of a sinusoid or of a rotation block, at most a head's size in use
+    "dim": (2 ** 14, "a dimension of a sinusoid or rotation block: 2^14 is 64x the largest head size in use, 256"),
+}
 
 
 @dataclasses.dataclass
@@ -97,14 +110,22 @@ class PosEncConfig:
         if not (isinstance(value, str) and value in choices):
             self.refuse(name, "is not one of the choices", " or ".join(map(repr, choices)))
 
-    def require_int(self, name: str, low: int, high: int | None = None, *, none_means: str | None = None,
+    def require_size(self, name: str, low: int, kind: str, *, none_means: str | None = None, even: bool = False,
+                     why: str = "") -> None:
+        """`require_int` up to the bound of its kind of size (SIZE_BOUNDS), whose reason the refusal gives too."""
+        high, bound_why = SIZE_BOUNDS[kind]
+        self.require_int(name, low, high, none_means=none_means, even=even,
+                         why=f"{why}; {bound_why}" if why else bound_why)
+
+    def require_int(self, name: str, low: int, high: int, *, none_means: str | None = None,
                     even: bool = False, why: str = "") -> None:
-        """An int (not a bool) in [low, high]; None too when `none_means` says what None stands for."""
+        """An int (not a bool) in [low, high]; None too when `none_means` says what None stands for. Every integer
+        option has an upper bound (sizes: `require_size`)."""
         value = getattr(self, name)
         if value is None and none_means is not None:
             return
         kind = "an even integer" if even else "an integer"
-        expected = f"{kind} >= {low}" if high is None else f"{kind} from {low} to {high}"
+        expected = f"{kind} from {low} to {high}"
         if none_means is not None:
             expected += f", or None ({none_means})"
         if isinstance(value, bool) or not isinstance(value, int):

@@ -81,7 +81,7 @@ def test_every_option_refuses_wrong_types_and_non_float32_values(method, name):
     ("t5", {"init_std": 1e38}, r"T5Config.init_std=1e\+38 is out of range"),
     ("learned", {"init_std": 1e19}, r"LearnedConfig.init_std=1e\+19 is out of range"),
     ("rope", {"theta": 1.00000001}, r"RopeConfig.theta=1.00000001 is out of range; pass a number from 1.00000012"),
-    ("sandwich", {"dim": 7}, r"SandwichConfig.dim=7 is out of range; pass an even integer >= 2"),
+    ("sandwich", {"dim": 7}, r"SandwichConfig.dim=7 is out of range; pass an even integer from 2 to 16384"),
     ("yarn", {"factor": 4.0, "attention_factor": 1e20}, r"YarnConfig.attention_factor=1e\+20 is out of range"),
 ])
 def test_values_that_break_float32_are_refused_with_the_bound(method, options, message):
@@ -140,3 +140,45 @@ def test_lists_are_stored_as_floats_and_round_trip():
     config = hf_posenc.AlibiConfig(slopes=(1, 0.5, 0.25, 0.125))
     assert config.slopes == [1.0, 0.5, 0.25, 0.125] and all(type(s) is float for s in config.slopes)
     assert hf_posenc.AlibiConfig(**{k: v for k, v in config.to_dict().items() if k != "method"}) == config
+
+
+# --- every size option has an upper bound (issue 51: mlp_width=10**9 tried to allocate about 40 GB) ----------------
+TOO_LARGE = 2 ** 40  # beyond every bound; an unbounded option fails at once allocating it (terabytes)
+def is_int_option(method: str, name: str) -> bool:
+    hint = typing.get_type_hints(hf_posenc.get_method(method).config_class)[name]
+    return int in (typing.get_args(hint) or (hint,))
+
+
+SIZE_OPTIONS = [(method, name) for method, name in OPTIONS if is_int_option(method, name)]
+# Options the bound of another depends on, at values that let that one reach its bound.
+AT_BOUND_WITH = {("t5", "num_buckets"): {"max_distance": MAX_DISTANCE}}
+
+
+def test_the_size_options_are_found():
+    assert {("fire", "mlp_width"), ("t5", "num_buckets"), ("sinks", "window"), ("cope", "max_pos")} <= \
+        set(SIZE_OPTIONS)
+
+
+@pytest.mark.parametrize("method,name", SIZE_OPTIONS)
+def test_every_size_option_is_bounded_and_the_bound_is_accepted(method, name):
+    config_class = hf_posenc.get_method(method).config_class
+    base = {key: value for key, value in REQUIRED.items() if key in config_class.option_names()}
+    model = tiny_model("llama")
+    before = model_fingerprint(model)
+    with pytest.raises(PosEncError) as refused:
+        hf_posenc.patch_model(model, method, **base, **{name: TOO_LARGE})
+    message = str(refused.value)
+    assert f"{config_class.__name__}.{name}={TOO_LARGE}" in message, message
+    assert_same_fingerprint(before, model_fingerprint(model))
+    bound = int(re.search(r"from \d+ to (\d+)", message).group(1))  # the bound is in the message
+    assert bound < TOO_LARGE
+    config_class(**{**base, **AT_BOUND_WITH.get((method, name), {}), name: bound})  # and accepted
+
+
+def test_the_largest_width_patches_and_runs():
+    from hf_posenc.config import SIZE_BOUNDS
+
+    width = SIZE_BOUNDS["width"][0]
+    model = hf_posenc.patch_model(tiny_model("llama"), "fire", mlp_width=width)
+    with torch.no_grad():
+        assert torch.isfinite(model(random_ids(1, 8)).logits).all()

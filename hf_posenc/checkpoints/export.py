@@ -62,7 +62,7 @@ running any of this code.
 
 from transformers import AutoConfig, {base_class}
 
-from .posenc_checkpoints_metadata import POSENC_CONFIG_NAME, read_metadata
+from .posenc_checkpoints_metadata import POSENC_CONFIG_NAME, local_metadata_entry, read_metadata
 from .posenc_checkpoints_restore import HUB_KWARGS, config_before_patch, load_saved_patch
 {registrations}
 
@@ -75,6 +75,7 @@ class {model_class}({base_class}):
 
         want_info = kwargs.pop("output_loading_info", False)
         hub_kwargs = {{key: kwargs[key] for key in HUB_KWARGS if key in kwargs}}
+        local_metadata_entry(pretrained_model_name_or_path)
         metadata = read_metadata(cached_file(pretrained_model_name_or_path, POSENC_CONFIG_NAME, **hub_kwargs))
         config = kwargs.pop("config", None) or AutoConfig.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
         model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args,
@@ -255,6 +256,9 @@ def method_specs(metadata: dict[str, Any]) -> list[MethodSpec]:
 def standalone_files(metadata: dict[str, Any]) -> dict[str, str]:
     """File name -> content of the standalone code for a checkpoint described by `metadata`."""
     model = metadata["model"]
+    if not isinstance(model.get("model_type"), str):
+        raise PosEncError(f"{POSENC_CONFIG_NAME}: the field model.model_type is {model.get('model_type')!r}, not a "
+                          "model type's name; the file was edited. Save the model again with save_pretrained.")
     family = get_family(SimpleNamespace(model_type=model.get("model_type")))
     base_class = causal_lm_class(model.get("architecture"), model["model_type"])
     specs = method_specs(metadata)

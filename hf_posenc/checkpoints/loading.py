@@ -17,7 +17,7 @@ from ..engine.install import applied_patch
 from ..errors import PosEncError
 from .adapters import ADAPTER_CONFIG_NAME, AdapterTensors, is_adapter_directory
 from .hub import publish_saved
-from .metadata import POSENC_CONFIG_NAME, read_metadata
+from .metadata import POSENC_CONFIG_NAME, local_metadata_entry, read_metadata
 from .restore import HUB_KWARGS, config_before_patch, load_saved_patch, method_configs
 from .saving import BASE_MODEL_ATTR, BASE_MODEL_KEYS
 
@@ -65,6 +65,7 @@ def from_pretrained(pretrained_model_name_or_path, **kwargs) -> nn.Module:
     kwargs.pop("trust_remote_code", None)
     want_info = kwargs.pop("output_loading_info", False)
     hub_kwargs = {key: kwargs[key] for key in HUB_KWARGS if key in kwargs}
+    local_metadata_entry(pretrained_model_name_or_path)
     path = cached_file(pretrained_model_name_or_path, POSENC_CONFIG_NAME,
                        _raise_exceptions_for_missing_entries=False, **hub_kwargs)
     metadata = read_metadata(path) if path is not None else None
@@ -121,6 +122,7 @@ def load_adapter(adapter_directory, base_model: nn.Module | str | os.PathLike | 
 
     is_trainable = kwargs.pop("is_trainable", False)
     hub_kwargs = {key: kwargs[key] for key in HUB_KWARGS if key in kwargs}
+    local_metadata_entry(adapter_directory)
     path = cached_file(adapter_directory, POSENC_CONFIG_NAME, _raise_exceptions_for_missing_entries=False,
                        **hub_kwargs)
     metadata = read_metadata(path) if path is not None else None

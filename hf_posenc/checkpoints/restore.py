@@ -54,10 +54,53 @@ def config_before_patch(config, metadata: dict[str, Any]):
     before = metadata.get("config_before_patch") or {}
     if not isinstance(before, dict) or set(before) - set(NATIVE_CONFIG_KEYS):
         raise PosEncError(f"{POSENC_CONFIG_NAME}: config_before_patch may only hold {NATIVE_CONFIG_KEYS}.")
+    # Checked here, before transformers builds anything: a relabelled config.json would build another architecture
+    # (a GPT-2 config read as LLaMA's defaults: a 7B model) and a junk rope_type fails inside it (KeyError).
+    recorded_type = metadata["model"].get("model_type")
+    if recorded_type != getattr(config, "model_type", None):
+        raise PosEncError(f"{POSENC_CONFIG_NAME}: the field model.model_type is {recorded_type!r}, and the "
+                          f"checkpoint's config.json says model_type {getattr(config, 'model_type', None)!r}; one of "
+                          "them was edited. Refusing to load: save the model again with save_pretrained.")
+    window = before.get("max_position_embeddings")
+    if "max_position_embeddings" in before and not (type(window) is int and window >= 1):
+        raise PosEncError(f"{POSENC_CONFIG_NAME}: the field config_before_patch.max_position_embeddings is "
+                          f"{window!r}, not a positive integer; the file was edited. Save the model again.")
+    if "rope_parameters" in before:
+        check_rope_parameters(before["rope_parameters"])
     config = copy.deepcopy(config)
     for name, value in before.items():
-        setattr(config, name, value)
+        setattr(config, name, copy.deepcopy(value))
+    if before.get("rope_parameters") and hasattr(config, "validate_rope"):
+        try:
+            config.validate_rope()
+        except Exception as error:  # transformers' own checks of the parameters (KeyError, ValueError, ...)
+            raise PosEncError(f"{POSENC_CONFIG_NAME}: the field config_before_patch.rope_parameters is refused by "
+                              f"transformers ({type(error).__name__}: {error}); the file was edited. Save the model "
+                              "again with save_pretrained.") from None
     return config
+
+
+def check_rope_parameters(parameters: Any) -> None:
+    """config_before_patch.rope_parameters: None, or a dict (one per layer type, or one for all) whose rope_type
+    transformers computes."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if parameters is None:
+        return
+    field = "config_before_patch.rope_parameters"
+    if not isinstance(parameters, dict):
+        raise PosEncError(f"{POSENC_CONFIG_NAME}: the field {field} is {parameters!r}, not a dict; the file was "
+                          "edited. Save the model again with save_pretrained.")
+    nested = parameters and all(isinstance(value, dict) or value is None for value in parameters.values())
+    entries = {f"{field}.{key}": value for key, value in parameters.items() if value is not None} if nested \
+        else {field: parameters}
+    known = ("default", *ROPE_INIT_FUNCTIONS)
+    for name, entry in entries.items():
+        rope_type = entry.get("rope_type", entry.get("type", "default"))
+        if not (isinstance(rope_type, str) and rope_type in known):
+            raise PosEncError(f"{POSENC_CONFIG_NAME}: the field {name}.rope_type is {rope_type!r}, which "
+                              f"transformers does not compute (it knows {', '.join(map(repr, known))}); the file was "
+                              "edited. Save the model again with save_pretrained.")
 
 
 def same_value(recorded: Any, actual: Any) -> bool:

@@ -86,7 +86,7 @@ class CapeConfig(ContentConfig):
             self.refuse("bias", "is not a registered attention-bias method", " or ".join(map(repr, bias_methods)))
         if not isinstance(self.bias_options, dict):
             self.refuse("bias_options", "is not a dict", "the bias method's options as a dict, e.g. {}")
-        self.require_int("mlp_width", 1, 4096)
+        self.require_size("mlp_width", 1, "width")
         self.require_choice("activation", tuple(ACTIVATIONS))
 
     def sub_configs(self):

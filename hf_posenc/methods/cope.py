@@ -37,7 +37,7 @@ class CopeConfig(ContentConfig):
 
     def validate(self) -> None:
         super().validate()
-        self.require_int("max_pos", 1, 2 ** 20, why="one learned embedding per integer position 0..max_pos")
+        self.require_size("max_pos", 1, "table", why="one learned embedding per integer position 0..max_pos")
 
 
 @register_method("cope", CopeConfig)

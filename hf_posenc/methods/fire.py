@@ -40,7 +40,7 @@ class FireConfig(PosEncConfig):
     learn_threshold: bool = True
 
     def validate(self) -> None:
-        self.require_int("mlp_width", 1)
+        self.require_size("mlp_width", 1, "width")
         self.require_choice("init", ("alibi", "random"))
         self.require_number("c", FLOAT32_TINY, FLOAT32_MAX / MAX_DISTANCE,
                             why="c * distance in psi must stay finite in float32 for distances up to 2^24")

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import BASE_WHY, MAX_DISTANCE, MIN_BASE, PosEncConfig
+from ..config import BASE_WHY, MIN_BASE, PosEncConfig
 from ..errors import PosEncError
 from ..model_info import ModelInfo
 from ..registry import register_method
@@ -55,7 +55,7 @@ class FopeConfig(PosEncConfig):
         self.require_choice("init", ("rope", "random"))
         self.require_number("sigma", 0.0, 1.0)
         self.require_bool("clip_floor")
-        self.require_int("window", 1, MAX_DISTANCE, none_means="the model's window, else 2048")
+        self.require_size("window", 1, "positions", none_means="the model's window, else 2048")
         self.require_number("theta", MIN_BASE, none_means="the model's own RoPE theta, else 10000", why=BASE_WHY)
         self.require_bool("per_head")
         self.require_bool("ignore_zero_frequencies")

@@ -24,7 +24,7 @@ class LearnedConfig(PosEncConfig):
     init_std: float = 0.02
 
     def validate(self) -> None:
-        self.require_int("max_positions", 1, none_means="the model's window")
+        self.require_size("max_positions", 1, "table", none_means="the model's window")
         self.require_choice("init", ("auto", "native", "normal", "zeros"))
         self.require_number("init_std", 0.0, HIDDEN_MAX / NORMAL_REACH, why=(
             f"the table is added to the hidden states, whose squares must stay finite in float32: draws up to "

@@ -32,7 +32,7 @@ class LiereConfig(PosEncConfig):
     per_head: bool = False  # one generator per key-value head (as the paper), not one shared by all heads
 
     def validate(self) -> None:
-        self.require_int("block_size", 2, even=True, none_means="the whole rotary dimension")
+        self.require_size("block_size", 2, "dim", even=True, none_means="the whole rotary dimension")
         self.require_choice("init", INIT_CHOICES)
         self.require_number("init_std", 0.0, INIT_STD_MAX)
         self.require_number("theta", MIN_BASE, none_means="the model's own RoPE theta, else 10000", why=BASE_WHY)

@@ -33,10 +33,10 @@ class NeighbourWindowConfig(PosEncConfig):
     original_max_position_embeddings: int | None = None  # the trained window; None: read from the model's config
 
     def validate(self) -> None:
-        self.require_int("window", 1, none_means=WINDOW_NONE_MEANS,
+        self.require_size("window", 1, "positions", none_means=WINDOW_NONE_MEANS,
                          why="keys nearer than this to a query keep their ordinary RoPE positions")
         self.require_number("rope_theta", MIN_BASE, none_means="the model's own", why=BASE_WHY)
-        self.require_int("original_max_position_embeddings", 1, none_means="read from the model's config")
+        self.require_size("original_max_position_embeddings", 1, "positions", none_means="read from the model's config")
 
 
 class NeighbourWindowRope(NearFarForm):

@@ -54,7 +54,7 @@ class RopeScalingConfig(PosEncConfig):
             self.refuse("factor", "is required", f"a number >= {self.min_factor:.9g}, e.g. patch_model(model, "
                                                  f"{self.method!r}, factor=4.0) to extend the window 4x")
         self.require_number("factor", self.min_factor, none_means=self.factor_none_means, why=self.factor_why)
-        self.require_int("original_max_position_embeddings", 1, none_means="read from the model's config")
+        self.require_size("original_max_position_embeddings", 1, "positions", none_means="read from the model's config")
         self.require_number("rope_theta", MIN_BASE, none_means="the model's own", why=BASE_WHY)
         self.require_number("partial_rotary_factor", FLOAT32_TINY, 1.0, none_means="the model's own",
                             why="the fraction of each head's dimensions that rotate")
@@ -89,7 +89,7 @@ class DynamicConfig(RopeScalingConfig):
     def validate(self) -> None:
         super().validate()
         self.require_bool("exact_cache")
-        self.require_int("rescale_every", 1, why=RESCALE_EVERY_WHY)
+        self.require_size("rescale_every", 1, "positions", why=RESCALE_EVERY_WHY)
 
 
 @dataclass
@@ -130,7 +130,7 @@ class DynamicYarnConfig(YarnConfig):
     def validate(self) -> None:
         super().validate()
         self.require_bool("exact_cache")
-        self.require_int("rescale_every", 1, why=RESCALE_EVERY_WHY)
+        self.require_size("rescale_every", 1, "positions", why=RESCALE_EVERY_WHY)
 
 
 @dataclass

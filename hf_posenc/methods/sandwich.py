@@ -28,7 +28,7 @@ class SandwichConfig(PosEncConfig):
     head_scaling: bool = True
 
     def validate(self) -> None:
-        self.require_int("dim", 2, none_means="the model's head dimension", even=True)
+        self.require_size("dim", 2, "dim", none_means="the model's head dimension", even=True)
         self.require_number("base", MIN_BASE, why=BASE_WHY)
         self.require_bool("head_scaling")
 

@@ -23,7 +23,7 @@ class SelfExtendConfig(NeighbourWindowConfig):
 
     def validate(self) -> None:
         super().validate()
-        self.require_int("group", 1, why="positions beyond the window are floor(position / group)")
+        self.require_size("group", 1, "positions", why="positions beyond the window are floor(position / group)")
         if self.window is not None and self.window % self.group:
             self.refuse("window", f"is not a multiple of group={self.group}",
                         f"a multiple of it, e.g. {max(self.group, self.window // self.group * self.group)}",

@@ -41,12 +41,12 @@ class SinksConfig(PosEncConfig):
     original_max_position_embeddings: int | None = None  # the trained window; None: read from the model's config
 
     def validate(self) -> None:
-        self.require_int("num_sinks", 1, why="the first tokens every query attends to (without them window attention "
+        self.require_size("num_sinks", 1, "positions", why="the first tokens every query attends to (without them window attention "
                                              "breaks down, the paper's point)")
-        self.require_int("window", 1, none_means="the model's trained window minus num_sinks",
+        self.require_size("window", 1, "positions", none_means="the model's trained window minus num_sinks",
                          why="each query attends to this many recent tokens, itself included")
         self.require_number("rope_theta", MIN_BASE, none_means="the model's own", why=BASE_WHY)
-        self.require_int("original_max_position_embeddings", 1, none_means="read from the model's config")
+        self.require_size("original_max_position_embeddings", 1, "positions", none_means="read from the model's config")
 
 
 @register_method("sinks", SinksConfig)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..config import BIAS_MAX, MAX_DISTANCE, NORMAL_REACH, PosEncConfig
+from ..config import BIAS_MAX, NORMAL_REACH, PosEncConfig
 from ..model_info import ModelInfo
 from ..registry import register_method
 from .distance import DistanceBiasMethod
@@ -26,8 +26,8 @@ class T5Config(PosEncConfig):
     init_std: float | None = None
 
     def validate(self) -> None:
-        self.require_int("num_buckets", 2, MAX_DISTANCE, why="bucket indices are computed in float32, exact up to 2^24")
-        self.require_int("max_distance", self.num_buckets // 2 + 1,
+        self.require_size("num_buckets", 2, "table")
+        self.require_size("max_distance", self.num_buckets // 2 + 1, "positions",
                          why="the first num_buckets // 2 buckets hold one distance each; the rest are log-spaced up "
                              "to max_distance")
         self.require_bool("per_layer")

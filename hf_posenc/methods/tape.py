@@ -82,7 +82,7 @@ class TapeConfig(ContentConfig):
         super().validate()
         self.require_choice("init", ("rope", "random"))
         self.require_number("init_std", 0.0, 1.0)
-        self.require_int("width", 1, 4096, why="channels of the content update of the position features")
+        self.require_size("width", 1, "width", why="channels of the content update of the position features")
         self.require_number("theta", MIN_BASE, none_means="the model's own RoPE theta, else 10000", why=BASE_WHY)
         self.require_choice("gate_input", GATE_INPUTS)
 

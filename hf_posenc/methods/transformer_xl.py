@@ -55,7 +55,7 @@ class TransformerXlConfig(ContentConfig):
 
     def validate(self) -> None:
         super().validate()
-        self.require_int("relative_dim", 2, 2 ** 14, none_means="the head size", even=True)
+        self.require_size("relative_dim", 2, "dim", none_means="the head size", even=True)
 
 
 def sinusoid_frequencies(dim: int, device=None) -> torch.Tensor:

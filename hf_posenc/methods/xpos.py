@@ -53,7 +53,7 @@ class XposConfig(PosEncConfig):
             f"with gamma={self.gamma!r}; below {smallest:.4g} the decay over one position, "
             "(gamma / (1 + gamma)) ** (1 / scale_base), underflows float32 to 0"))
         self.require_choice("extrapolation", ("none", "bca"))
-        self.require_int("window", 1, none_means="the model's window, else 2048")
+        self.require_size("window", 1, "positions", none_means="the model's window, else 2048")
 
 
 @register_method("xpos", XposConfig)

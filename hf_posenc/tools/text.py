@@ -177,9 +177,12 @@ def load_documents(
     if text_files:
         for path in expand_text_files(text_files):
             text = read_text(path, encoding)
-            if start_text:
+            if start_text:  # text that does not occur is refused, as the demo's --start-text (it was ignored)
                 offset = text.find(start_text)
-                text = text[offset:] if offset >= 0 else text
+                if offset < 0:
+                    raise DataError(f"--start-text {start_text!r} does not occur in {path}; give text that does, or "
+                                    "leave --start-text out to start each file at its beginning")
+                text = text[offset:]
             docs.append(Document(path.name, text))
     if dataset:
         import datasets

@@ -243,3 +243,14 @@ def test_publish_network_errors_are_one_line(tmp_path, capsys, monkeypatch):
         assert run_cli("publish", [str(tmp_path / "saved"), "acme/tiny-alibi"]) == 2
         line = _one_error_line(capsys)
         assert line.startswith("error: ") and line.endswith(shown) and "For more information" not in line, line
+
+
+def test_eval_refuses_absent_start_text_before_loading(tmp_path, capsys, monkeypatch):
+    """eval-ppl (and finetune, through tools/text.py) ignored a --start-text the file does not hold (issue 51,
+    item 9): one error line naming the file, exit 2, before the model loads."""
+    from hf_posenc.tools import eval_ppl
+
+    monkeypatch.setattr(eval_ppl, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    assert run_cli("eval-ppl", ["--text-file", str(BOOK), "--start-text", "no such words", "--lengths", "64",
+                                "--output-dir", str(tmp_path / "out")]) == 2
+    assert _one_error_line(capsys).startswith(f"error: --start-text 'no such words' does not occur in {BOOK}")

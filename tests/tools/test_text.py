@@ -118,3 +118,13 @@ def test_text_files_may_be_paths(tmp_path):
     assert [d.text for d in load_documents([tmp_path / "a.txt"])] == ["Some text.\n"]
     with pytest.raises(DataError, match=f"--text-file '{tmp_path}' is a folder"):
         expand_text_files([tmp_path])
+
+
+def test_start_text_that_does_not_occur_is_refused_naming_the_file(tmp_path):
+    """--start-text (finetune, eval-ppl) silently kept the whole file when the text was absent (issue 51, item 9)."""
+    book = tmp_path / "book.txt"
+    book.write_text("Front matter.\nChapter 1. It begins.\n", encoding="utf-8")
+    (doc,) = load_documents([str(book)], start_text="Chapter 1")
+    assert doc.text == "Chapter 1. It begins.\n"
+    with pytest.raises(DataError, match=f"--start-text 'Chapter 9' does not occur in {book}"):
+        load_documents([str(book)], start_text="Chapter 9")

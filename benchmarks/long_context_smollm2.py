@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import device_name, synchronize  # noqa: E402
 
 from hf_posenc.engine.cache_names import forward_cache_keyword  # noqa: E402
-from hf_posenc.tools import eval_ppl, passkey, report  # noqa: E402
+from hf_posenc.tools import eval_ppl, passkey, tables  # noqa: E402
 from hf_posenc.tools.models import load_model, model_name  # noqa: E402
 from hf_posenc.tools.outputs import write_json  # noqa: E402
 from hf_posenc.tools.runtime import MethodRequest, versions  # noqa: E402
@@ -85,7 +85,7 @@ def run_ppl(model: str, methods, lengths, output_dir, text_file: str = DEFAULT_T
                                    title=f"{model_name(model)}: perplexity vs length (held-out text)")
             print(f"[ppl] {method} @{length} done in {seconds[f'{method} @{length}']:.0f} s; wrote {out}/perplexity.*",
                   flush=True)
-    print(report.perplexity_markdown(whole.table(), whole.settings["lengths"]))
+    print(tables.perplexity_markdown(whole.table(), whole.settings["lengths"]))
     return whole
 
 
@@ -107,7 +107,7 @@ def merge_ppl(directories, output_dir, title: str = "") -> eval_ppl.EvalRun:
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     eval_ppl.write_outputs(out, whole, whole.settings["lengths"], title=title)
-    print(report.perplexity_markdown(whole.table(), whole.settings["lengths"]))
+    print(tables.perplexity_markdown(whole.table(), whole.settings["lengths"]))
     return whole
 
 
@@ -137,7 +137,7 @@ def run_passkey(model: str, methods, lengths, depths, trials: int, output_dir, m
         answers = ", ".join(repr(t.answer) for t in got)
         print(f"[passkey] {method}: {sum(t.correct for t in got)}/{len(got)} correct ({answers}) in "
               f"{seconds[method]:.0f} s", flush=True)
-    print(report.passkey_markdown(table, list(lengths), list(depths)))
+    print(tables.passkey_markdown(table, list(lengths), list(depths)))
     return table
 
 

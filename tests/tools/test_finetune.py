@@ -310,6 +310,27 @@ def test_fsdp_config_on_a_cpu_only_machine_says_what_to_use(tiny_dir, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a CPU-only machine says; with GPUs DeepSpeed runs")
+@pytest.mark.parametrize("installed", [False, True], ids=["deepspeed missing", "no DS_ACCELERATOR=cpu"])
+def test_deepspeed_launch_that_cannot_run_is_refused_not_run_as_ddp(tiny_dir, tmp_path, capsys, monkeypatch,
+                                                                    installed):
+    """What `accelerate launch --config_file deepspeed_zero2.yaml` sets in each process; with deepspeed missing, or
+    on a CPU-only machine without DeepSpeed's CPU accelerator, accelerate would raise an ImportError or silently run
+    DDP (cpu=True turns its DeepSpeed branch off). Refused in one line, before the output folder exists."""
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    if installed:
+        monkeypatch.setattr("accelerate.utils.is_deepspeed_available", lambda: True)
+    elif importlib.util.find_spec("deepspeed") is not None:
+        monkeypatch.setattr("accelerate.utils.is_deepspeed_available", lambda: False)
+    before = snapshot(tmp_path)
+    why = ("no CUDA device: set DS_ACCELERATOR=cpu for DeepSpeed's CPU accelerator" if installed
+           else "DeepSpeed, which is not installed: pip install deepspeed")
+    assert_refused(finetune_main(_args(tiny_dir, tmp_path / "out", "--max-steps", "1")), capsys,
+                   f"{why}, or launch with scripts/accelerate_configs/ddp.yaml", tmp_path, before)
+
+
 def test_tensorboard_tracker_logs_the_loss_beside_the_output(tiny_dir, tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -5,6 +5,7 @@ loaders, prepared by accelerate (``Training``); and their release at the end."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,22 +38,20 @@ class Training:
 
 def make_accelerator(args: argparse.Namespace, trackers: list[str], logging_dir: Path):
     """accelerate's Accelerator for the run (mixed precision, accumulation, trackers, seedable data order); a launch
-    configuration that needs GPUs on a CPU-only machine is refused in one line."""
+    configuration naming an engine that cannot run on this machine is refused in one line."""
     import torch
     from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
-    from accelerate.utils.environment import parse_flag_from_env
+    from accelerate.utils import DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, ProjectConfiguration
 
-    needs_gpus = ("this accelerate configuration needs GPUs ({}); on a CPU-only machine launch with "
-                  "scripts/accelerate_configs/ddp.yaml (several CPU processes) or cpu_single.yaml")
-    # Told by the launcher's environment, not by the plugin's error: accelerate 1.16 refuses FSDP on the CPU with
-    # another message ("sync_module_states=True is not supported on cpu") than 1.15 did ("no available devices").
-    if parse_flag_from_env("ACCELERATE_USE_FSDP") and not torch.cuda.is_available():
-        raise UsageError(needs_gpus.format("FSDP, and torch sees no CUDA device"))
+    deepspeed = check_engine_can_run()
+    cuda = torch.cuda.is_available()
+    # DeepSpeed's CPU accelerator (DS_ACCELERATOR=cpu) needs cpu=False, and then the gloo process group: without it
+    # accelerate counts one process and its batch-size check fails ("2 != 2 * 1 * 2"; measured in issue 54).
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and not cuda else None
     try:
-        return Accelerator(
+        accelerator = Accelerator(
             mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.gradient_accumulation_steps,
-            cpu=not torch.cuda.is_available(), log_with=trackers or None,
+            cpu=not cuda and not deepspeed, log_with=trackers or None, kwargs_handlers=handlers,
             project_config=ProjectConfiguration(project_dir=str(logging_dir), logging_dir=str(logging_dir))
             if trackers else None,
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
@@ -60,7 +59,40 @@ def make_accelerator(args: argparse.Namespace, trackers: list[str], logging_dir:
         if "no available devices" not in str(error):
             raise
         # accelerate's FSDP and DeepSpeed plugins need an accelerator: they refuse CPU-only machines.
-        raise UsageError(needs_gpus.format(error)) from None
+        raise UsageError(NEEDS_GPUS.format(error)) from None
+    if deepspeed and accelerator.distributed_type != DistributedType.DEEPSPEED:
+        # Never a silent fall-back: accelerate runs plain DDP (or one process each) where DeepSpeed did not start.
+        raise UsageError(f"this accelerate configuration asks for DeepSpeed, but accelerate started "
+                         f"{accelerator.distributed_type.value}; {USE_INSTEAD}")
+    return accelerator
+
+
+USE_INSTEAD = ("launch with scripts/accelerate_configs/ddp.yaml (several processes, GPUs or CPUs) or "
+               "cpu_single.yaml")
+NEEDS_GPUS = "this accelerate configuration needs GPUs ({}); on a CPU-only machine " + USE_INSTEAD
+
+
+def check_engine_can_run() -> bool:
+    """Whether the launch asks for DeepSpeed (accelerate's launcher says so in the environment); refuses (UsageError)
+    a DeepSpeed or FSDP launch that cannot run here, before any work. Told by the launcher's environment, not by the
+    plugins' errors: accelerate 1.16 refuses FSDP on the CPU with another message ("sync_module_states=True is not
+    supported on cpu") than 1.15 did ("no available devices"), and turns DeepSpeed on the CPU into DDP silently."""
+    import torch
+    from accelerate import utils
+    from accelerate.utils.environment import parse_flag_from_env
+
+    cuda = torch.cuda.is_available()
+    if parse_flag_from_env("ACCELERATE_USE_FSDP") and not cuda:
+        raise UsageError(NEEDS_GPUS.format("FSDP, and torch sees no CUDA device"))
+    if not parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
+        return False
+    if not utils.is_deepspeed_available():
+        raise UsageError(f"this accelerate configuration runs DeepSpeed, which is not installed: pip install "
+                         f"deepspeed, or {USE_INSTEAD}")
+    if not cuda and os.environ.get("DS_ACCELERATOR", "").lower() != "cpu":
+        raise UsageError(f"this accelerate configuration runs DeepSpeed, and torch sees no CUDA device: set "
+                         f"DS_ACCELERATOR=cpu for DeepSpeed's CPU accelerator, or {USE_INSTEAD}")
+    return True
 
 
 def trackers_for(report_to: str, logging_dir: Path) -> list[str]:

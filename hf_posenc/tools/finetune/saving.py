@@ -32,6 +32,8 @@ def run_summary(args: argparse.Namespace, training: Training, progress: Progress
         "posenc_config": posenc.to_dict() if posenc is not None else None,
         "num_processes": world,
         "distributed_type": str(accelerator.distributed_type),
+        "deepspeed_zero_stage": accelerator.state.deepspeed_plugin.zero_stage
+        if accelerator.distributed_type.name == "DEEPSPEED" else None,
         "mixed_precision_used": accelerator.mixed_precision,
         "warmup_steps_used": training.warmup_steps,
         "document_restarts_used": training.restarts,

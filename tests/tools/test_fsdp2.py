@@ -1,0 +1,162 @@
+"""FSDP2 (torch's ``fully_shard``) on a patched model, on the CPU: two gloo processes shard a tiny LLaMA patched with
+KERPLE (learned biases) and with FoX (content-dependent gates) along ``fsdp_wrap_units``, train a few AdamW steps on
+halves of a fixed batch, and must match one unsharded process on the whole batch; their full state dict, saved with
+``save_pretrained``, reloads with ``hf_posenc.from_pretrained`` to the sharded model's logits.
+
+accelerate's FSDP plugin refuses a CPU-only machine, so this goes through torch's API directly."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tool_helpers import REPO
+
+import hf_posenc
+from hf_posenc.tools.finetune import fsdp_wrap_units
+
+METHODS = ["kerple", "fox"]
+STEPS, BATCH, LENGTH, LR = 3, 4, 16, 1e-2
+# The same float32 arithmetic summed in another order (a reduce-scatter of two half-batch gradients, then AdamW on
+# shards): measured within 1.1e-7 of one process over these steps, and Adam's step normalisation may amplify such
+# differences; 1e-4 is far below what a fault moves (each rank training on its half alone: 4e-2 to 7e-2).
+RELATIVE = 1e-4
+
+
+def patched(method: str):
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    torch.manual_seed(0)  # methods with randomly initialised parameters start the same in every process
+    return hf_posenc.patch_model(model, method).train()
+
+
+def fixed_batch() -> torch.Tensor:
+    from tiny_models import random_ids
+
+    return random_ids(BATCH, LENGTH, seed=3)
+
+
+def train(model, ids: torch.Tensor) -> list[float]:
+    """AdamW steps on `ids` (a process's part of the batch); each step's loss on that part."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    losses = []
+    for _ in range(STEPS):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def positional_state(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if "posenc" in k}
+
+
+def sharded_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    ids = fixed_batch()
+    results = {}
+    for method in METHODS:
+        model = patched(method)
+        units = fsdp_wrap_units(model)
+        for unit in units:
+            fully_shard(unit, mesh=mesh)
+        positional = hf_posenc.get_positional_module(model)
+        sharded = all(isinstance(p, DTensor) for p in positional.parameters())
+        in_a_layer = any(m is positional for layer in units[:-1] for m in layer.modules())
+        losses = train(model, ids.chunk(world)[rank])
+        for loss in losses:
+            dist.all_reduce(loss)  # each process's mean over an equal half; their mean is the whole batch's
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            saved = Path(out) / method
+            model.save_pretrained(saved, state_dict=full)
+            torch.save(logits, saved / "sharded_logits.pt")
+            results[method] = {"losses": [loss.item() / world for loss in losses], "units": len(units),
+                               "positional_sharded": sharded, "positional_in_a_layer": in_a_layer}
+        dist.barrier()
+    if rank == 0:
+        (Path(out) / "results.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("fsdp2")
+    mp.spawn(sharded_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    return out, json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_fsdp2_trains_like_one_process_and_its_full_state_dict_reloads(sharded_run, method):
+    out, results = sharded_run
+    result = results[method]
+    # the units: the 2 decoder layers, then the root, which holds the positional module shared by the layers
+    assert result["units"] == 3 and result["positional_sharded"] and not result["positional_in_a_layer"]
+
+    model = patched(method)
+    before = positional_state(model)
+    reference = [loss.item() for loss in train(model, fixed_batch())]
+    assert reference[-1] < reference[0] - 0.05  # it trains at all, so equal losses say something
+    assert result["losses"] == pytest.approx(reference, rel=RELATIVE)
+
+    reloaded = hf_posenc.from_pretrained(out / method)
+    assert hf_posenc.get_posenc_config(reloaded).method == method
+    trained = positional_state(reloaded)
+    assert trained.keys() == before.keys() and trained
+    assert all(not torch.allclose(trained[k], before[k]) for k in before)  # the positional parameters moved
+    for key, value in positional_state(model).items():  # and as far as in one process
+        torch.testing.assert_close(trained[key], value, rtol=RELATIVE, atol=1e-6)
+    with torch.no_grad():
+        logits = reloaded.eval()(input_ids=fixed_batch()).logits
+    torch.testing.assert_close(logits, torch.load(out / method / "sharded_logits.pt"), rtol=0, atol=1e-6)
+
+
+def test_fsdp_yaml_asks_accelerate_for_fsdp2(tmp_path):
+    """What accelerate's FSDP plugin reads from the launcher that fsdp.yaml configures (built in the launched
+    processes, as the fine-tune's Accelerator builds it; FSDP version 1 refused this CPU: sync_module_states)."""
+    script = tmp_path / "plugin.py"
+    script.write_text("import os\nfrom accelerate.utils import FullyShardedDataParallelPlugin\n"
+                      "p = FullyShardedDataParallelPlugin()\nif os.environ['RANK'] == '0':\n"
+                      "    print('plugin', p.fsdp_version, p.reshard_after_forward, p.auto_wrap_policy.__name__,"
+                      " p.state_dict_type.name)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           str(REPO / "scripts/accelerate_configs/fsdp.yaml"), "--num_processes", "2",
+                           "--main_process_port", str(free_port()), str(script)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "plugin 2 True transformer_auto_wrap_policy FULL_STATE_DICT" in done.stdout
+
+
+def test_fsdp_wrap_units_refuses_a_model_without_layer_classes():
+    with pytest.raises(hf_posenc.PosEncError, match="_no_split_modules; call fully_shard on each"):
+        fsdp_wrap_units(torch.nn.Linear(2, 2))

@@ -43,6 +43,7 @@ def test_two_processes_train_the_same_weights(tiny_dir, tmp_path, cpu_mpirun):
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "training_args.json").read_text())
     assert summary["num_processes"] == 2 and summary["distributed_type"].endswith("MULTI_CPU")
+    assert summary["deepspeed_zero_stage"] is None
     digests = summary["weights_sha256_per_process"]
     assert len(digests) == 2 and digests[0] == digests[1]
     log = json.loads((out / "loss_log.json").read_text())

@@ -27,7 +27,7 @@ import json
 import time
 from pathlib import Path
 
-from . import eval_ppl, finetune, report
+from . import eval_ppl, finetune, tables
 from .estimates import SECONDS_PER_ADAMW_STEP, forward_seconds
 from .models import SMOLLM2, load_smollm2
 from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir, write_json
@@ -202,7 +202,7 @@ def evaluate_texts(args: argparse.Namespace, book: Path, wiki: Path,
 def write_outputs(out: Path, runs: dict[str, eval_ppl.EvalRun], args: argparse.Namespace, summary: dict,
                   timings: dict, estimate: float) -> None:
     """Step 3: ``main_job.csv``, ``main_job.json`` and ``main_job.png``."""
-    report.write_perplexity_csv(out / "main_job.csv", args.lengths, {name: run.table() for name, run in runs.items()})
+    tables.write_perplexity_csv(out / "main_job.csv", args.lengths, {name: run.table() for name, run in runs.items()})
     write_json(out / "main_job.json", {
         "settings": settings_of(args),
         "finetune": {k: summary[k] for k in ("first_loss", "final_loss", "loss_first_quarter", "loss_last_quarter",
@@ -211,8 +211,8 @@ def write_outputs(out: Path, runs: dict[str, eval_ppl.EvalRun], args: argparse.N
         "perplexity": {name: {k: v for k, v in run.to_json().items() if k != "settings"}
                        for name, run in runs.items()},
     })
-    report.plot_perplexity(out / "main_job.png", args.lengths,
-                               {name: (run.table(), run.training_lengths) for name, run in runs.items()}, PLOT_TITLE)
+    tables.plot_perplexity(out / "main_job.png", args.lengths,
+                           {name: (run.table(), run.training_lengths) for name, run in runs.items()}, PLOT_TITLE)
 
 
 def run_main_job(args: argparse.Namespace) -> dict:
@@ -247,8 +247,8 @@ def run_main_job(args: argparse.Namespace) -> dict:
         timings["evaluate"] = time.perf_counter() - step_started
         timings["total"] = time.perf_counter() - started
         write_outputs(out, runs, args, summary, timings, estimate)
-    tables = {name: report.perplexity_markdown(run.table(), args.lengths) for name, run in runs.items()}
-    return {"tables": tables, "timings": timings, "estimate": estimate}
+    printed = {name: tables.perplexity_markdown(run.table(), args.lengths) for name, run in runs.items()}
+    return {"tables": printed, "timings": timings, "estimate": estimate}
 
 
 def run(args: argparse.Namespace) -> None:

@@ -50,11 +50,18 @@ CALIBRATION_TOKENS = 256
 # stretched x2 so that the whole model stays flat past its 8192-token window.
 DEFAULT_SWAP = "kerple:layers=last:4+yarn:factor=2,layers=rest"
 DEFAULT_DISTILL_ALPHA = 1.0
+# What --help says the job shows and how to read its table (the figures: docs/finetuning-and-evaluation.md).
+READING = ("What it shows: a model whose RoPE is swapped for another positional method gets back close to the "
+           "original after a short fine-tune. Its table has a row per model (the original; the original + YaRN, a "
+           "RoPE extension; the swap before fine-tuning; the swap fine-tuned) and a column per context length, "
+           "in perplexity: lower is better. The fine-tuned swap comes within 10% of the original at 2048 tokens "
+           "(measured 25.84 against 24.88 on the book, 16.55 against 15.23 on WikiText-2); the swap before "
+           "fine-tuning is 15-17% above it (28.53, 17.85).")
 PLOT_TITLE = "SmolLM2-135M-Instruct (de-quantised from Q4_1): perplexity vs context (star: training length)"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hf-posenc main-job", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="hf-posenc main-job", description=__doc__.split("\n\n")[0], epilog=READING)
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="fewer steps and lengths: about 2 minutes")
     size.add_argument("--full", action="store_true",

@@ -125,6 +125,16 @@ def test_demo_alias_is_the_demo_subcommand(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+def test_main_job_help_says_what_the_job_shows_and_how_to_read_its_table(capsys):
+    """`bash scripts/main.sh --help` (issue 57): the rows of the table, which way is better, the target reached."""
+    with pytest.raises(SystemExit):
+        run_cli("main-job", ["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for words in ("the original; the original + YaRN", "the swap before fine-tuning; the swap fine-tuned",
+                  "lower is better", "within 10% of the original at 2048 tokens"):
+        assert words in text
+
+
 def test_help_shows_defaults_version_and_the_learning_rate_alias(capsys):
     """--help shows each option's default, --version the version, and transformers' --learning-rate spelling is
     accepted (issue 19, item 7)."""

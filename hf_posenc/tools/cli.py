@@ -68,7 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = module.build_parser()
     parser.formatter_class = DefaultsHelpFormatter  # every command's --help shows its defaults
     args = parser.parse_args(rest)
-    return run_command(lambda: module.run(args))
+    return run_command(lambda: _with_library_bars(lambda: module.run(args)))
+
+
+def _with_library_bars(run):
+    from .progress import library_bars_on_a_terminal
+
+    with library_bars_on_a_terminal():
+        return run()
 
 
 def demo_main() -> int:

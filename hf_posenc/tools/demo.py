@@ -22,7 +22,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tqdm.auto import tqdm
 
 if TYPE_CHECKING:  # annotations only; torch is imported where it is used, so that --help stays fast
     import torch
@@ -32,6 +31,7 @@ from .estimates import PATCHED_SLOWDOWN, SECONDS_PER_GENERATED_TOKEN, forward_se
 from .models import is_cached, load_smollm2
 from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir
 from .perplexity import perplexity_at_length
+from .progress import progress as progress_bar
 from .runtime import UNPATCHED, UsageError, check_number, set_threads, versions
 from .text import Document, data_dir, read_text, tokenize_documents
 
@@ -183,7 +183,7 @@ def run_method(name: str, model, tokenizer, ids, prompt, args, check_ids, ref) -
             patched = True
         t0 = time.perf_counter()
         ppl = perplexity_at_length(model, [ids], args.window, args.stride, args.max_windows,
-                                   progress=not args.no_progress)
+                                   progress=False)  # the methods' bar is the stage's (tools/progress.py)
         result.ppl_seconds = time.perf_counter() - t0
         result.perplexity, result.nll_sum = ppl.ppl, ppl.nll_sum
         result.n_scored_tokens, result.n_windows = ppl.n_scored_tokens, ppl.n_windows
@@ -270,18 +270,19 @@ def run(args: argparse.Namespace) -> int:
     reference_logits(model, ids[: args.window])
 
     results: list[MethodResult] = []
-    bar = tqdm(methods, desc="methods", unit="method", disable=args.no_progress)
-    for name in bar:
+    bar = progress_bar(total=len(methods), desc="methods", unit="method", enabled=not args.no_progress)
+    for name in methods:
         bar.set_postfix(method=name)
         result = run_method(name, model, tokenizer, ids, prompt, args, check_ids, ref)
         results.append(result)
         status = f"ppl {tables.format_perplexity(result.perplexity)}" if result.perplexity is not None \
             else result.error
-        tqdm.write(f"  {name}: {status} ({result.seconds:.1f} s)"
-                   + ("" if result.restored else "  [NOT RESTORED after unpatch]"))
+        bar.update(1)
+        bar.write(f"  {name}: {status} ({result.seconds:.1f} s)"
+                  + ("" if result.restored else "  [NOT RESTORED after unpatch]"))
         if len(results) == 1 and len(methods) > 1:
-            tqdm.write(f"  remaining: about {result.seconds * (len(methods) - 1) / 60:.1f} min "
-                       "at this method's speed")
+            bar.write(f"  remaining: about {result.seconds * (len(methods) - 1) / 60:.1f} min "
+                      "at this method's speed")
     bar.close()
 
     final_logits = reference_logits(model, check_ids)

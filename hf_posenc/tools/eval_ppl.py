@@ -38,6 +38,7 @@ from ..registry import get_family
 from .models import SMOLLM2, load_model, model_name
 from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir_on_main, write_json
 from .perplexity import perplexity_at_length, window_plan
+from .progress import progress as progress_bar
 from .runtime import (DTYPES, UNPATCHED, MethodRequest, UsageError, accelerator_if_launched, check_at_least, is_main,
                       process_count, set_threads, settings_from, settings_of, versions)
 from .text import DataError, add_text_arguments, check_encoding, documents_of, tokenize_documents
@@ -311,20 +312,30 @@ def _evaluate_model(args: argparse.Namespace, run: EvalRun, model, model_spec: s
         trained = keeps_trained_positions(model, request) and not replaced
         run.training_lengths[label] = (args.training_length or training_length(
             model, model_spec if Path(model_spec).is_dir() else None)) if trained else None
+        bar = progress_bar(total=_windows_of_this_process(args, token_docs, lengths, accelerator), desc=label,
+                           unit="win", enabled=_progress(args, accelerator))  # one bar for every length
         for length in lengths:
             stride, max_windows = _protocol(args, length)
             started = time.perf_counter()
             ppl, nll, n_scored, n_windows = perplexity_at_length(
-                model, token_docs, length, stride, max_windows, args.batch_size, accelerator,
-                _progress(args, accelerator), desc=f"{label} @{length}")
+                model, token_docs, length, stride, max_windows, args.batch_size, accelerator, bar=bar)
             result = LengthResult(name, request.label, length, ppl, nll, n_scored, n_windows, len(token_docs),
                                   stride, time.perf_counter() - started, label=label)
             run.results.append(result)
             if is_main(accelerator):
-                print(f"  {label:<40} {length:>6} tokens: ppl {ppl:.3f} ({n_windows} windows, "
-                      f"{result.seconds:.1f} s)", flush=True)
+                bar.write(f"  {label:<40} {length:>6} tokens: ppl {ppl:.3f} ({n_windows} windows, "
+                          f"{result.seconds:.1f} s)")
+        bar.close()
         if not loaded_patched:
             request.remove(model)
+
+
+def _windows_of_this_process(args: argparse.Namespace, token_docs: list, lengths: list[int], accelerator) -> int:
+    """The windows this process scores at every length (round robin, as ``perplexity_at_length`` splits them)."""
+    doc_lengths = [ids.numel() for ids in token_docs]
+    rank = accelerator.process_index if accelerator is not None else 0
+    return sum(len(range(rank, len(window_plan(doc_lengths, n, *_protocol(args, n))), process_count(accelerator)))
+               for n in lengths)
 
 
 def write_outputs(directory: Path, run: EvalRun, lengths: list[int], title: str = "") -> None:

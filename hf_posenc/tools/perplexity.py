@@ -97,13 +97,15 @@ def _forward_kwargs(model, n_keep: int, length: int) -> dict:
 
 def perplexity_at_length(model, token_docs: list[torch.LongTensor], length: int, stride: int,
                          max_windows: int | None = None, batch_size: int = 1, accelerator=None,
-                         progress: bool = True, desc: str = "") -> Perplexity:
+                         progress: bool = True, desc: str = "", bar=None) -> Perplexity:
     """Perplexity at one ``length`` over the 1-D token tensors ``token_docs``: ``(ppl, nll_sum, tokens scored,
     windows)``. With an ``accelerator`` of several processes, the windows are split across them (round robin) and
     the per-window NLLs gathered and summed in window order on every process, so the numbers equal a one-process
-    run's."""
+    run's. ``bar``: a stage's bar (``tools.progress``) that this length's windows advance, kept open for the next
+    length; without it the length has its own."""
     import torch
-    from tqdm.auto import tqdm
+
+    from .progress import progress as progress_bar
 
     check_protocol(length, stride, max_windows)
     plan = window_plan([ids.numel() for ids in token_docs], length, stride, max_windows)
@@ -115,15 +117,18 @@ def perplexity_at_length(model, token_docs: list[torch.LongTensor], length: int,
     model.eval()
     try:
         with torch.inference_mode():
-            bar = tqdm(total=len(mine), desc=desc or f"ppl@{length}", unit="win", leave=False,
-                       disable=not progress or rank != 0)
+            own_bar = bar is None
+            if own_bar:
+                bar = progress_bar(total=len(mine), desc=desc or f"ppl@{length}", unit="win",
+                                   enabled=progress and rank == 0)
             for lo in range(0, len(mine), batch_size):
                 batch = [plan[i] for i in mine[lo : lo + batch_size]]
                 windows = torch.stack([token_docs[w.document][w.start : w.start + length] for w in batch])
                 nlls = windows_nll(model, windows.to(device), [w.n_scored for w in batch])
                 local.extend(zip(mine[lo : lo + batch_size], nlls))
                 bar.update(len(batch))
-            bar.close()
+            if own_bar:
+                bar.close()
     finally:
         model.train(was_training)
     nlls = gather_in_order(local, accelerator)

@@ -353,7 +353,7 @@ def greedy_answers(model, tokenizer, count: int, prompt_of: Callable[[int], list
     ``score(i, ids, answer)`` (``ids``: the prompt, [1, L] on the model's device; ``answer``: the decoded text); the
     results of every process in index order (``gather_in_order``)."""
     import torch
-    from tqdm.auto import tqdm
+    from .progress import progress as progress_bar
 
     rank = accelerator.process_index if accelerator is not None else 0
     device = next(model.parameters()).device
@@ -361,7 +361,7 @@ def greedy_answers(model, tokenizer, count: int, prompt_of: Callable[[int], list
     local = []
     with torch.inference_mode():
         mine = range(rank, count, process_count(accelerator))
-        for i in tqdm(mine, desc=desc, leave=False, disable=not progress or rank != 0):
+        for i in progress_bar(mine, desc=desc, unit="prompt", enabled=progress and rank == 0):
             ids = torch.tensor([prompt_of(i)], device=device)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                  do_sample=False, pad_token_id=pad)

@@ -29,6 +29,38 @@ def _pyplot():
     return plt
 
 
+# Tick values per decade, sparsest first: the first set that puts at least 3 ticks in view is labelled.
+_LOG_TICK_SETS = ((1,), (1, 2, 5), (1, 2, 3, 5), (1, 1.5, 2, 3, 4, 5, 6, 7, 8, 9),
+                  (1, 1.2, 1.4, 1.6, 1.8, 2, 2.5, 3, 3.5, 4, 4.5, 5, 6, 7, 8, 9))
+
+
+def plain_number(value: float) -> str:
+    """A tick label as a reader writes it: 38, 2048, 1.5 (matplotlib's log axes write 3.8 x 10^1)."""
+    return f"{value:.0f}" if value >= 1000 or value == round(value) else f"{value:.4g}"
+
+
+def plain_log_y_axis(ax) -> None:
+    """The y axis of ``ax`` on a log scale, labelled in plain numbers at a few round values in view (at least 3: evenly
+    spaced ones where the view is too narrow for the sets above), with unlabelled minor ticks between. Call it after
+    the data is drawn."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, MaxNLocator, NullFormatter
+
+    ax.set_yscale("log")
+    low, high = sorted(ax.get_ylim())
+    decades = range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
+    for subs in _LOG_TICK_SETS:
+        ticks = [s * 10.0 ** d for d in decades for s in subs if low <= s * 10.0 ** d <= high]
+        if len(ticks) >= 3:
+            break
+    else:
+        ticks = [v for v in MaxNLocator(nbins=4).tick_values(low, high) if low <= v <= high]
+    ax.yaxis.set_major_locator(FixedLocator(ticks))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: plain_number(value)))
+    ax.yaxis.set_minor_locator(LogLocator(base=10, subs="auto"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_ylim(low, high)
+
+
 def row_label(model: str, method: str, replaced: str | None = None) -> str:
     """The row of a model evaluated with a method; ``replaced``: the (trained) patch of a patched checkpoint that the
     method replaced, so the row says that the checkpoint's own positional weights were not used."""
@@ -84,8 +116,9 @@ def perplexity_figure(lengths: list[int], panels: dict[str, tuple[PerplexityTabl
                 ax.plot([trained], [_interpolate_log_log(trained, xs, ys)], marker="*", markersize=13,
                         color=line.get_color(), markeredgecolor="black", linestyle="none")
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
         ax.set_xticks(lengths, [str(n) for n in lengths], fontsize=8)
+        ax.xaxis.set_minor_formatter(_null_formatter())  # the lengths are the labels
+        plain_log_y_axis(ax)
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel("perplexity, log scale (lower is better)")
         ax.set_title(panel_title, fontsize=9)
@@ -95,6 +128,12 @@ def perplexity_figure(lengths: list[int], panels: dict[str, tuple[PerplexityTabl
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def _null_formatter():
+    from matplotlib.ticker import NullFormatter
+
+    return NullFormatter()
 
 
 def _interpolate_log_log(x: float, xs: list[int], ys: list[float]) -> float:
@@ -263,13 +302,19 @@ def _cell(text: str, limit: int = 120) -> str:
 def plot_demo_perplexity(path: Path, results: list, title: str, unpatched: str = "none") -> None:
     """A bar per method (the unpatched model in grey), log scale when the values span more than 20x."""
     plt = _pyplot()
+    fig = demo_perplexity_figure(results, title, unpatched)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def demo_perplexity_figure(results: list, title: str, unpatched: str = "none"):
+    plt = _pyplot()
     names = [r.method for r in results]
     values = [r.perplexity if r.perplexity is not None and math.isfinite(r.perplexity) else 0.0 for r in results]
     fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(names) + 1.5), 4.0))
     bars = ax.bar(names, values, color=["tab:gray" if n == unpatched else "tab:blue" for n in names])
     finite = [v for v in values if v > 0]
-    if finite and max(finite) / min(finite) > 20:
-        ax.set_yscale("log")
+    log_scale = finite and max(finite) / min(finite) > 20
     for bar, r in zip(bars, results):
         label = "error" if r.perplexity is None else format_perplexity(r.perplexity)
         ax.annotate(label, (bar.get_x() + bar.get_width() / 2, max(bar.get_height(), min(finite or [1]))),
@@ -277,6 +322,8 @@ def plot_demo_perplexity(path: Path, results: list, title: str, unpatched: str =
     ax.set_ylabel("perplexity (lower is better)")
     ax.set_title(title, fontsize=9)
     ax.tick_params(axis="x", labelrotation=30)
+    if log_scale:
+        ax.set_ylim(min(finite) / 1.5, max(finite) * 1.5)
+        plain_log_y_axis(ax)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig

@@ -28,13 +28,13 @@ def train(args: argparse.Namespace, training: Training, progress: Progress, chec
           log_to_trackers: bool, run_settings: dict[str, Any]) -> None:
     """The training loop, from ``progress`` to ``--max-steps``: the loss (the mean over processes) is checked at
     every micro-step, logged every ``--log-every`` steps, and resumable checkpoints saved every ``--save-every``."""
-    from tqdm.auto import tqdm
+    from ..progress import progress as progress_bar
 
     accelerator, model, loader = training.accelerator, training.model, training.loader
     if len(loader) == 0:
         raise DataError("no full training batch per process; add text or lower --batch-size / --max-length")
-    bar = tqdm(total=args.max_steps, initial=progress.step, desc="finetune", unit="step",
-               disable=args.no_progress or not accelerator.is_main_process)
+    bar = progress_bar(total=args.max_steps, initial=progress.step, desc="finetune", unit="step",
+                       enabled=not args.no_progress and accelerator.is_main_process)
     model.train()
     window_loss, window_count = 0.0, 0
     while progress.step < args.max_steps:

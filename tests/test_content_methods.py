@@ -893,17 +893,17 @@ def test_tape_mlp_output_gate_decodes_pads_generates_and_saves_exactly(model_typ
         assert torch.equal(original(ids).logits, original_logits)
 
 
-def test_tape_mlp_output_gate_gradients_are_the_same_under_gradient_checkpointing():
-    """Non-reentrant checkpointing recomputes each layer, MLP hooks included: every gradient equals the plain
-    backward's, and the gate's weights get one."""
-    from hf_posenc.tools.finetune import enable_gradient_checkpointing
-
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_tape_mlp_output_gate_gradients_are_the_same_under_gradient_checkpointing(use_reentrant):
+    """Checkpointing recomputes each layer, MLP hooks included: every gradient equals the plain backward's, and the
+    gate's weights get one (reentrant: the previous layer's MLP output crosses the checkpoint as a leaf whose
+    gradient reaches the MLP, engine/content.py carried_mlp_output)."""
     ids = random_ids(2, 10)
     grads = []
     for checkpointing in (False, True):
         model, module = tape_reading_mlp_outputs("llama")
         if checkpointing:
-            enable_gradient_checkpointing(model)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
         model.train()
         model(ids, labels=ids).loss.backward()
         grads.append({name: p.grad for name, p in model.named_parameters() if p.grad is not None})

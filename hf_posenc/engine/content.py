@@ -147,7 +147,7 @@ class MlpOutputCapture:
         if torch.is_grad_enabled() and output.requires_grad:
             output = _AddRelayedGradient.apply(output, content, self.layer_idx)  # see `carried_mlp_output`
         residual = content.held_residuals.pop(self.layer_idx, None)
-        return None if residual is None else residual + output
+        return output if residual is None else residual + output
 
 
 class RecordContentState:

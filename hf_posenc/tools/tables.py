@@ -148,16 +148,21 @@ def _interpolate_log_log(x: float, xs: list[int], ys: list[float]) -> float:
 
 
 # --- passkey --------------------------------------------------------------------------------------------------
-def passkey_markdown(table: AccuracyTable, lengths: list[int], depths: list[float]) -> str:
+def depth_markdown(table: dict, lengths: list[int], depths: list[float], cell) -> str:
+    """A markdown row per model and length, a column per depth, `cell(value)` in each (a length a model was not run
+    at, in a report of several runs, has no row)."""
     lines = ["| model | length | " + " | ".join(f"depth {d:g}" for d in depths) + " |",
              "| --- | ---: | " + " | ".join("---:" for _ in depths) + " |"]
     for label in dict.fromkeys(key[0] for key in table):
         for n in lengths:
             cells = [table.get((label, n, d)) for d in depths]
             if any(cells):
-                lines.append(f"| {label} | {n} | " + " | ".join("-" if c is None else f"{c[0]:.0%}" for c in cells)
-                             + " |")
+                lines.append(f"| {label} | {n} | " + " | ".join("-" if c is None else cell(c) for c in cells) + " |")
     return "\n".join(lines)
+
+
+def passkey_markdown(table: AccuracyTable, lengths: list[int], depths: list[float]) -> str:
+    return depth_markdown(table, lengths, depths, lambda c: f"{c[0]:.0%}")
 
 
 def write_passkey_csv(path: Path, table: AccuracyTable) -> None:
@@ -203,16 +208,7 @@ def write_rows_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
 
 def retrieval_markdown(table: RetrievalTable, lengths: list[int], depths: list[float]) -> str:
     """Exact-match accuracy (mean log-probability of the answer) per length and depth."""
-    lines = ["| model | length | " + " | ".join(f"depth {d:g}" for d in depths) + " |",
-             "| --- | ---: | " + " | ".join("---:" for _ in depths) + " |"]
-    for label in dict.fromkeys(key[0] for key in table):
-        for n in lengths:
-            cells = [table.get((label, n, d)) for d in depths]
-            if not any(cells):  # a length this model was not run at (a report of several runs)
-                continue
-            lines.append(f"| {label} | {n} | " + " | ".join(
-                "-" if c is None else f"{c['exact']:.0%} ({c['logprob']:.2f})" for c in cells) + " |")
-    return "\n".join(lines)
+    return depth_markdown(table, lengths, depths, lambda c: f"{c['exact']:.0%} ({c['logprob']:.2f})")
 
 
 def retrieval_heatmaps(path: Path, table: RetrievalTable, lengths: list[int], depths: list[float],

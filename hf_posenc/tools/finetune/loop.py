@@ -85,7 +85,8 @@ def training_step(args: argparse.Namespace, training: Training, batch: torch.Lon
         if accelerator.sync_gradients and args.max_grad_norm:
             accelerator.clip_grad_norm_(training.trainable, args.max_grad_norm)
         training.optimizer.step()
-        training.scheduler.step()
+        if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
+            training.scheduler.step()  # once per optimizer step (make_accelerator: step_scheduler_with_optimizer)
         training.optimizer.zero_grad()
     return mean_loss
 
@@ -106,7 +107,8 @@ def weights_are_finite(model, accelerator) -> bool:
     """Whether every trainable parameter holds finite values, on every process (one pass over the weights)."""
     import torch
 
-    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters() if p.requires_grad)
+    # ZeRO-3 leaves each process its part of a parameter (ds_tensor); each part checked is every value checked
+    finite = all(bool(torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in model.parameters() if p.requires_grad)
     return bool(accelerator.gather(torch.tensor([int(finite)], device=accelerator.device)).all())
 
 

@@ -41,7 +41,8 @@ def make_accelerator(args: argparse.Namespace, trackers: list[str], logging_dir:
     configuration naming an engine that cannot run on this machine is refused in one line."""
     import torch
     from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, ProjectConfiguration
+    from accelerate.utils import (DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin,
+                                  InitProcessGroupKwargs, ProjectConfiguration)
 
     deepspeed = check_engine_can_run()
     cuda = torch.cuda.is_available()
@@ -50,8 +51,14 @@ def make_accelerator(args: argparse.Namespace, trackers: list[str], logging_dir:
     handlers = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and not cuda else None
     try:
         accelerator = Accelerator(
-            mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.gradient_accumulation_steps,
-            cpu=not cuda and not deepspeed, log_with=trackers or None, kwargs_handlers=handlers,
+            mixed_precision=args.mixed_precision, log_with=trackers or None, kwargs_handlers=handlers,
+            # A plugin, not gradient_accumulation_steps=: accelerate lets the launch config's value (a DeepSpeed
+            # yaml's) override that argument, and --gradient-accumulation-steps is what the run counts by.
+            gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.gradient_accumulation_steps),
+            deepspeed_plugin=deepspeed_plugin(args) if deepspeed else None, cpu=not cuda and not deepspeed,
+            # One schedule step per optimizer step (training_step steps it): accelerate's default steps it once
+            # per process, which ran the schedule N times too fast on N processes (issue 54).
+            step_scheduler_with_optimizer=False,
             project_config=ProjectConfiguration(project_dir=str(logging_dir), logging_dir=str(logging_dir))
             if trackers else None,
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
@@ -65,6 +72,31 @@ def make_accelerator(args: argparse.Namespace, trackers: list[str], logging_dir:
         raise UsageError(f"this accelerate configuration asks for DeepSpeed, but accelerate started "
                          f"{accelerator.distributed_type.value}; {USE_INSTEAD}")
     return accelerator
+
+
+def deepspeed_plugin(args: argparse.Namespace):
+    """accelerate's DeepSpeedPlugin from the launch configuration (ZeRO stage, offload, a DeepSpeed config file),
+    with the fine-tune's own --gradient-accumulation-steps and --max-grad-norm (DeepSpeed clips by its config, not
+    by accelerator.clip_grad_norm_), and ZeRO-3's parameters gathered at the save, which writes whole weights. A
+    DeepSpeed config file that sets any of these otherwise is refused (``"auto"`` takes the fine-tune's)."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    wanted = {"gradient_accumulation_steps": ("--gradient-accumulation-steps", args.gradient_accumulation_steps),
+              "gradient_clipping": ("--max-grad-norm", args.max_grad_norm)}
+    plugin = DeepSpeedPlugin(gradient_accumulation_steps=args.gradient_accumulation_steps,
+                             gradient_clipping=args.max_grad_norm, zero3_save_16bit_model=True)
+    config = plugin.deepspeed_config
+    for key, (option, value) in wanted.items():
+        if config.get(key, value) != value:
+            raise UsageError(f"the DeepSpeed config file sets {key} {config[key]}, and {option} is {value:g}: "
+                             f"make them equal, or write \"auto\" there")
+    if plugin.zero_stage == 3 and config["zero_optimization"].get(GATHER_ON_SAVE) is False:
+        raise UsageError(f"the DeepSpeed config file sets zero_optimization.{GATHER_ON_SAVE} false: the fine-tune "
+                         "saves whole weights at its end under ZeRO-3; set it true (or \"auto\")")
+    return plugin
+
+
+GATHER_ON_SAVE = "stage3_gather_16bit_weights_on_model_save"
 
 
 USE_INSTEAD = ("launch with scripts/accelerate_configs/ddp.yaml (several processes, GPUs or CPUs) or "

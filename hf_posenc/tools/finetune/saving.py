@@ -15,6 +15,7 @@ from ..runtime import MethodRequest, settings_of, versions
 from .checkpoints import Progress, latest_checkpoint
 from .data import TrainingData
 from .prepare import Training
+from .sharding import whole_parameter
 
 
 def run_summary(args: argparse.Namespace, training: Training, progress: Progress, request: MethodRequest | None,
@@ -107,10 +108,12 @@ def write_loss_log(directory: Path, log: list[dict]) -> None:
 
 
 def weights_digest(model) -> str:
-    """SHA-256 of every trainable parameter's bytes (to check that all processes hold the same weights)."""
+    """SHA-256 of every trainable parameter's bytes (to check that all processes hold the same weights); under
+    ZeRO-3 of the gathered parameters, so every process must call it."""
     digest = hashlib.sha256()
     for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         if p.requires_grad:
-            digest.update(name.encode())
-            digest.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+            with whole_parameter(p):
+                digest.update(name.encode())
+                digest.update(p.detach().float().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()

@@ -1,4 +1,5 @@
-"""FSDP2 for a patched model: which modules to hand to torch's ``fully_shard``.
+"""Sharded engines and a patched model: which modules to hand to FSDP2 (torch's ``fully_shard``), and a ZeRO-3
+parameter read whole.
 
     from torch.distributed.fsdp import fully_shard
     for unit in fsdp_wrap_units(model):   # each decoder layer, then the root
@@ -12,9 +13,11 @@ when its ``forward`` runs, and the layers call its other methods."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 
@@ -31,3 +34,14 @@ def fsdp_wrap_units(model: nn.Module) -> list[nn.Module]:
         raise PosEncError(f"fsdp_wrap_units: {type(base).__name__} names no decoder layer class in "
                           "_no_split_modules; call fully_shard on each of its layers by hand, then on the model")
     return [*layers, model]
+
+
+def whole_parameter(parameter: torch.nn.Parameter):
+    """A context in which `parameter` holds all its values: under DeepSpeed ZeRO-3 each process keeps only its part
+    (``ds_tensor``; the parameter itself is empty), so it is gathered for the context, a collective that every
+    process enters; any other parameter as it is."""
+    if not hasattr(parameter, "ds_id"):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters([parameter])

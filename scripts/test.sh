@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything into .venv and runs the whole test suite (slow cases included); with no arguments, also
 # transformers' own model tests on the identity patches (scripts/transformers_tests.sh: 127 s of CPU time measured
-# in one process, about 2-4 min on 2 cores), where ../shared/transformers-tests is there.
+# in one process, about 2-4 min on 2 cores), where ../shared/transformers-tests is there. setup_venv.sh's deepspeed
+# adds about 10 s to a first install, and its first run about 25 s more (one C++ op compiled, then cached).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh

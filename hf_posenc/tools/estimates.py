@@ -84,15 +84,41 @@ def estimate_forward_bytes(model, length: int, batch: int = 1) -> int:
     return int(1.25 * (params + batch * (length * per_token + attention)))
 
 
+# The engines a fine-tune runs under, for the per-process estimate: one process ("none"), DDP, DeepSpeed ZeRO-2 and
+# ZeRO-3, torch's FSDP2 (fully_shard per decoder layer and at the root: tools/finetune/sharding.py).
+ENGINES = ("none", "ddp", "zero2", "zero3", "fsdp2")
+# DeepSpeed's default reduce_bucket_size (elements): ZeRO-2/3 reduce gradients through a bucket of up to this size
+# (for SmolLM2-135M that is the whole gradient at once).
+DEEPSPEED_BUCKET_ELEMENTS = 5e8
+
+
+def parameter_count(parameter) -> int:
+    """Elements of `parameter`, also where ZeRO-3 has partitioned it (the parameter itself is then empty)."""
+    return int(getattr(parameter, "ds_numel", parameter.numel()))
+
+
 def estimate_training_bytes(model, length: int, batch: int, trainable: int, checkpointing: bool,
-                            teacher=None) -> int:
-    """Rough peak memory of one training micro-step: weights, gradients and AdamW state of the trainable
-    parameters, activations kept for backward (all layers, or one with gradient checkpointing), fp32 logits.
+                            teacher=None, engine: str = "none", processes: int = 1) -> int:
+    """Rough peak memory of one training micro-step, per process: weights, gradients and AdamW state of the
+    trainable parameters, activations kept for backward (all layers, or one with gradient checkpointing), fp32 logits.
     With a distillation `teacher` (distill.Teacher): its own weights where it holds a copy, and its fp32 logits
-    and their softmax, which live beside the student's through the loss."""
+    and their softmax, which live beside the student's through the loss.
+
+    `engine` (ENGINES) on `processes` data-parallel processes changes what each process holds of the model's state,
+    not its activations (each runs its own micro-batch at full length); fp32 gradients and AdamW, no offload:
+    - ddp: everything, plus DDP's gradient buckets (a second copy; accelerate leaves gradient_as_bucket_view off);
+    - zero2: whole weights, 1/N of the gradients and AdamW state, and DeepSpeed's reduce bucket;
+    - zero3: 1/N of everything, the bucket, and the gathered working set: the parameters outside the decoder
+      layers (embeddings, head, the patch's positional module) and two layers (the running one and the prefetched);
+    - fsdp2: 1/N of everything, and gathered with their unsharded gradients: the root's unit (the parameters
+      outside the layers, gathered from forward to backward) and two layers."""
+    if engine not in ENGINES:
+        from ..errors import PosEncError
+
+        raise PosEncError(f"estimate_training_bytes: engine {engine!r}: choose one of {', '.join(ENGINES)}")
     info = get_family(model.config).model_info(model)
     hidden, layers, heads, vocab = info.hidden_size, info.num_layers, info.num_heads, info.vocab_size
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    params = sum(parameter_count(p) * p.element_size() for p in model.parameters())
     kept_layers = 1 if checkpointing else layers
     per_token = 4 * (vocab * 3 + hidden * 34 * kept_layers + (hidden * 2 * layers if checkpointing else 0))
     attention = 4 * heads * length * length * kept_layers
@@ -100,7 +126,48 @@ def estimate_training_bytes(model, length: int, batch: int, trainable: int, chec
         if teacher.model is not None:
             params += sum(p.numel() * p.element_size() for p in teacher.model.parameters())
         per_token += 4 * vocab * 2
-    return int(1.25 * (params + 12 * trainable + batch * (length * per_token + attention)))
+    state = _engine_state_bytes(model, params, trainable, engine, max(1, processes))
+    return int(1.25 * (state + batch * (length * per_token + attention)))
+
+
+def _engine_state_bytes(model, params: int, trainable: int, engine: str, processes: int) -> float:
+    """Weights, gradients and AdamW state one process holds under `engine` (see estimate_training_bytes)."""
+    gradients, adamw = 4 * trainable, 8 * trainable
+    if engine == "none":
+        return params + gradients + adamw
+    if engine == "ddp":
+        return params + 2 * gradients + adamw
+    bucket = 4 * min(trainable, DEEPSPEED_BUCKET_ELEMENTS)
+    if engine == "zero2":
+        return params + bucket + (gradients + adamw) / processes
+    from .finetune.sharding import fsdp_wrap_units
+
+    layer_bytes = [sum(parameter_count(p) * p.element_size() for p in unit.parameters())
+                   for unit in fsdp_wrap_units(model)[:-1]]
+    gathered = params - sum(layer_bytes) + 2 * max(layer_bytes)
+    if engine == "zero3":
+        return params / processes + gathered + bucket + (gradients + adamw) / processes
+    return params / processes + 2 * gathered + (gradients + adamw) / processes  # fsdp2: with unsharded gradients
+
+
+def longest_training_length(model, memory_bytes: float, engine: str, processes: int, batch: int = 1,
+                            checkpointing: bool = True, trainable: int | None = None, step: int = 256) -> int:
+    """The longest context (a multiple of `step` tokens) that the fine-tune's memory check lets one device of
+    `memory_bytes` train under `engine` on `processes` devices (estimate_training_bytes within 90 % of it, as
+    check_memory asks); `trainable` defaults to every parameter (--train-only all). 0 where not even `step` fits."""
+    trainable = sum(parameter_count(p) for p in model.parameters()) if trainable is None else trainable
+
+    def fits(length: int) -> bool:
+        return estimate_training_bytes(model, length, batch, trainable, checkpointing, engine=engine,
+                                       processes=processes) <= 0.9 * memory_bytes
+
+    low, high = 0, step
+    while fits(high):
+        low, high = high, 2 * high
+    while high - low > step:  # low fits and high does not
+        middle = (low + high) // 2 // step * step
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
 
 
 def check_memory(needed: int, what: str, available: int | None = None) -> None:

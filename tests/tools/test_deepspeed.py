@@ -169,7 +169,7 @@ def test_finetune_launched_with_a_deepspeed_config_runs_deepspeed(tiny_dir, tmp_
 
     summary = json.loads((tmp_path / "ds" / "training_args.json").read_text())
     assert summary["distributed_type"].endswith("DEEPSPEED") and summary["num_processes"] == 2
-    assert summary["deepspeed_zero_stage"] == int(config[-6])
+    assert summary["deepspeed_zero_stage"] == int(config[-6]) and summary["engine"] == f"zero{config[-6]}"
     log, one_log = (json.loads((tmp_path / d / "loss_log.json").read_text()) for d in ("ds", "one"))
     assert [e["loss"] for e in log] == pytest.approx([e["loss"] for e in one_log], rel=RELATIVE)
     assert [e["lr"] for e in log] == pytest.approx([e["lr"] for e in one_log], rel=1e-12)  # one schedule step each

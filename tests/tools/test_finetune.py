@@ -43,13 +43,24 @@ def test_two_processes_train_the_same_weights(tiny_dir, tmp_path, cpu_mpirun):
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "training_args.json").read_text())
     assert summary["num_processes"] == 2 and summary["distributed_type"].endswith("MULTI_CPU")
-    assert summary["deepspeed_zero_stage"] is None
+    assert summary["deepspeed_zero_stage"] is None and summary["engine"] == "ddp"
     digests = summary["weights_sha256_per_process"]
     assert len(digests) == 2 and digests[0] == digests[1]
     log = json.loads((out / "loss_log.json").read_text())
     assert len(log) == 8 and log[-1]["tokens"] == 8 * 2 * 64
     assert sum(e["loss"] for e in log[-3:]) / 3 < sum(e["loss"] for e in log[:3]) / 3 - 0.2  # loss went down
     assert (out / "loss_log.csv").read_text().startswith("step,loss,eval_loss,lr,tokens,seconds")
+    # one schedule step per optimizer step, as in one process (accelerate's default stepped it once per process)
+    from transformers import get_scheduler
+
+    schedule = get_scheduler("cosine", torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=3e-3),
+                             num_warmup_steps=1, num_training_steps=8)
+    expected = []
+    for _ in range(8):
+        schedule.optimizer.step()
+        schedule.step()
+        expected.append(schedule.get_last_lr()[0])
+    assert [e["lr"] for e in log] == pytest.approx(expected, rel=1e-12)
 
     # the checkpoint reloads with its patch and its trained positional parameters
     model = hf_posenc.from_pretrained(out)

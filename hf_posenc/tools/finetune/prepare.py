@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...registry import get_family
-from ..estimates import check_memory, estimate_training_bytes
+from ..estimates import check_memory, estimate_training_bytes, parameter_count
 from ..runtime import UsageError
 from .data import TrainingData
 
@@ -224,10 +224,12 @@ def prepare_training(args: argparse.Namespace, accelerator, model, data: Trainin
     model, positional_ids = select_trainable(model, args.train_only, args)
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not args.no_memory_check:
-        check_memory(estimate_training_bytes(model, args.max_length, args.batch_size,
-                                             sum(p.numel() for p in trainable), args.gradient_checkpointing,
-                                             teacher),
-                     f"training on {args.batch_size} x {args.max_length} tokens")
+        needed = estimate_training_bytes(model, args.max_length, args.batch_size,
+                                         sum(parameter_count(p) for p in trainable), args.gradient_checkpointing,
+                                         teacher, engine=engine_of(accelerator), processes=accelerator.num_processes)
+        if accelerator.device.type == "cpu":  # the processes on this machine share its memory
+            needed *= int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+        check_memory(needed, f"training on {args.batch_size} x {args.max_length} tokens")
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model).config.use_cache = False
     groups = [{"params": [p for p in trainable if id(p) not in positional_ids], "lr": args.lr},
@@ -244,6 +246,15 @@ def prepare_training(args: argparse.Namespace, accelerator, model, data: Trainin
     model, optimizer, loader, eval_loader, scheduler = accelerator.prepare(model, optimizer, loader, eval_loader,
                                                                            scheduler)
     return Training(accelerator, model, trainable, optimizer, scheduler, loader, eval_loader, warmup)
+
+
+def engine_of(accelerator) -> str:
+    """The engine the run has, in estimates.ENGINES' names (ZeRO-1 and 0 keep whole gradients, counted as DDP)."""
+    kind = accelerator.distributed_type.name
+    if kind == "DEEPSPEED":
+        stage = accelerator.state.deepspeed_plugin.zero_stage
+        return f"zero{stage}" if stage in (2, 3) else "ddp"
+    return {"NO": "none", "FSDP": "fsdp2"}.get(kind, "ddp")
 
 
 def release_prepared(training: Training) -> None:

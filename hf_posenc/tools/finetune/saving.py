@@ -14,7 +14,8 @@ from ..outputs import raise_on_every_process, write_json, write_or_rescue
 from ..runtime import MethodRequest, settings_of, versions
 from .checkpoints import Progress, latest_checkpoint
 from .data import TrainingData
-from .prepare import Training
+from ..estimates import parameter_count
+from .prepare import Training, engine_of
 from .sharding import whole_parameter
 
 
@@ -35,6 +36,7 @@ def run_summary(args: argparse.Namespace, training: Training, progress: Progress
         "distributed_type": str(accelerator.distributed_type),
         "deepspeed_zero_stage": accelerator.state.deepspeed_plugin.zero_stage
         if accelerator.distributed_type.name == "DEEPSPEED" else None,
+        "engine": engine_of(accelerator),  # as estimates.ENGINES names it: none, ddp, zero2, zero3, fsdp2
         "mixed_precision_used": accelerator.mixed_precision,
         "warmup_steps_used": training.warmup_steps,
         "document_restarts_used": training.restarts,
@@ -45,7 +47,7 @@ def run_summary(args: argparse.Namespace, training: Training, progress: Progress
         "effective_batch_blocks": args.batch_size * args.gradient_accumulation_steps * world,
         "tokens_per_step": tokens_per_step,
         "steps_done": progress.step,
-        "trainable_parameters": sum(p.numel() for p in training.trainable),
+        "trainable_parameters": sum(parameter_count(p) for p in training.trainable),
         "data": {"documents": data.documents, "tokens": data.n_tokens, "train_blocks": int(data.train_blocks.shape[0]),
                  "eval_blocks": int(data.eval_blocks.shape[0]), "text_fraction": args.text_fraction},
         "first_loss": log[0]["loss"] if log else None,

@@ -112,13 +112,9 @@ def estimate_training_bytes(model, length: int, batch: int, trainable: int, chec
       layers (embeddings, head, the patch's positional module) and two layers (the running one and the prefetched);
     - fsdp2: 1/N of everything, and gathered with their unsharded gradients: the root's unit (the parameters
       outside the layers, gathered from forward to backward) and two layers."""
-    if engine not in ENGINES:
-        from ..errors import PosEncError
-
-        raise PosEncError(f"estimate_training_bytes: engine {engine!r}: choose one of {', '.join(ENGINES)}")
     info = get_family(model.config).model_info(model)
     hidden, layers, heads, vocab = info.hidden_size, info.num_layers, info.num_heads, info.vocab_size
-    params = sum(parameter_count(p) * p.element_size() for p in model.parameters())
+    params = weight_bytes(model)
     kept_layers = 1 if checkpointing else layers
     per_token = 4 * (vocab * 3 + hidden * 34 * kept_layers + (hidden * 2 * layers if checkpointing else 0))
     attention = 4 * heads * length * length * kept_layers
@@ -126,12 +122,22 @@ def estimate_training_bytes(model, length: int, batch: int, trainable: int, chec
         if teacher.model is not None:
             params += sum(p.numel() * p.element_size() for p in teacher.model.parameters())
         per_token += 4 * vocab * 2
-    state = _engine_state_bytes(model, params, trainable, engine, max(1, processes))
+    state = engine_state_bytes(model, trainable, engine, processes) + params - weight_bytes(model)
     return int(1.25 * (state + batch * (length * per_token + attention)))
 
 
-def _engine_state_bytes(model, params: int, trainable: int, engine: str, processes: int) -> float:
-    """Weights, gradients and AdamW state one process holds under `engine` (see estimate_training_bytes)."""
+def weight_bytes(model) -> int:
+    return sum(parameter_count(p) * p.element_size() for p in model.parameters())
+
+
+def engine_state_bytes(model, trainable: int, engine: str, processes: int) -> float:
+    """Weights, gradients and AdamW state of `trainable` parameters that one process holds under `engine` on
+    `processes` processes (see estimate_training_bytes)."""
+    if engine not in ENGINES:
+        from ..errors import PosEncError
+
+        raise PosEncError(f"estimate_training_bytes: engine {engine!r}: choose one of {', '.join(ENGINES)}")
+    params, processes = weight_bytes(model), max(1, processes)
     gradients, adamw = 4 * trainable, 8 * trainable
     if engine == "none":
         return params + gradients + adamw

@@ -305,3 +305,19 @@ def test_fused_cpu_benchmark_times_the_kernels_beside_the_blocks_and_native(tmp_
     assert "| cope:max_pos=8 | 32 |" in bench.format_table(rows)
     written = bench.save(rows, tmp_path)
     assert json.loads(written["json"].read_text())[1]["method"] == "cope:max_pos=8" and written["png"].stat().st_size
+
+
+def test_engine_benchmark_times_every_engine_beside_ddp(tmp_path):
+    """benchmarks/bench_engines.py on 2 CPU processes: a row per engine, DDP's ratio 1, the sharded engines'
+    estimated state below DDP's, the table and the plot written."""
+    bench = load_script("benchmarks/bench_engines.py")
+    result = bench.main(["--hidden", "64", "--layers", "2", "--vocab", "256", "--length", "32", "--batch", "1",
+                         "--warmup", "1", "--steps", "1", "--rounds", "2", "--output-dir", str(tmp_path)])
+    rows = {row["engine"]: row for row in result["rows"]}
+    assert list(rows) == list(bench.ENGINES)
+    assert rows["ddp"]["x_ddp"] == 1.0 and all(len(row["rounds"]) == 2 for row in rows.values())
+    assert all(row["seconds_per_step"] > 0 and row["x_ddp"] > 0 for row in rows.values())
+    ddp_state = rows["ddp"]["estimated_state_mib_per_process"]
+    assert all(rows[e]["estimated_state_mib_per_process"] < ddp_state for e in ("zero2", "zero3", "fsdp2"))
+    assert json.loads((tmp_path / "bench_engines.json").read_text())["rows"] == result["rows"]
+    assert (tmp_path / "bench_engines.png").stat().st_size > 0

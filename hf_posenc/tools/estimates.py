@@ -85,7 +85,7 @@ def estimate_forward_bytes(model, length: int, batch: int = 1) -> int:
 
 
 # The engines a fine-tune runs under, for the per-process estimate: one process ("none"), DDP, DeepSpeed ZeRO-2 and
-# ZeRO-3, torch's FSDP2 (fully_shard per decoder layer and at the root: tools/finetune/sharding.py).
+# ZeRO-3, torch's FSDP2 (fully_shard per decoder layer and at the root: tools/sharding.py).
 ENGINES = ("none", "ddp", "zero2", "zero3", "fsdp2")
 # DeepSpeed's default reduce_bucket_size (elements): ZeRO-2/3 reduce gradients through a bucket of up to this size
 # (for SmolLM2-135M that is the whole gradient at once).
@@ -146,7 +146,7 @@ def engine_state_bytes(model, trainable: int, engine: str, processes: int) -> fl
     bucket = 4 * min(trainable, DEEPSPEED_BUCKET_ELEMENTS)
     if engine == "zero2":
         return params + bucket + (gradients + adamw) / processes
-    from .finetune.sharding import fsdp_wrap_units
+    from .sharding import fsdp_wrap_units
 
     layer_bytes = [sum(parameter_count(p) * p.element_size() for p in unit.parameters())
                    for unit in fsdp_wrap_units(model)[:-1]]

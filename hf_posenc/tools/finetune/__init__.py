@@ -22,8 +22,9 @@ Tracker logs (``--report-to tensorboard`` etc.) are written live to ``--logging-
 The parts, one module each: ``arguments`` (options and their checks), ``data`` (the packed text), ``positions``
 (PoSE ids, document restarts), ``teacher`` (distillation), ``prepare`` (accelerator, what trains, optimizer,
 schedule, loaders), ``loss``, ``loop`` (the training loop), ``compiled_step`` (the check of a compiled step),
-``checkpoints`` (resumable checkpoints and resuming), ``saving`` (the output folder) and ``sharding`` (the FSDP2
-units of a patched model). ``run_finetune`` below puts them together.
+``checkpoints`` (resumable checkpoints and resuming) and ``saving`` (the output folder); ``tools/sharding`` (the
+FSDP2 units of a patched model, a ZeRO-3 parameter read whole) serves the memory estimate too. ``run_finetune``
+below puts them together.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from .loss import evaluate_loss, model_inputs, step_loss
 from .prepare import (Training, enable_gradient_checkpointing, lora_targets, make_accelerator, prepare_training,
                       release_prepared, select_trainable, trackers_for)
 from .saving import run_summary, save_output, weights_digest, write_loss_log
-from .sharding import fsdp_wrap_units
+from ..sharding import fsdp_wrap_units
 from .teacher import make_teacher
 
 __all__ = ["COMPILED_STEP_TOLERANCE", "LR_SCHEDULERS", "NonFiniteLoss", "Progress", "SAVE_FORMS", "TRAIN_ONLY",

@@ -16,7 +16,7 @@ from .checkpoints import Progress, latest_checkpoint
 from .data import TrainingData
 from ..estimates import parameter_count
 from .prepare import Training, engine_of
-from .sharding import whole_parameter
+from ..sharding import whole_parameter
 
 
 def run_summary(args: argparse.Namespace, training: Training, progress: Progress, request: MethodRequest | None,

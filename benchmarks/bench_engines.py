@@ -181,6 +181,7 @@ def plot(result: dict, path: Path) -> None:
         if row["x_ddp"] is not None:
             ax.annotate(f"{row['x_ddp']:.2f}x DDP", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(0, 1.15 * max(r["seconds_per_step"] for r in rows))  # room for the labels
     ax.set_ylabel("seconds per step")
     ax.set_title(f"{result['processes']} CPU processes, {result['method']}, {result['length']} tokens", fontsize=9)
     fig.tight_layout()

@@ -185,3 +185,31 @@ def test_finetune_launched_with_a_deepspeed_config_runs_deepspeed(tiny_dir, tmp_
     with torch.no_grad():
         torch.testing.assert_close(reloaded.eval()(input_ids=ids).logits, one.eval()(input_ids=ids).logits,
                                    rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("file_config, refusal", [
+    ({"gradient_accumulation_steps": 4}, "sets gradient_accumulation_steps 4, and --gradient-accumulation-steps is 1"),
+    ({"gradient_clipping": 0.5}, "sets gradient_clipping 0.5, and --max-grad-norm is 1: make them equal"),
+    ({"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}},
+     "stage3_gather_16bit_weights_on_model_save false: the fine-tune saves whole weights"),
+    ({"gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}, None)], ids=["accumulation", "clipping",
+                                                                                        "no gather", "auto"])
+def test_a_deepspeed_config_file_that_contradicts_the_finetune_is_refused(tmp_path, monkeypatch, file_config,
+                                                                          refusal):
+    """A launch with `deepspeed_config_file`: DeepSpeed would follow the file's accumulation and clipping, the
+    fine-tune its own options (and count its steps by them); ZeRO-3 without the gather could not save."""
+    from hf_posenc.tools.finetune import settings
+    from hf_posenc.tools.finetune.prepare import deepspeed_plugin
+    from hf_posenc.tools.runtime import UsageError
+
+    file_config = {"zero_optimization": {"stage": 2}, **file_config}
+    (tmp_path / "ds.json").write_text(json.dumps(file_config))
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(tmp_path / "ds.json"))
+    args = settings(model="unused", text_file="unused", output_dir=str(tmp_path / "out"))
+    if refusal is None:
+        plugin = deepspeed_plugin(args)
+        assert plugin.deepspeed_config["gradient_accumulation_steps"] == args.gradient_accumulation_steps
+        assert plugin.deepspeed_config["gradient_clipping"] == args.max_grad_norm
+    else:
+        with pytest.raises(UsageError, match=refusal):
+            deepspeed_plugin(args)

@@ -213,3 +213,19 @@ def test_a_deepspeed_config_file_that_contradicts_the_finetune_is_refused(tmp_pa
     else:
         with pytest.raises(UsageError, match=refusal):
             deepspeed_plugin(args)
+
+
+def test_lora_under_zero3_is_refused_before_any_work(tmp_path, monkeypatch):
+    """ZeRO-3 leaves each process an empty parameter outside the engine's forward: the LoRA merge at the end saved
+    0-element weights, which from_pretrained refuses (seen before this refusal)."""
+    from hf_posenc.tools.finetune import settings
+    from hf_posenc.tools.finetune.prepare import deepspeed_plugin
+    from hf_posenc.tools.runtime import UsageError
+
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    args = settings(model="unused", text_file="unused", output_dir=str(tmp_path / "out"), train_only="lora")
+    with pytest.raises(UsageError, match="--train-only lora under DeepSpeed ZeRO-3: .* use scripts/accelerate_configs/"
+                                         "deepspeed_zero2.yaml, or --train-only all"):
+        deepspeed_plugin(args)
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    assert deepspeed_plugin(args).zero_stage == 2  # ZeRO-2 keeps whole weights: LoRA merges as under DDP

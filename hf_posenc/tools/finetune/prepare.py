@@ -90,6 +90,11 @@ def deepspeed_plugin(args: argparse.Namespace):
         if config.get(key, value) != value:
             raise UsageError(f"the DeepSpeed config file sets {key} {config[key]}, and {option} is {value:g}: "
                              f"make them equal, or write \"auto\" there")
+    if plugin.zero_stage == 3 and args.train_only == "lora":
+        # Measured: the merge (and save_adapter) read ZeRO-3's empty local parameters and saved 0-element weights.
+        raise UsageError("--train-only lora under DeepSpeed ZeRO-3: merging or saving the adapter needs whole "
+                         "weights, which ZeRO-3 partitions; use scripts/accelerate_configs/deepspeed_zero2.yaml, "
+                         "or --train-only all")
     if plugin.zero_stage == 3 and config["zero_optimization"].get(GATHER_ON_SAVE) is False:
         raise UsageError(f"the DeepSpeed config file sets zero_optimization.{GATHER_ON_SAVE} false: the fine-tune "
                          "saves whole weights at its end under ZeRO-3; set it true (or \"auto\")")

@@ -229,3 +229,24 @@ def test_lora_under_zero3_is_refused_before_any_work(tmp_path, monkeypatch):
         deepspeed_plugin(args)
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
     assert deepspeed_plugin(args).zero_stage == 2  # ZeRO-2 keeps whole weights: LoRA merges as under DDP
+
+
+@pytest.mark.parametrize("teacher, train_only", [("original", "all"), ("some/checkpoint", "positional")],
+                         ids=["frozen copy", "loaded"])
+def test_a_teacher_of_its_own_under_zero3_is_refused(tmp_path, monkeypatch, teacher, train_only):
+    """A distillation teacher held apart from the engine is partitioned by ZeRO-3 at its load or copy, and nothing
+    gathers it for its forward (the frozen copy crashed in its embedding: "'weight' must be 2-D"). The unpatched
+    view of the model itself runs through the engine, and trains (a launch of it ran)."""
+    from hf_posenc.tools.finetune import settings
+    from hf_posenc.tools.finetune.prepare import deepspeed_plugin
+    from hf_posenc.tools.runtime import UsageError
+
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    args = settings(model="unused", text_file="unused", output_dir=str(tmp_path / "out"), train_only=train_only,
+                    distill_from=teacher)
+    with pytest.raises(UsageError, match=f"--distill-from {teacher} with --train-only {train_only} under DeepSpeed "
+                                         "ZeRO-3: the teacher is a model of its own"):
+        deepspeed_plugin(args)
+    view = settings(model="unused", text_file="unused", output_dir=str(tmp_path / "out"), train_only="positional",
+                    distill_from="original")
+    assert deepspeed_plugin(view).zero_stage == 3

@@ -95,6 +95,13 @@ def deepspeed_plugin(args: argparse.Namespace):
         raise UsageError("--train-only lora under DeepSpeed ZeRO-3: merging or saving the adapter needs whole "
                          "weights, which ZeRO-3 partitions; use scripts/accelerate_configs/deepspeed_zero2.yaml, "
                          "or --train-only all")
+    held_apart = args.distill_from is not None and (args.distill_from != "original" or args.train_only == "all")
+    if plugin.zero_stage == 3 and held_apart:
+        # Measured: a frozen copy's forward read its empty partitioned weights ("'weight' must be 2-D").
+        raise UsageError(f"--distill-from {args.distill_from} with --train-only {args.train_only} under DeepSpeed "
+                         "ZeRO-3: the teacher is a model of its own, which ZeRO-3 partitions but no engine gathers; "
+                         "use scripts/accelerate_configs/deepspeed_zero2.yaml, or --distill-from original with "
+                         "--train-only positional (the teacher is then the model's own unpatched view)")
     if plugin.zero_stage == 3 and config["zero_optimization"].get(GATHER_ON_SAVE) is False:
         raise UsageError(f"the DeepSpeed config file sets zero_optimization.{GATHER_ON_SAVE} false: the fine-tune "
                          "saves whole weights at its end under ZeRO-3; set it true (or \"auto\")")

@@ -23,7 +23,7 @@ STEPS, LR, CLIP = 3, 1e-2, 1.0
 # The same float32 arithmetic summed in another order (each process's half-batch gradient, averaged by DeepSpeed's
 # reduce; AdamW on flat partitions): measured within 2e-7 relative of one process over these steps. Adam's step
 # normalisation may amplify such differences; 1e-4 is far below what a fault moves (one process on its half
-# alone: 3e-2 to 7e-2).
+# alone: 2e-2 to 8e-2 off).
 RELATIVE = 1e-4
 
 

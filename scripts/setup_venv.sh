@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv (if needed) and installs hf_posenc with everything the demo and the tests use.
 # torch is pinned to the CPU build that lies on this machine's disk, so no multi-GB CUDA build is pulled;
-# HF_POSENC_TORCH_VERSION / HF_POSENC_TRANSFORMERS_VERSION choose others.
+# HF_POSENC_TORCH_VERSION / HF_POSENC_TRANSFORMERS_VERSION / HF_POSENC_DEEPSPEED_VERSION choose others.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

@@ -10,8 +10,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.hf_posenc-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$0" -nt "$stamp" ]; then
-  # setuptools too: deepspeed's build below uses the venv's own (a new venv of Python 3.11 has 65.5)
-  .venv/bin/python -m pip install -q --upgrade pip "setuptools>=68"
+  .venv/bin/python -m pip install -q --upgrade pip
+  # deepspeed's build below uses the venv's own setuptools (a new venv of Python 3.11 has 65.5)
+  .venv/bin/python -m pip install -q "setuptools>=68"
   .venv/bin/python -m pip install -q "torch==${HF_POSENC_TORCH_VERSION:-2.13.0}"
   # deepspeed (test extras: ZeRO-2/3 on the CPU) before the extras, without build isolation: its sdist imports torch
   # to build, and an isolated build would fetch a second torch from the index. About 10 s; its first run compiles

@@ -2,8 +2,9 @@
 stick-breaking by fla-core) on a causal prefill, one document per row or packed documents, checked against the
 method's eager blocks like any kernel (kernel_check). What the kernel does not serve returns None, and the blocked
 path serves it as on any other path: a KV cache before the call, a padding mask or any mask other than packed
-documents', the method's native bias or key mask, eager attention (weights asked for), attention dropout, float64,
-a head size over 256, or a machine where Triton cannot run (no GPU and no TRITON_INTERPRET=1, or no fla-core)."""
+documents', the method's native bias or key mask, eager attention (weights asked for), attention dropout, float64
+(and bfloat16 on the CPU, where only the interpreter runs Triton), a head size over 256, or a machine where Triton
+cannot run (no GPU and no TRITON_INTERPRET=1, or no fla-core)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ def _served(call: AttentionCall, query, key, value) -> bool:
     q, kv = query.shape[2], key.shape[2]
     return (not call.eager and call.dropout == 0.0 and q == kv and int(state.forward.slot_offset) == 0
             and query.dtype in FLA_DTYPES and value.dtype == query.dtype
+            # Triton 3.9's interpreter multiplies bfloat16 tl.dot operands as raw bits: on the CPU it stays blocked
+            and not (query.device.type == "cpu" and query.dtype == torch.bfloat16)
             and max(query.shape[-1], value.shape[-1]) <= MAX_HEAD_DIM
             and not method.masks_keys
             and method.native_bias(call.layer_idx, call.query_positions[:, :1], call.key_positions[:, :1]) is None

@@ -1,7 +1,8 @@
 """The content path: methods whose logits or weights depend on the queries, keys and per-token state (CoPE,
-stick-breaking, CAPE, FoX, Transformer-XL, TAPE; methods/base.py ContentMethod). In order: the separable form
-(separable.py), the kernel form on transformed queries and keys (`kernel_heads`), a fused CPU kernel, the compiled
-blocks (compiled_content.py), else the eager blocks, recomputed in the backward (content_blocks.py)."""
+stick-breaking, CAPE, FoX, Transformer-XL, TAPE; methods/base.py ContentMethod). In order: on the "triton" path a
+method's Triton kernel (triton_content.py), the separable form (separable.py), the kernel form on transformed queries
+and keys (`kernel_heads`), a fused CPU kernel, the compiled blocks (compiled_content.py), else the eager blocks,
+recomputed in the backward (content_blocks.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from .geometry import (block_rows, causal_blocks, causal_square, cpu_flash_appli
                        position_span, power_of_two_bucket)
 from .paths import chosen_path, count_path
 from .separable import SeparableBiasAttention, causal_separable_attention
+from .triton_content import triton_content
 
 # Eager content blocks on the CPU: each costs a fixed few ms of Python and autograd; 32 MiB was 10-15% faster than
 # 16 MiB for CoPE and stick-breaking at 2048-4096 tokens (docs/attention-paths.md, content-dependent attention).
@@ -46,6 +48,11 @@ def content_attention(call: AttentionCall):
     layer_input, query_state, key_state = layer_state(state, layer_idx, q, call.key_slots)
     query, key, value = method.prepare_heads(layer_idx, call.query, call.key, call.value, layer_input, key_state,
                                              state.first_key_slot(q, kv))
+    if chosen_path(state) == "triton":
+        output = triton_content(call, query, key, value, layer_input, query_state, key_state)
+        if output is not None:
+            count_path(state, "triton")
+            return method.finish_output(layer_idx, output, layer_input).transpose(1, 2).contiguous(), None
     outputs, weights, mixed = [], [], []
     step = block_rows(batch, heads, kv, method.block_cost, query.device,
                       CONTENT_BLOCK_BYTES if query.device.type == "cpu" else None)

@@ -16,6 +16,7 @@ import torch
 from ...methods.base import DotProductForm
 from .check import PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, serve as serve_checked
 from .fused_cpu import cape_causal, cope_causal, stick_breaking_causal, turn_by_features
+from .triton.fla_content import forgetting_attention, stick_breaking_attention
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,25 @@ class CausalKernel:
 
 
 @dataclass(frozen=True)
+class TritonKernel:
+    """A Triton kernel computing a content method's whole call on a causal prefill, one row or packed documents
+    (no cache before the call, no padding, native bias or key mask; engine/attention/triton_content.py decides),
+    checked against the method's blocks. Served on the "triton" attention path."""
+
+    # (method, query [B, H, T, D], key/value [B, H_kv, T, D], gates [B, H, T] or None, scaling, cu_seqlens or None)
+    # -> output [B, H, T, D]
+    run: Callable[..., torch.Tensor]
+    # (method, layer_idx, layer input [B, T, hidden]) -> the per-token gates the kernel takes, float32 [B, H, T],
+    # whose cumulative sum is the method's query and key state (FoX's log f_t); None: the kernel takes none
+    gates: Callable[..., torch.Tensor] | None = None
+    # method -> the kernel's code paths its options choose (part of the checked kind)
+    variant: Callable[..., tuple] = lambda method: ()
+
+
+@dataclass(frozen=True)
 class MethodKernels:
     causal: CausalKernel | None = None
+    triton: TritonKernel | None = None
     # (method, *kernel_heads' arguments) -> kernel_heads computed by fused CPU kernels; reference: method.kernel_heads
     heads: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
     # The fused near/far kernel (fused_cpu.near_far_causal) may serve the method's block_parts where the far keys are
@@ -68,6 +86,21 @@ def cape_kernel(method, layer_idx, query, key, value, scaling, positions):
                        method.output_weight[layer_idx], method.output_bias[layer_idx], scaling,
                        method.config.base == "none", activation=method.config.activation,
                        negative_slope=method.leaky_relu_slope)
+
+
+# --- FoX and stick-breaking on the "triton" path: fla-core's kernels (kernels/triton/fla_content.py) --------------
+
+def fox_triton(method, query, key, value, gates, scaling, cu_seqlens):
+    return forgetting_attention(query, key, value, gates, scaling, cu_seqlens)
+
+
+def fox_gates(method, layer_idx, layer_input):
+    """log f_t per head: FoX's state c is its cumulative sum (methods/fox.py extend_token_state)."""
+    return method.log_forget(layer_idx, layer_input)
+
+
+def stick_breaking_triton(method, query, key, value, gates, scaling, cu_seqlens):
+    return stick_breaking_attention(query, key, value, scaling, method.config.attend_current, cu_seqlens)
 
 
 # --- TAPE: queries and keys turned by their features ----------------------------------------------------------------
@@ -106,7 +139,10 @@ def fused_turn_call(method, x: torch.Tensor, features: torch.Tensor) -> KernelCa
 
 
 KERNELS: dict[str, MethodKernels] = {
-    "stick-breaking": MethodKernels(causal=CausalKernel(stick_breaking_kernel, reference="content_weights")),
+    "stick-breaking": MethodKernels(causal=CausalKernel(stick_breaking_kernel, reference="content_weights"),
+                                    triton=TritonKernel(stick_breaking_triton,
+                                                        variant=lambda method: (method.config.attend_current,))),
+    "fox": MethodKernels(triton=TritonKernel(fox_triton, gates=fox_gates)),
     "cope": MethodKernels(causal=CausalKernel(cope_kernel, reference="content_scores")),
     "cape": MethodKernels(causal=CausalKernel(cape_kernel, reference="content_scores", applies=cape_applies,
                                               variant=lambda method: (method.config.activation,))),
@@ -124,6 +160,10 @@ def kernels_for(method) -> MethodKernels:
 
 def causal_kernel(method) -> CausalKernel | None:
     return kernels_for(method).causal
+
+
+def triton_kernel(method) -> TritonKernel | None:
+    return kernels_for(method).triton
 
 
 def serves_near_far(method) -> bool:

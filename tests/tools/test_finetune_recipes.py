@@ -265,3 +265,19 @@ def test_bad_attention_transfer_settings_are_refused_with_the_fix(tiny_dir, tmp_
     assert run_cli("finetune", argv) == 2
     assert message in capsys.readouterr().err.rstrip().splitlines()[-1]
     assert not out.exists()
+
+
+@pytestmark_data
+def test_two_processes_transfer_then_distil_and_train_the_same_weights(tiny_dir, tmp_path):
+    from tool_helpers import launch
+
+    out = tmp_path / "ft"
+    done = launch("finetune", ["--model", str(tiny_dir), "--method", "drope", "--text-file", str(BOOK),
+                               "--text-fraction", "0:0.1", "--max-length", "32", "--max-steps", "3",
+                               "--transfer-steps", "2", "--lr", "1e-3", "--output-dir", str(out), "--no-progress",
+                               "--threads", "1", "--distill-from", "original", "--train-only", "qk"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "training_args.json").read_text())
+    assert summary["num_processes"] == 2 and summary["attention_transfer"]["steps"] == 2
+    digests = summary["weights_sha256_per_process"]
+    assert len(digests) == 2 and digests[0] == digests[1]

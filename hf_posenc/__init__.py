@@ -29,6 +29,7 @@ _EXPORTS = {
     "AlibiConfig": "methods.alibi",
     **dict.fromkeys(("ComRopeApConfig", "ComRopeConfig", "ComRopeLdConfig"), "methods.comrope"),
     "FopeConfig": "methods.fope",
+    "DropeConfig": "methods.drope",
     "FoxConfig": "methods.fox",
     "StickBreakingConfig": "methods.stick_breaking",
     "CopeConfig": "methods.cope",
@@ -77,7 +78,7 @@ __all__ = [
     "HybridConfig",  # a method on some layers only: patch_model(model, method, layers=[...])
     "ReropeConfig", "SandwichConfig", "SelfExtendConfig", "SinusoidalConfig", "T5Config", "XposConfig", "YarnConfig",
     # content-dependent attention (methods.base ContentMethod)
-    "CapeConfig", "ContentConfig", "CopeConfig", "FoxConfig", "StickBreakingConfig", "TapeConfig", "TransformerXlConfig",
+    "CapeConfig", "ContentConfig", "CopeConfig", "DropeConfig", "FoxConfig", "StickBreakingConfig", "TapeConfig", "TransformerXlConfig",
     # extending: methods and families
     "AbsolutePositionMethod", "AttentionBiasMethod", "ModelFamily", "ModelInfo", "PosEncConfig", "PositionalMethod",
     "RotaryMethod", "register_family", "register_method", "ContentBlock", "ContentMethod",

@@ -79,6 +79,7 @@ CONTRACT = {
     "stick-breaking": ContractCase(),
     "cope": ContractCase(),
     "transformer-xl": ContractCase(),
+    "drope": ContractCase(),  # QK-norm on (the authors' qk_norm_nope), so gradients reach the norms' weights
     "cape": ContractCase(options={"bias": "kerple"}),  # a bias with parameters, so gradients reach them too
     # Updates of the position features drawn at random (init="rope" starts them at zero, where the products of the
     # update's maps give no gradient to D and W, and the cache would carry RoPE's features only); init="rope"

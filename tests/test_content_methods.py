@@ -137,6 +137,52 @@ def test_fox_decay_time_init_gives_those_decay_times():
     assert torch.allclose(times, expected.expand_as(times), rtol=1e-4)
 
 
+# --- DroPE ----------------------------------------------------------------------------------------------------------
+def drope_reference(module, layer: int, record: dict) -> torch.Tensor:
+    """DroPE's qk_norm_nope attention in float64 (SakanaAI/DroPE custom_models/attention.py): nn.RMSNorm over each
+    token's whole query projection (all heads) and whole key projection, no rotation, logits softmax_scale * q . k."""
+    config = module.config
+    q, k, v = record["q"], record["k"], record["v"]  # GQA expanded: each key head repeated for its group
+    batch, heads, length, head_dim = q.shape
+    if config.qk_norm:
+        def norm(x, weight):
+            flat = x.transpose(1, 2).reshape(batch, length, -1)
+            return (flat / torch.sqrt(flat.pow(2).mean(-1, keepdim=True) + config.norm_eps)
+                    * weight).view(batch, length, heads, head_dim).transpose(1, 2)
+
+        kv_heads = module.key_norm.shape[1] // head_dim
+        key_weight = module.key_norm[layer].double().view(kv_heads, head_dim).repeat_interleave(heads // kv_heads, 0)
+        # the RMS of the expanded keys equals that of the key heads: each is repeated the same number of times
+        q, k = norm(q, module.query_norm[layer].double()), norm(k, key_weight.reshape(-1))
+    scale = config.softmax_scale if config.softmax_scale is not None else head_dim ** -0.5
+    out = causal_softmax(scale * q @ k.transpose(-1, -2)) @ v
+    return out.transpose(1, 2).reshape(batch, length, heads * head_dim)
+
+
+@pytest.mark.parametrize("options", [{}, {"softmax_scale": 0.4}, {"qk_norm": False, "softmax_scale": 0.1},
+                                     {"norm_eps": 1e-2}])
+def test_drope_matches_a_float64_reference(options):
+    model = hf_posenc.patch_model(tiny_model("llama"), "drope", **options)
+    module = hf_posenc.get_positional_module(model)
+    with torch.no_grad():  # off their initial ones, so that the norms' weights act
+        for param in module.parameters():
+            param.add_(0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(5)))
+    ids = random_ids(2, 10)
+    for layer, record in enumerate(capture_llama_layers(model, ids)):
+        assert max_diff(record["out"], drope_reference(module, layer, record)) <= 1e-5
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_drope_without_its_options_is_nope_exactly(model_type):
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        nope = hf_posenc.patch_model(tiny_model(model_type), "nope")(ids).logits
+        drope = hf_posenc.patch_model(tiny_model(model_type), "drope", qk_norm=False)(ids).logits
+        normed = hf_posenc.patch_model(tiny_model(model_type), "drope")(ids).logits
+    assert torch.equal(nope, drope)
+    assert max_diff(nope, normed) > 1e-3  # the norms are no identity: the options act
+
+
 # --- what every content method keeps ---------------------------------------------------------------------------------
 NATIVE_CASES = [("fox", {"base": "native"}), ("fox", {"base": "native", "output_gate": True}),
                 ("cope", {"base": "native"}), ("transformer-xl", {"base": "native"}),
@@ -151,9 +197,10 @@ OPTION_CASES = [("stick-breaking", {"attend_current": True}), ("stick-breaking",
                 ("cope", {"max_pos": 3}), ("cope", {"base": "native"}),
                 ("transformer-xl", {"base": "native", "relative_dim": 6}),
                 ("cape", {"bias": "fire", "mlp_width": 8}), ("cape", {"base": "native", "bias": "t5"}),
-                ("tape", {"init": "random", "gate_input": "mlp_output"})]  # the authors' gate input
-# Stick-breaking has no parameters.
-GRADIENT_CASES = [case for case in OPTION_CASES if case[0] != "stick-breaking"]
+                ("tape", {"init": "random", "gate_input": "mlp_output"}),  # the authors' gate input
+                ("drope", {"softmax_scale": 0.3}), ("drope", {"qk_norm": False, "softmax_scale": 2.0})]
+# Stick-breaking, and DroPE without its QK-norm, have no parameters.
+GRADIENT_CASES = [case for case in OPTION_CASES if case[0] != "stick-breaking" and case[1].get("qk_norm", True)]
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -219,6 +266,9 @@ def test_a_cache_filled_without_the_state_is_refused():
     ("stick-breaking", {"base": "rope"}, "base"),
     ("cope", {"max_pos": 0}, "max_pos"),
     ("transformer-xl", {"relative_dim": 5}, "relative_dim"),
+    ("drope", {"base": "native"}, "drops"),
+    ("drope", {"softmax_scale": 0.0}, "softmax_scale"),
+    ("drope", {"qk_norm": "yes"}, "qk_norm"),
     ("cape", {"bias": "rope"}, "attention-bias method"),
     ("cape", {"bias": "fire", "bias_options": {"no_such_option": 1}}, "no_such_option"),
 ])

@@ -236,7 +236,7 @@ def test_absolute_methods_are_refused_per_layer(method):
     assert_same_fingerprint(before, model_fingerprint(model))
 
 
-@pytest.mark.parametrize("method", ["fox", "stick-breaking", "cope", "transformer-xl", "cape"])
+@pytest.mark.parametrize("method", ["fox", "stick-breaking", "cope", "transformer-xl", "cape", "drope"])
 def test_content_methods_are_refused_per_layer(method):
     """Their per-token state is installed for the whole model; a hybrid of them used to compute NoPE on its layers."""
     model = tiny_model("llama")

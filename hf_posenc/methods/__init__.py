@@ -4,6 +4,7 @@ from .alibi import Alibi, AlibiConfig
 from .comrope import ComRopeAp, ComRopeApConfig, ComRopeConfig, ComRopeLd, ComRopeLdConfig
 from .cape import CapeConfig, ContextAdaptivePositions
 from .cope import ContextualPositions, CopeConfig
+from .drope import DropeConfig, DroppedPositions
 from .fope import Fope, FopeConfig
 from .fox import FoxConfig, ForgettingAttention
 from .learned import LearnedConfig, LearnedPositions
@@ -25,7 +26,7 @@ from .relative_biases import *  # noqa: F401,F403  (fire, t5, kerple, sandwich, 
 __all__ = [
     "Alibi", "AlibiConfig", "ComRopeAp", "ComRopeApConfig", "ComRopeConfig", "ComRopeLd", "ComRopeLdConfig",
     "Fope", "FopeConfig", "FoxConfig", "ForgettingAttention", "StickBreakingAttention", "StickBreakingConfig",
-    "CapeConfig", "ContextAdaptivePositions", "ContextualPositions", "CopeConfig", "TransformerXlAttention", "TransformerXlConfig", "Liere", "LiereConfig", "Rope2d", "Rope2dConfig", "LearnedConfig", "LearnedPositions", "NoPositions", "NopeConfig",
+    "CapeConfig", "ContextAdaptivePositions", "ContextualPositions", "CopeConfig", "DropeConfig", "DroppedPositions", "TransformerXlAttention", "TransformerXlConfig", "Liere", "LiereConfig", "Rope2d", "Rope2dConfig", "LearnedConfig", "LearnedPositions", "NoPositions", "NopeConfig",
     "Rope", "RopeConfig", "Sinusoidal", "SinusoidalConfig",
     "DynamicConfig", "DynamicYarnConfig", "Llama3Config", "LinearConfig", "LongRopeConfig", "NtkConfig",
     "RopeScalingConfig", "ScaledRope", "YarnConfig", "Rerope", "ReropeConfig", "SelfExtend", "SelfExtendConfig",

@@ -321,6 +321,11 @@ class ContentMethod(PositionalMethod):
         """True when the model's own positional mechanism stays (config.base == "native")."""
         return self.config.base == "native"
 
+    def softmax_scaling(self, model_scaling: float) -> float:
+        """The scaling of q . k the shared attention path uses (ContentBlock.scaling, the kernels' scale) given the
+        layer's own; by default the layer's (DroPE's softmax_scale replaces it)."""
+        return model_scaling
+
     def native_bias(self, layer_idx: int, query_positions: torch.Tensor, key_positions: torch.Tensor):
         """float32 [B or 1, H, r, k]: the model's own mechanism where it is a bias that the shared attention path
         must add itself (BLOOM's ALiBi, kept by base="native"), else None."""

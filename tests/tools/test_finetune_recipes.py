@@ -221,3 +221,63 @@ def test_two_processes_distill_and_train_the_same_weights(tiny_dir, tmp_path):
     assert summary["num_processes"] == 2 and summary["distillation"]["mode"] == "unpatched view"
     digests = summary["weights_sha256_per_process"]
     assert len(digests) == 2 and digests[0] == digests[1]
+
+
+# --- attention transfer (issue 55) ---------------------------------------------------------------------------------
+@pytestmark_data
+@pytest.mark.parametrize("train_only", ["positional", "qk", "qkvo", "lora"])
+def test_attention_transfer_then_distillation_runs_and_records_its_settings(tiny_dir, tmp_path, train_only):
+    out = tmp_path / "ft"
+    argv = ["--model", str(tiny_dir), "--method", "drope", "--text-file", str(BOOK), "--text-fraction", "0:0.05",
+            "--max-length", "80", "--max-steps", "3", "--transfer-steps", "2", "--distill-from", "original",
+            "--train-only", train_only, "--lr", "1e-3", "--output-dir", str(out), "--no-progress"]
+    assert run_cli("finetune", argv) == 0
+    summary = json.loads((out / "training_args.json").read_text())
+    assert summary["transfer_steps"] == 2 and summary["train_only"] == train_only
+    # the tiny LLaMA's window is 64 tokens: the transfer stage reads the 80-token blocks' first 64
+    assert summary["attention_transfer"] == {"steps": 2, "end_to_end_steps": 1, "blocks_cut_to_teacher_window": 64,
+                                             "loss": "relative MSE of each changed layer's attention output, averaged"}
+    assert summary["distillation"]["mode"] == ("unpatched view" if train_only in ("positional", "lora")
+                                               else "frozen copy")
+    log = json.loads((out / "loss_log.json").read_text())
+    assert [entry["stage"] for entry in log] == ["transfer", "transfer", "end-to-end"]
+    assert all(math.isfinite(entry["loss"]) for entry in log)
+    # the tiny LLaMA, per layer: q 64 x 64, k 32 x 64 (v and o as large), DroPE's norms 64 + 32; two layers
+    expected = {"positional": 2 * 96, "qk": 2 * (4096 + 2048 + 96), "qkvo": 2 * (2 * 4096 + 2 * 2048 + 96)}
+    if train_only in expected:
+        assert summary["trainable_parameters"] == expected[train_only]
+
+
+@pytestmark_data
+@pytest.mark.parametrize("extra,message", [
+    (["--transfer-steps", "2"], "add --distill-from original"),
+    (["--transfer-steps", "2", "--distill-from", "original", "--train-only", "all"],
+     "use --train-only positional, qk, qkvo or lora"),
+    (["--transfer-steps", "5", "--distill-from", "original", "--train-only", "qk"],
+     "--transfer-steps must be an integer >= 0 and <= 3"),
+    (["--transfer-steps", "1", "--distill-from", "original", "--train-only", "qk", "--method", "sinusoidal"],
+     "use --distill-from alone (--transfer-steps 0)"),
+])
+def test_bad_attention_transfer_settings_are_refused_with_the_fix(tiny_dir, tmp_path, capsys, extra, message):
+    out = tmp_path / "ft"
+    argv = ["--model", str(tiny_dir), "--method", "drope", "--text-file", str(BOOK), "--text-fraction", "0:0.05",
+            "--max-length", "32", "--max-steps", "3", "--output-dir", str(out), "--no-progress", *extra]
+    assert run_cli("finetune", argv) == 2
+    assert message in capsys.readouterr().err.rstrip().splitlines()[-1]
+    assert not out.exists()
+
+
+@pytestmark_data
+def test_two_processes_transfer_then_distil_and_train_the_same_weights(tiny_dir, tmp_path):
+    from tool_helpers import launch
+
+    out = tmp_path / "ft"
+    done = launch("finetune", ["--model", str(tiny_dir), "--method", "drope", "--text-file", str(BOOK),
+                               "--text-fraction", "0:0.1", "--max-length", "32", "--max-steps", "3",
+                               "--transfer-steps", "2", "--lr", "1e-3", "--output-dir", str(out), "--no-progress",
+                               "--threads", "1", "--distill-from", "original", "--train-only", "qk"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "training_args.json").read_text())
+    assert summary["num_processes"] == 2 and summary["attention_transfer"]["steps"] == 2
+    digests = summary["weights_sha256_per_process"]
+    assert len(digests) == 2 and digests[0] == digests[1]

@@ -67,7 +67,7 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         )
     call = AttentionCall.build(module, state, query, key, value, attention_mask, scaling, dropout, **kwargs)
     if isinstance(call.method, ContentMethod):
-        return content_attention(call)
+        return content_attention(call.replace(scaling=call.method.softmax_scaling(call.scaling)))
     if isinstance(call.method, RotaryMethod) and call.method.scores_per_query_block:
         return scored_attention(call)
     return bias_attention(call)

@@ -9,7 +9,9 @@ Distribution (DDP, FSDP, DeepSpeed), mixed precision and gradient accumulation c
 packed into blocks of ``--max-length`` tokens (documents joined by the EOS token). ``--train-only``: ``positional``
 (only the patch's own parameters: trainable ALiBi slopes, FIRE, T5, KERPLE, learned tables...), ``all`` (the whole
 model), ``lora`` (PEFT LoRA on the attention projections, plus the positional parameters; merged into the weights
-when saved, or ``--save adapter``: the PEFT adapter alone, carrying the patch and its positional weights).
+when saved, or ``--save adapter``: the PEFT adapter alone, carrying the patch and its positional weights), ``qk`` /
+``qkvo`` (the positional parameters and the attention's query and key, or all, projections). ``--transfer-steps N``
+with ``--distill-from``: attention transfer layer by layer for the first N steps, then end-to-end distillation.
 
 The output folder is written only at the end, atomically: the patched model (``save_pretrained``; reload with
 ``hf_posenc.from_pretrained(dir)``), its tokenizer, ``training_args.json`` (every setting and what the run saw),
@@ -20,7 +22,7 @@ disk), the run goes into a new folder under $TMPDIR instead, and the one error l
 Tracker logs (``--report-to tensorboard`` etc.) are written live to ``--logging-dir`` (default ``<output-dir>-logs``).
 
 The parts, one module each: ``arguments`` (options and their checks), ``data`` (the packed text), ``positions``
-(PoSE ids, document restarts), ``teacher`` (distillation), ``prepare`` (accelerator, what trains, optimizer,
+(PoSE ids, document restarts), ``teacher`` (distillation), ``attention_transfer`` (the per-layer loss), ``prepare`` (accelerator, what trains, optimizer,
 schedule, loaders), ``loss``, ``loop`` (the training loop), ``compiled_step`` (the check of a compiled step),
 ``checkpoints`` (resumable checkpoints and resuming) and ``saving`` (the output folder); ``tools/sharding`` (the
 FSDP2 units of a patched model, a ZeRO-3 parameter read whole) serves the memory estimate too. ``run_finetune``

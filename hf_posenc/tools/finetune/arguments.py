@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ...errors import PosEncError
 from ..models import SMOLLM2
 from ..outputs import OVERWRITE_HELP
 from ..runtime import (DTYPES, UNPATCHED, DefaultsHelpFormatter, MethodRequest, UsageError, check_at_least,
@@ -15,7 +16,7 @@ from ..text import add_text_arguments, check_encoding
 DESCRIPTION = "fine-tune a model after swapping or extending its positional mechanism, with accelerate"
 
 
-TRAIN_ONLY = ("positional", "all", "lora")
+TRAIN_ONLY = ("positional", "all", "lora", "qk", "qkvo")
 SAVE_FORMS = ("merged", "adapter")
 # transformers schedulers that need nothing beyond warm-up and total steps
 LR_SCHEDULERS = ("cosine", "linear", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
@@ -36,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an option of --method, value parsed as JSON when it can be (factor=4, slopes=\"geometric\"); "
                         "repeatable")
     p.add_argument("--train-only", choices=TRAIN_ONLY, default="all",
-                   help="what trains: the patch's own parameters, the whole model, or LoRA (+ the positional ones)")
+                   help="what trains: the patch's own parameters, the whole model, LoRA (+ the positional ones), or "
+                        "the positional parameters and the attention's query and key projections (qk; a fused "
+                        "query-key-value projection, GPT-2's or BLOOM's, trains whole) or all its projections (qkvo)")
     p.add_argument("--lora-r", type=int, default=8, help="LoRA rank")
     p.add_argument("--lora-alpha", type=int, default=16, help="LoRA scaling numerator (the update is alpha / r)")
     p.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on LoRA's input")
@@ -101,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--distill-temperature", type=float, default=1.0, help="temperature of the KL term")
     g.add_argument("--distill-alpha", type=float, default=0.5,
                    help="weight of the KL term (1: KL only, 0: LM loss only)")
+    g.add_argument("--transfer-steps", type=int, default=0,
+                   help="attention transfer first (LoLCATs): the first N of --max-steps train each patched attention "
+                        "layer to give the --distill-from teacher's attention output on the teacher's own input to "
+                        "that layer (relative MSE, averaged over the changed layers), the rest distil end to end; "
+                        "blocks are cut to the teacher's window for it. Needs --distill-from and --train-only "
+                        "positional, qk, qkvo or lora")
     return p
 
 
@@ -108,6 +117,21 @@ def settings(**overrides) -> argparse.Namespace:
     """The settings of a fine-tune: the command's defaults with ``overrides`` (e.g. ``method="kerple"``,
     ``text_file=[path]``, ``max_steps=60``), for ``run_finetune``."""
     return settings_from(build_parser(), **overrides)
+
+
+def check_transfer(args: argparse.Namespace) -> None:
+    """--transfer-steps: a stage of --max-steps, with a teacher, training the attention alone."""
+    check_number("--transfer-steps", args.transfer_steps, 0, maximum=args.max_steps,
+                 hint="the transfer stage is part of --max-steps")
+    if not args.transfer_steps:
+        return
+    if args.distill_from is None:
+        raise PosEncError(f"--transfer-steps {args.transfer_steps} trains each layer towards a teacher's attention: "
+                          "add --distill-from original (or a checkpoint folder)")
+    if args.train_only == "all":
+        raise PosEncError("--transfer-steps trains the attention alone, and --train-only all would leave the rest "
+                          "of the model without gradients (and DDP waiting for them): use --train-only positional, "
+                          "qk, qkvo or lora")
 
 
 def check_args(args: argparse.Namespace) -> MethodRequest | None:
@@ -152,6 +176,7 @@ def check_args(args: argparse.Namespace) -> MethodRequest | None:
     if args.distill_from is not None and args.distill_from != "original" and not Path(args.distill_from).exists():
         raise UsageError(f"--distill-from {args.distill_from}: give 'original' (the model before the patch) or an "
                          "existing checkpoint folder")
+    check_transfer(args)
     check_encoding(args.encoding)
     extra_options = parse_options(args.method_option)
     if extra_options and not args.method:

@@ -31,7 +31,8 @@ RESUME_SETTINGS = ("model", "dtype", "train_only", "lora_r", "lora_alpha", "lora
                    "dataset", "dataset_config", "split", "text_column", "text_fraction", "start_text", "max_length",
                    "batch_size", "gradient_accumulation_steps", "eval_blocks", "seed", "max_steps", "lr",
                    "positional_lr", "weight_decay", "lr_scheduler", "warmup_steps", "pose_target_length",
-                   "pose_chunks", "document_restarts", "distill_from", "distill_temperature", "distill_alpha")
+                   "pose_chunks", "document_restarts", "distill_from", "distill_temperature", "distill_alpha",
+                   "transfer_steps")
 
 
 @dataclass

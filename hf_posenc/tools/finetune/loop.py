@@ -95,7 +95,8 @@ def log_entry(args: argparse.Namespace, training: Training, step: int, loss: flo
     world = training.accelerator.num_processes
     entry = {"step": step, "loss": loss, "lr": training.scheduler.get_last_lr()[0],
              "tokens": step * args.batch_size * args.gradient_accumulation_steps * world * args.max_length,
-             "seconds": round(time.perf_counter() - started, 2)}
+             "seconds": round(time.perf_counter() - started, 2),
+             "stage": "transfer" if step <= args.transfer_steps else "end-to-end"}
     if args.eval_blocks and args.eval_every and (step % args.eval_every == 0 or step == args.max_steps):
         entry["eval_loss"] = evaluate_loss(training.model, training.eval_loader, training.accelerator,
                                            training.restarts)

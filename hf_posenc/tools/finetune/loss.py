@@ -33,12 +33,17 @@ def model_inputs(args: argparse.Namespace, training: Training, batch, positions,
 
 
 def step_loss(args: argparse.Namespace, training: Training, batch, positions, step: int, model=None):
-    """The training loss of a batch: the LM loss, or under --distill-from the mix of KL to the teacher and LM loss.
+    """The training loss of a batch: the LM loss, or under --distill-from the mix of KL to the teacher and LM loss,
+    or in the first --transfer-steps steps the attention-transfer loss (attention_transfer.py).
     `model`: another view of the model being trained (the uncompiled one) instead of `training.model`."""
     from .teacher import distillation_loss, mixed_loss
 
     model = training.model if model is None else model
     inputs, teacher_inputs = model_inputs(args, training, batch, positions, step)
+    if step < args.transfer_steps:  # the student reads the text as the teacher does: its positions, its window
+        from .attention_transfer import attention_transfer_loss
+
+        return attention_transfer_loss(model, training.teacher, training.teacher.within_window(teacher_inputs))[0]
     if training.teacher is None:
         return model(**inputs, labels=batch).loss
     teacher_logits = training.teacher.logits(model, **teacher_inputs)

@@ -184,6 +184,10 @@ def select_trainable(model, train_only: str, args: argparse.Namespace):
     elif train_only == "all":
         for p in model.parameters():
             p.requires_grad_(True)
+    elif train_only in ("qk", "qkvo"):
+        chosen = positional_ids | {id(p) for p in projection_parameters(model, outputs_too=train_only == "qkvo")}
+        for p in model.parameters():
+            p.requires_grad_(id(p) in chosen)
     else:
         try:
             from peft import LoraConfig, get_peft_model
@@ -195,6 +199,16 @@ def select_trainable(model, train_only: str, args: argparse.Namespace):
         for p in positional:  # PEFT froze everything that is not LoRA; the positional parameters train too
             p.requires_grad_(True)
     return model, positional_ids
+
+
+def projection_parameters(model, outputs_too: bool) -> list[torch.nn.Parameter]:
+    """The attention projections' parameters of every layer: those making queries and keys (a fused query-key-value
+    projection whole, values too), and with `outputs_too` the value and output projections as well."""
+    family = get_family(model.config)
+    projections = family.attention_projections if outputs_too else \
+        [name for name in family.attention_projections[:-1] if name != "v_proj"]  # the last is the output's
+    return [p for attention in family.attention_modules(model) for name in projections
+            for p in getattr(attention, name).parameters()]
 
 
 def lora_targets(model) -> list[str]:

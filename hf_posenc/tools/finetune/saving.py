@@ -44,6 +44,10 @@ def run_summary(args: argparse.Namespace, training: Training, progress: Progress
         "distillation": None if training.teacher is None else {
             "teacher": args.distill_from, "mode": training.teacher.mode, "teacher_window": training.teacher.window,
             "temperature": args.distill_temperature, "alpha": args.distill_alpha},
+        "attention_transfer": None if not args.transfer_steps else {
+            "steps": args.transfer_steps, "end_to_end_steps": args.max_steps - args.transfer_steps,
+            "loss": "relative MSE of each changed layer's attention output, averaged",
+            "blocks_cut_to_teacher_window": training.teacher.window},
         "effective_batch_blocks": args.batch_size * args.gradient_accumulation_steps * world,
         "tokens_per_step": tokens_per_step,
         "steps_done": progress.step,

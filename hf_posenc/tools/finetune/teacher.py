@@ -10,7 +10,7 @@ the KL summed over the vocabulary and averaged over the tokens it covers. The te
   taken off for the teacher's forward (the engine's undo log) and put back, the same method module (its trained
   weights kept), with LoRA adapters disabled: no second copy in memory. The unpatched forward is the original
   model bit for bit, because the frozen weights are the original ones.
-- ``original`` with ``--train-only all``: a frozen copy of the model taken before the patch (the trained weights
+- ``original`` with ``--train-only all``, ``qk`` or ``qkvo``: a frozen copy of the model taken before the patch (the trained weights
   move away from the original, so the same model unpatched would be a moving teacher).
 - ``PATH``: a model loaded from there (hf_posenc.from_pretrained: patched or plain), frozen.
 
@@ -85,15 +85,22 @@ class Teacher:
             self.model.to(device)
         return self
 
+    def within_window(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """`inputs` (tensors [B, L, ...]) cut to the teacher's first `window` positions where longer."""
+        import torch
+
+        length = inputs["input_ids"].shape[1]
+        if self.window is None or length <= self.window:
+            return inputs
+        return {key: value[:, :self.window] if isinstance(value, torch.Tensor) else value
+                for key, value in inputs.items()}
+
     def logits(self, student, **inputs: Any) -> "torch.Tensor":
         """The teacher's logits for `inputs` (input_ids [B, L] and optionally position_ids / attention_mask), cut to
         its window; `student` is the (possibly wrapped) model being trained, used by the unpatched view."""
         import torch
 
-        length = inputs["input_ids"].shape[1]
-        if self.window is not None and length > self.window:
-            inputs = {key: value[:, :self.window] if isinstance(value, torch.Tensor) else value
-                      for key, value in inputs.items()}
+        inputs = self.within_window(inputs)
         with torch.no_grad():
             if self.model is not None:
                 return self.model(**inputs).logits
@@ -106,7 +113,7 @@ def make_teacher(args: argparse.Namespace, model) -> Teacher | None:
     if args.distill_from is None:
         return None
     if args.distill_from == "original":
-        return Teacher.original(model, frozen_base=args.train_only != "all")
+        return Teacher.original(model, frozen_base=args.train_only in ("positional", "lora"))
     return Teacher.loaded(args.distill_from, DTYPES[args.dtype])
 
 

@@ -104,7 +104,7 @@ def blocked_attention(call: AttentionCall, rotate_blocks: bool = False):
         blocks = [(rows.start, rows.stop - rows.start, max(1, min(kv, query_offset + rows.stop)),
                    step + query_offset + rows.start - max(1, min(kv, query_offset + rows.stop)) + 1)
                   for rows in query_blocks(query_positions, step)]
-        output = TableBiasAttention.apply(query, key, value, padded, blocks, scaling)
+        output = TableBiasAttention.apply(query, key, value, padded, blocks, scaling, state.tuned)
         return output.transpose(1, 2).contiguous(), None
 
     outputs, weights = [], []

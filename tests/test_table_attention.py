@@ -4,8 +4,11 @@ values and the table against autograd of the materialised computation in float64
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_posenc
 from hf_posenc import attention
@@ -54,8 +57,10 @@ def materialised(query, key, value, table, offset, scaling):
 ])
 @pytest.mark.parametrize("logsumexp", [True, False], ids=["lse from the kernel (CPU)", "lse computed (other devices)"])
 @pytest.mark.parametrize("key_tile", [3, 256], ids=["key tiles of 3", "one key tile"])
-def test_gradients_equal_materialised_autograd(batch, heads, kv_heads, q, offset, step, logsumexp, key_tile,
+@pytest.mark.parametrize("layout", table_attention.LAYOUTS)
+def test_gradients_equal_materialised_autograd(batch, heads, kv_heads, q, offset, step, logsumexp, key_tile, layout,
                                                monkeypatch, device):
+    """Each plan the machine may pick (tile size, dS layout), forced, against autograd in float64."""
     if logsumexp and device.type != "cpu":
         pytest.skip("only aten's CPU flash kernel returns the logsumexp the forward keeps")
     monkeypatch.setattr(table_attention, "keeps_logsumexp", lambda device: logsumexp)
@@ -77,7 +82,8 @@ def test_gradients_equal_materialised_autograd(batch, heads, kv_heads, q, offset
     blocks = [(rows.start, rows.stop - rows.start, min(kv, offset + rows.stop),
                step + offset + rows.start - min(kv, offset + rows.stop) + 1)
               for rows in attention.query_blocks(torch.arange(q, device=device)[None], step)]
-    output = TableBiasAttention.apply(query, key.flip(2), value.flip(2), padded, blocks, scaling)
+    plan = table_attention.BackwardPlan(key_tile, layout)
+    output = TableBiasAttention.apply(query, key.flip(2), value.flip(2), padded, blocks, scaling, plan)
     grads = torch.autograd.grad(output, (query, key, value, table), grad_out)
 
     assert torch.allclose(output, expected, atol=1e-10)
@@ -172,3 +178,78 @@ def test_key_tiles_are_for_the_cpu_cache_and_a_gpu_takes_a_block_in_one_tile():
     table 12-16x causal SDPA at 8192 tokens); a block, already sized to the accelerator budget, is one tile there."""
     assert table_attention.key_tile(torch.device("cpu")) == table_attention.KEY_TILE
     assert table_attention.key_tile(torch.device("cuda")) >= 1 << 20
+
+
+def test_the_backward_multiplies_no_subnormal_number():
+    """On an Intel core every multiply-add with a subnormal operand is a microcode assist (a product with a subnormal
+    triangle took 75x its time on a Xeon, issue 56): the masked keys and a steep ALiBi-like fall put probabilities
+    under float32's smallest normal number, and dS = P * (dP - delta) under it. No matrix product of the backward
+    reads one."""
+    heads, length, dim, step = 2, 64, 8, 16
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, heads, length, dim, generator=generator).requires_grad_() for _ in range(3))
+    table = (-2.0 * torch.arange(length, dtype=torch.float32)).expand(heads, -1).clone().requires_grad_()
+    blocks = [(rows.start, rows.stop - rows.start, rows.stop, step + rows.start - rows.stop + 1)
+              for rows in attention.query_blocks(torch.arange(length)[None], step)]
+    aten = torch.ops.aten
+    products = {aten.bmm, aten.baddbmm, aten.baddbmm_, aten.mm, aten.addmm, aten.addmm_}
+    subnormal = []
+
+    class Products(TorchDispatchMode):  # sees the aten products autograd's backward runs
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in products:
+                for operand in args:
+                    if isinstance(operand, torch.Tensor) and operand.is_floating_point():
+                        magnitude = operand.detach().abs()
+                        subnormal.append(int(((magnitude > 0) & (magnitude < torch.finfo(operand.dtype).tiny))
+                                             .sum()))
+            return func(*args, **(kwargs or {}))
+
+    for layout in table_attention.LAYOUTS:
+        padded = attention.padded_table(table, step, torch.float32)
+        output = TableBiasAttention.apply(query, key.flip(2), value.flip(2), padded, blocks, dim**-0.5,
+                                          table_attention.BackwardPlan(16, layout))
+        with Products():
+            output.backward(torch.randn(output.shape, generator=generator))
+    assert subnormal and sum(subnormal) == 0, f"{sum(subnormal)} subnormal operands"
+
+
+def test_a_plan_is_measured_once_per_kind_and_kept_on_the_model(monkeypatch):
+    """The machine's choice (tile size, layout) is timed at a model's first training call, among candidate_plans,
+    kept on that model's state (no process-wide cache: another model measures its own), listed by tuned_choices,
+    and not measured again."""
+    measured = []
+    original = table_attention.measure_plan
+    monkeypatch.setattr(table_attention, "measure_plan",
+                        lambda *args, **kwargs: measured.append(args) or original(*args, **kwargs))
+    monkeypatch.setattr(table_attention, "KEY_TILE", 8)
+    monkeypatch.setattr(bias_path, "VIEW_BLOCK_ROWS", 16)
+    ids = random_ids(1, 30)
+    model = hf_posenc.patch_model(tiny_model("llama"), "t5").train()
+    for _ in range(2):
+        model(ids, labels=ids).loss.backward()
+    assert len(measured) == 1  # every layer and step: one kind of call
+    choices = attention.tuned_choices(model)
+    assert len(choices) == 1
+    (kind, picked), = choices.items()
+    assert kind.startswith("table backward, cpu, float32")
+    assert picked in {plan.describe() for plan in table_attention.candidate_plans()}
+    other = hf_posenc.patch_model(tiny_model("llama"), "t5").train()
+    assert attention.tuned_choices(other) == {}
+    other(ids, labels=ids).loss.backward()
+    assert len(measured) == 2
+
+
+def test_measure_plan_picks_the_fastest_candidate(monkeypatch):
+    """The pick is the candidate of least time: a candidate made slow (a sleep in its backward) is not picked."""
+    slow, fast = table_attention.BackwardPlan(4, "skewed"), table_attention.BackwardPlan(4, "contiguous")
+    original = TableBiasAttention.backward
+
+    def backward(ctx, grad_output):
+        if ctx.plan == slow:
+            time.sleep(0.02)
+        return original(ctx, grad_output)
+
+    monkeypatch.setattr(TableBiasAttention, "backward", staticmethod(backward))
+    assert table_attention.measure_plan([slow, fast], torch.float32, 2, 8) == fast
+    assert table_attention.measure_plan([fast, slow], torch.float32, 2, 8) == fast

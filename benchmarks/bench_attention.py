@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from hf_posenc import attention, patch_model, unpatch_model
+from hf_posenc.tools.machine import machine_description, machine_header
 
 METHODS = ["alibi", "alibi:trainable=true", "fire", "t5", "kerple", "sandwich", "xpos"]
 MODES = ("train", "last-logit")
@@ -284,7 +285,8 @@ def save(rows: list[Row], output_dir: str | Path, name: str = "bench_attention",
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / f"{name}.json"
-    json_path.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    machine = machine_description()
+    json_path.write_text(json.dumps([{**asdict(r), "machine": machine} for r in rows], indent=2))
     paths = {"json": json_path}
     if not plot:
         return paths
@@ -350,6 +352,7 @@ def main() -> None:
                          backward_repeats=args.backward_repeats, threads=args.threads, mode=args.mode,
                          memory=not args.no_memory,
                          on_row=lambda so_far: save(so_far, args.output_dir, plot=False))
+    print(machine_header())
     print(format_table(rows))
     for line in refused_kernels():
         print(f"refused by the kernel check: {line}")

@@ -253,3 +253,6 @@ def test_measure_plan_picks_the_fastest_candidate(monkeypatch):
     monkeypatch.setattr(TableBiasAttention, "backward", staticmethod(backward))
     assert table_attention.measure_plan([slow, fast], torch.float32, 2, 8) == fast
     assert table_attention.measure_plan([fast, slow], torch.float32, 2, 8) == fast
+    # within the margin, the first (the default) stays
+    assert table_attention.measure_plan([fast, fast], torch.float32, 2, 8) == fast
+    assert table_attention.candidate_plans()[0] == table_attention.default_plan(torch.device("cpu"))

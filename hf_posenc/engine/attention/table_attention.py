@@ -147,15 +147,6 @@ def _block_bias(padded: torch.Tensor, start: int, rows: int, keys: int) -> torch
     return padded[:, start:start + rows + keys - 1].unfold(-1, keys, 1)
 
 
-def sdpa_keeps_block_masks(device: torch.device) -> bool:
-    """Whether SDPA in training, handed a block's bias as a constant mask, keeps its own copy of the mask for the
-    backward: off the CPU, its memory-efficient kernel wants a 16-aligned bias and keeps the aligned copy it makes of
-    the strided view, so a fixed table (Sandwich, ALiBi) held O(L^2) per layer over a training step (Sandwich at 4096
-    tokens on an H200: 3.3x native's peak, docs/benchmarks.md). There the blocked path hands fixed tables to
-    TableBiasAttention as well, whose backward recomputes each block. The CPU's flash kernel keeps the view itself."""
-    return device.type != "cpu"
-
-
 def keeps_logsumexp(device: torch.device) -> bool:
     """Whether the forward runs aten's CPU flash kernel (what SDPA runs there), which returns the logsumexp."""
     return device.type == "cpu"
@@ -242,7 +233,7 @@ class TableBiasAttention(torch.autograd.Function):
         grad_query = torch.empty_like(scaled_query)
         grad_key = torch.zeros_like(key)
         grad_value = torch.zeros_like(value.flatten(0, 1))
-        table_grad = ctx.needs_input_grad[3]  # a fixed table (sdpa_keeps_block_masks) takes none
+        table_grad = ctx.needs_input_grad[3]  # a fixed table (ALiBi, Sandwich, a frozen T5) takes none
         grad_padded = torch.zeros_like(padded, dtype=compute)
         # (rows, width) -> a zeroed buffer for dS (skewed_view), reused: entries outside the view stay zero. A few
         # shapes at most: the tiles are KEY_TILE wide but for one remainder per block, the same in every full block.

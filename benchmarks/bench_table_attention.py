@@ -69,7 +69,8 @@ def case(length: int, function, key_tile: int | None, heads: int = 8, head_dim: 
                 for first, rows, keys, _ in blocks], dim=2)
         else:
             padded = attention.padded_table(table, step, torch.float32)
-            output = function.apply(query, key.flip(2), value.flip(2), padded, blocks, head_dim**-0.5, plan)
+            extra = () if plan is None else (plan,)  # a --reference's apply may take no plan
+            output = function.apply(query, key.flip(2), value.flip(2), padded, blocks, head_dim**-0.5, *extra)
         output.backward(grad_output)
         for tensor in (query, key, value, table):
             tensor.grad = None

@@ -25,7 +25,13 @@ the ones that read it, and how long one takes no longer depends on the length. T
   anti-diagonal sums are one column sum of that buffer (in place of aten's unfold_backward: a tenth off the
   backward at 4096), and the matmuls read dS from it in place.
 Measured at the op level (8 heads x 64, float32, 2 threads; docs/benchmarks.md, issue 17): forward + backward
-1.15-1.21x causal SDPA at 8192 tokens over runs, where the untiled backward took 1.8-2.3x.
+1.15-1.21x causal SDPA at 8192 tokens over runs on an AMD EPYC, where the untiled backward took 1.8-2.3x.
+On an Intel Xeon the same code took 4-10x (issue 56): the masked keys' probabilities, clamped to e * float32's
+smallest normal number, made dS subnormal, and Intel cores take every multiply-add with a subnormal operand through a
+microcode assist (75x a product's time); probabilities under SMALLEST_PROBABILITY are now dropped. The tile size and
+whether the matmuls read dS from the skewed buffer or from a contiguous tile (BackwardPlan) are timed on the machine
+at a model's first training call and kept on its state (backward_plan; `attention.tuned_choices(model)`).
+Fixed tables in training (ALiBi, Sandwich, a frozen table) take this backward too (bias_path.py says why).
 Memory: a few [B*H, rows, KEY_TILE] tiles and the [B*H, q, D + 1] widened inputs, besides the gradients.
 
 tests/test_table_attention.py checks the gradients of queries, keys, values and the table against autograd of the

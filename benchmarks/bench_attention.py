@@ -64,6 +64,7 @@ class Row:
     extra_vs_materialised_bias: float = 0.0  # extra forward peak / size of a materialised [1, H, L, L] bias
     mode: str = "train"
     device: str = "cpu"  # what ran it (the GPU's name on CUDA)
+    tuned: dict[str, str] = field(default_factory=dict)  # choices measured on this machine (attention.tuned_choices)
 
 
 def served_path(calls: Counter) -> str:
@@ -238,7 +239,7 @@ def run_benchmark(lengths=LENGTHS, methods=METHODS, paths=("blocked",), layers: 
         forward_s, backward_s = measure_time(model, ids, mode, repeats, backward_repeats)
         calls = Counter(attention.last_paths)
         row = Row(method, served_path(calls), path, length, forward_s, backward_s, float("nan"), float("nan"),
-                  dict(calls), mode=mode, device=device_name(device))
+                  dict(calls), mode=mode, device=device_name(device), tuned=attention.tuned_choices(model))
         if method == "rope (native)":
             native[length] = row
         row.forward_ratio = forward_s / native[length].forward_s

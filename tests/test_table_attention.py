@@ -241,6 +241,9 @@ def test_a_plan_is_measured_once_per_kind_and_kept_on_the_model(monkeypatch):
     assert attention.tuned_choices(other) == {} and attention.tuned_choices(tiny_model("llama")) == {}
     other(ids, labels=ids).loss.backward()
     assert len(measured) == 2
+    short = hf_posenc.patch_model(tiny_model("llama"), "t5").train()  # 4 keys: one tile of every candidate
+    short(ids[:, :4], labels=ids[:, :4]).loss.backward()
+    assert len(measured) == 2 and attention.tuned_choices(short) == {}
 
 
 def test_measure_plan_picks_the_fastest_candidate(monkeypatch):

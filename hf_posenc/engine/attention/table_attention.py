@@ -92,16 +92,20 @@ def candidate_plans() -> list[BackwardPlan]:
     return [first, *(plan for plan in others if plan != first)]
 
 
-def backward_plan(tuned: dict, device: torch.device, dtype: torch.dtype, heads: int, dim: int) -> BackwardPlan:
+def backward_plan(tuned: dict, device: torch.device, dtype: torch.dtype, heads: int, dim: int,
+                  keys: int | None = None) -> BackwardPlan:
     """The plan for calls of this kind (device, dtype, heads, head size, threads), measured at its first call (see
     measure_plan) and kept in `tuned` (a patched model's PositionState.tuned: no process-wide state); off the CPU
-    the default, one tile a block. `hf_posenc.attention.tuned_choices(model)` lists the picks."""
-    if device.type != "cpu":
+    the default, one tile a block. A call whose blocks have at most `keys` keys, within the smallest candidate
+    tile, takes the default unmeasured: every plan is one tile there, and the timing would cost more than the call.
+    `hf_posenc.attention.tuned_choices(model)` lists the picks."""
+    candidates = candidate_plans()
+    if device.type != "cpu" or (keys is not None and keys <= min(plan.key_tile for plan in candidates)):
         return default_plan(device)
     kind = ("table backward", device.type, str(dtype).removeprefix("torch."), heads, dim, torch.get_num_threads())
     plan = tuned.get(kind)
     if plan is None:
-        plan = tuned[kind] = measure_plan(candidate_plans(), dtype, heads, dim)
+        plan = tuned[kind] = measure_plan(candidates, dtype, heads, dim)
     return plan
 
 
@@ -214,7 +218,7 @@ class TableBiasAttention(torch.autograd.Function):
             plan = default_plan(query.device)
         elif not isinstance(plan, BackwardPlan):
             plan = backward_plan(plan, query.device, torch.promote_types(query.dtype, torch.float32),
-                                 query.shape[1], query.shape[3])
+                                 query.shape[1], query.shape[3], max(keys for _, _, keys, _ in blocks))
         ctx.plan = plan
         return output
 

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from hf_posenc import attention, patch_model, unpatch_model
+from hf_posenc.tools.machine import machine_description, machine_header
 
 METHODS = ["alibi", "alibi:trainable=true", "fire", "t5", "kerple", "sandwich", "xpos"]
 MODES = ("train", "last-logit")
@@ -63,6 +64,7 @@ class Row:
     extra_vs_materialised_bias: float = 0.0  # extra forward peak / size of a materialised [1, H, L, L] bias
     mode: str = "train"
     device: str = "cpu"  # what ran it (the GPU's name on CUDA)
+    tuned: dict[str, str] = field(default_factory=dict)  # choices measured on this machine (attention.tuned_choices)
 
 
 def served_path(calls: Counter) -> str:
@@ -237,7 +239,7 @@ def run_benchmark(lengths=LENGTHS, methods=METHODS, paths=("blocked",), layers: 
         forward_s, backward_s = measure_time(model, ids, mode, repeats, backward_repeats)
         calls = Counter(attention.last_paths)
         row = Row(method, served_path(calls), path, length, forward_s, backward_s, float("nan"), float("nan"),
-                  dict(calls), mode=mode, device=device_name(device))
+                  dict(calls), mode=mode, device=device_name(device), tuned=attention.tuned_choices(model))
         if method == "rope (native)":
             native[length] = row
         row.forward_ratio = forward_s / native[length].forward_s
@@ -284,7 +286,8 @@ def save(rows: list[Row], output_dir: str | Path, name: str = "bench_attention",
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / f"{name}.json"
-    json_path.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    machine = machine_description()
+    json_path.write_text(json.dumps([{**asdict(r), "machine": machine} for r in rows], indent=2))
     paths = {"json": json_path}
     if not plot:
         return paths
@@ -350,6 +353,7 @@ def main() -> None:
                          backward_repeats=args.backward_repeats, threads=args.threads, mode=args.mode,
                          memory=not args.no_memory,
                          on_row=lambda so_far: save(so_far, args.output_dir, plot=False))
+    print(machine_header())
     print(format_table(rows))
     for line in refused_kernels():
         print(f"refused by the kernel check: {line}")

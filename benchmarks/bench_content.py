@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import DTYPES, format_table, run_benchmark, save  # noqa: E402
+from hf_posenc.tools.machine import machine_description, machine_header  # noqa: E402
 
 METHODS = ["fox", "stick-breaking", "cope", "transformer-xl", "cape"]
 LENGTHS = [1024, 2048, 4096]
@@ -49,7 +50,9 @@ def main() -> None:
                               backward_repeats=0 if args.forward_only else args.backward_repeats,
                               threads=args.threads, memory=not args.forward_only, progress=False,
                               device=args.device, dtype=DTYPES[args.dtype])
-        (out / "bench_content.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
+        (out / "bench_content.json").write_text(json.dumps([{**asdict(r), "machine": machine_description()}
+                                                            for r in rows], indent=2))
+        print(machine_header())
         print(format_table(rows), flush=True)
     for kind, path in save(rows, out, "bench_content").items():
         print(f"{kind}: {path}")

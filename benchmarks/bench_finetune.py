@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import _fix_mmap_threshold, device_name, peak_mib, synchronize  # noqa: E402
 
 from hf_posenc import available_methods  # noqa: E402
+from hf_posenc.tools.machine import machine_description, machine_header  # noqa: E402
 from hf_posenc.engine.attention import (ATTENTION_PATHS, KernelCheckWarning, attention_path,  # noqa: E402
                                        get_attention_path, last_paths)  # noqa: E402
 
@@ -280,7 +281,8 @@ def save(rows: list[Row], output_dir: str | Path, plot: bool = True) -> dict[str
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "bench_finetune.json"}
     device = device_name("cuda" if torch.cuda.is_available() else "cpu")
-    paths["json"].write_text(json.dumps([{**asdict(r), "device": device} for r in rows], indent=2))
+    machine = machine_description()
+    paths["json"].write_text(json.dumps([{**asdict(r), "device": device, "machine": machine} for r in rows], indent=2))
     if not plot:
         return paths
     try:
@@ -345,6 +347,7 @@ def main() -> None:
                          args.threads, not args.no_memory, mixed_precision=args.mixed_precision,
                          on_row=lambda so_far: save(so_far, args.output_dir, plot=False), compile_with=compile_setting,
                          paired=args.paired, path=args.attention_path)
+    print(machine_header())
     print(format_table(rows))
     for kind, path in save(rows, args.output_dir).items():
         print(f"{kind}: {path}")

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import device_name, synchronize  # noqa: E402
 
 from hf_posenc.engine.kernels.check import table_attention_reference  # noqa: E402
+from hf_posenc.tools.machine import machine_description, machine_header  # noqa: E402
 
 OPTIONS = {  # name -> kernel_options for flex_attention (None: inductor's defaults)
     "default": None,
@@ -155,7 +156,8 @@ def save(rows: list[Row], output_dir) -> dict[str, Path]:
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "bench_flex_options.json"}
-    paths["json"].write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    machine = machine_description()
+    paths["json"].write_text(json.dumps([{**asdict(r), "machine": machine} for r in rows], indent=2))
     try:
         import matplotlib
 
@@ -197,6 +199,7 @@ def main(argv=None) -> None:
         parser.error(f"unknown --options {unknown}; use names from: {', '.join(OPTIONS)}")
     rows = run(args.device, [int(n) for n in args.lengths.split(",")], args.dtypes.split(","),
                args.options.split(","), args.heads, args.kv_heads, args.head_dim, args.repeats)
+    print(machine_header())
     print(format_table(rows))
     for kind, path in save(rows, args.output_dir).items():
         print(f"{kind}: {path}")

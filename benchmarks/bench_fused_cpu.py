@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from hf_posenc.tools.machine import machine_description, machine_header
+
 METHODS = ("stick-breaking", "cope", "cope:max_pos=4096", "self-extend:window=256,group=4", "rerope:window=256",
            "transformer-xl", "tape")
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -166,7 +168,8 @@ def save(rows: list[Row], output_dir) -> dict[str, Path]:
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "bench_fused_cpu.json"}
-    paths["json"].write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    machine = machine_description()
+    paths["json"].write_text(json.dumps([{**asdict(r), "machine": machine} for r in rows], indent=2))
     try:
         import matplotlib
 
@@ -202,6 +205,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     rows = run(args.methods.split(";"), [int(n) for n in args.lengths.split(",")], args.layers, args.rounds,
                args.threads)
+    print(machine_header())
     print(format_table(rows))
     written = save(rows, args.output_dir)
     print("\n".join(f"{kind}: {path}" for kind, path in written.items()))

@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import device_name  # noqa: E402
+from hf_posenc.tools.machine import machine_description, machine_header  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 BOOK = DATA / "pg1342-pride-and-prejudice.txt"
@@ -198,12 +199,14 @@ def main(argv: list[str] | None = None) -> None:
         wiki = [int(x) for x in args.wikitext_lengths.split(",")]
         row["perplexity_wikitext"] = held_out_perplexity(model, tokenizer, wiki, [1] * len(wiki), WIKITEXT, "0:1")
     row["seconds"] = round(time.perf_counter() - started, 1)
+    row["machine"] = machine_description()
     output = args.output_dir / "bench_recipes.json"
     rows = json.loads(output.read_text()) if output.is_file() else []
     rows.append(row)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(rows, indent=2) + "\n")
     plot_curves(rows, args.output_dir / "bench_recipes.png")
+    print(machine_header())
     print(f"{'recipe':10} {'method':24} {'steps':>5} " + " ".join(f"{'ppl@' + str(n):>9}" for n in lengths)
           + "  train s")
     for r in rows:

@@ -32,6 +32,7 @@ from bench_rope_cache import build_model  # noqa: E402 (the same model as the ot
 from hf_posenc import patch_model, unpatch_model  # noqa: E402
 from hf_posenc.engine.cache_names import forward_cache_keyword  # noqa: E402
 from hf_posenc.engine.replay import replay_count  # noqa: E402
+from hf_posenc.tools.machine import machine_description, machine_header  # noqa: E402
 
 EVERY = (1, 64, 256, 1024)
 
@@ -73,7 +74,7 @@ def run(method: str = "dynamic", every=EVERY, window: int = 1024, prompt: int = 
     report = {"settings": {"method": method, "window": window, "prompt": prompt, "new_tokens": new_tokens,
                            "layers": layers, "threads": torch.get_num_threads(), "torch": torch.__version__,
                            "device": device_name(model.device)},
-              "rows": rows}
+              "machine": machine_description(), "rows": rows}
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=2))
@@ -126,6 +127,7 @@ def main() -> None:
     args = parser.parse_args()
     report = run(args.method, tuple(int(n) for n in args.every.split(",")), args.window, args.prompt,
                  args.new_tokens, args.layers, args.output_dir, args.device)
+    print(machine_header(report["machine"]))
     print(table(report))
     print(f"wrote {args.output_dir}/results.json")
 

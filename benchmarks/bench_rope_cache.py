@@ -28,6 +28,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hf_posenc import patch_model, unpatch_model
 from hf_posenc.engine.cache_names import forward_cache_keyword
+from hf_posenc.tools.machine import machine_description, machine_header
 
 VARIANTS = {
     "native rope": None,
@@ -72,6 +73,7 @@ def run(lengths=(512, 1024, 2048, 4096), window: int = 1024, layers: int = 4, ne
     report = {
         "settings": {"lengths": list(lengths), "window": window, "layers": layers, "new_tokens": new_tokens,
                      "threads": torch.get_num_threads(), "torch": torch.__version__},
+        "machine": machine_description(),
         "seconds_per_token": results,
         "ratio_to_native": {name: {length: results[name][length] / results["native rope"][length]
                                    for length in lengths} for name in VARIANTS},
@@ -123,6 +125,7 @@ def main() -> None:
     args = parser.parse_args()
     report = run(tuple(int(n) for n in args.lengths.split(",")), args.window, args.layers, args.new_tokens,
                  args.output_dir)
+    print(machine_header(report["machine"]))
     print(table(report))
     print(f"wrote {args.output_dir}/results.json, decode_time.png")
 

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import _fix_mmap_threshold, build_model, measure  # noqa: E402
 
 from hf_posenc import patch_model, unpatch_model  # noqa: E402
+from hf_posenc.tools.machine import machine_description, machine_header  # noqa: E402
 
 CASES = [("comrope-ap", {"block_size": 2}), ("comrope-ap", {"block_size": 4}), ("comrope-ld", {"block_size": 8}),
          ("liere", {"block_size": 16}), ("liere", {}), ("fope", {}), ("rope-2d", {}), ("tape", {})]
@@ -37,12 +38,13 @@ def run(lengths, layers=2, heads=8, head_dim=64, repeats=3, backward_repeats=2, 
     Rows are written to `output` as they come, so a run stopped early keeps what it measured."""
     _fix_mmap_threshold()
     model = build_model(layers, heads, head_dim, max(lengths))
-    rows = []
+    rows, machine = [], machine_description()
+    print(machine_header(machine), flush=True)
     for length in lengths:
         ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(0))
         native = measure(model, ids, repeats, backward_repeats)
         rows.append({"method": "native RoPE", "length": length, "forward_s": native[0],
-                     "forward_backward_s": native[1], "forward_peak_mib": native[2]})
+                     "forward_backward_s": native[1], "forward_peak_mib": native[2], "machine": machine})
         print(json.dumps(rows[-1]), flush=True)
         for method, options in CASES:
             if long_from and length >= long_from and long_cases is not None \
@@ -54,7 +56,7 @@ def run(lengths, layers=2, heads=8, head_dim=64, repeats=3, backward_repeats=2, 
             rows.append({"method": method, "options": options, "length": length, "forward_s": forward,
                          "forward_backward_s": backward, "forward_peak_mib": peak,
                          "forward_ratio": forward / native[0], "forward_backward_ratio": backward / native[1],
-                         "extra_forward_mib": peak - native[2]})
+                         "extra_forward_mib": peak - native[2], "machine": machine})
             print(json.dumps(rows[-1]), flush=True)
             if output:
                 output.write_text(json.dumps(rows, indent=2))

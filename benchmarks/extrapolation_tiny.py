@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_posenc
 from hf_posenc.tools.text import data_dir
+from hf_posenc.tools.machine import machine_description, machine_header
 
 TRAIN_LENGTH = 128
 EVAL_LENGTHS = [128, 256, 512, 1024]
@@ -59,7 +60,8 @@ def train_and_evaluate(method: str, train: torch.Tensor, held: torch.Tensor, ste
         optimiser.zero_grad()
         loss.backward()
         optimiser.step()
-    row = {"method": method, "train_s": round(time.perf_counter() - start, 1), "final_loss": round(loss.item(), 3)}
+    row = {"method": method, "train_s": round(time.perf_counter() - start, 1), "final_loss": round(loss.item(), 3),
+           "machine": machine_description()}
     model.eval()
     with torch.no_grad():
         for length in EVAL_LENGTHS:
@@ -123,6 +125,7 @@ def main() -> None:
     split = int(0.9 * len(data))
     rows = []
     header = "| method | train s | final loss | " + " | ".join(f"ppl @{n}" for n in EVAL_LENGTHS) + " |"
+    print(machine_header())
     print(header + "\n|" + " --- |" * (3 + len(EVAL_LENGTHS)), flush=True)
     for method in args.methods.split(","):
         row = train_and_evaluate(method, data[:split], data[split:], args.steps, args.batch)

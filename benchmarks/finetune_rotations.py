@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from hf_posenc.tools.machine import machine_description, machine_header
+
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 TRAIN_TEXT = "pg1342-pride-and-prejudice.txt"
 EVAL_TEXT = "pg84-frankenstein.txt"
@@ -103,7 +105,9 @@ def main(argv=None):
     shutil.copy(out / "perplexity.png", args.figure.with_suffix(".png"))
     losses = {name: {k: s.get(k) for k in ("final_loss", "final_eval_loss", "seconds") if k in s}
               for name, s in summary.items()}
+    print(machine_header())
     (out / "summary.json").write_text(json.dumps({"losses": losses, "seconds": time.perf_counter() - started,
+                                                  "machine": machine_description(),
                                                   "settings": vars(args)}, indent=2, default=str))
     print(json.dumps(losses, indent=2, default=str))
     print(f"total: {time.perf_counter() - started:.0f} s")

@@ -41,6 +41,7 @@ from hf_posenc.tools import eval_ppl, passkey, tables  # noqa: E402
 from hf_posenc.tools.models import load_model, model_name  # noqa: E402
 from hf_posenc.tools.outputs import write_json  # noqa: E402
 from hf_posenc.tools.runtime import MethodRequest, versions  # noqa: E402
+from hf_posenc.tools.machine import machine_description, machine_header  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 DEFAULT_TEXT = str(DATA / "pg1342-pride-and-prejudice.txt")
@@ -199,6 +200,7 @@ def run_timing(model: str, methods, lengths, new_tokens: int, output_dir, text_f
                       f"ms/token", flush=True)
             _write_timing(out, rows, {"model": model, "methods": methods, "lengths": list(lengths),
                                       "new_tokens": new_tokens, "torch_threads": torch.get_num_threads(),
+                                      "machine": machine_description(),
                                       "device": device_name(device), "warmup": warmup,
                                       "versions": versions()})
     return _write_timing(out, rows, None)
@@ -281,6 +283,7 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     methods, progress = _methods(args), not args.no_progress
+    print(machine_header(), flush=True)
     if args.part == "ppl":
         run_ppl(args.model, methods, _numbers(args.lengths or "12288,16384,4096"), args.output_dir, args.text_file,
                 args.text_fraction, args.max_windows, progress, args.device)

@@ -4,8 +4,11 @@ values and the table against autograd of the materialised computation in float64
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_posenc
 from hf_posenc import attention
@@ -28,6 +31,12 @@ def test_skewed_buffer_column_sums_are_the_diagonal_sums():
     assert torch.allclose(buffer.sum(1)[:, :11], expected)
 
 
+def served(args) -> bool:
+    """Whether a TableBiasAttention.apply call serves a model's attention (its plan argument the model's dict of
+    measured plans), not the timing that fills that dict (which forces each candidate plan)."""
+    return isinstance(args[6], dict)
+
+
 def materialised(query, key, value, table, offset, scaling):
     """Attention with bias table[i - j] over slots (queries at offset..offset+q-1, keys at 0..kv-1), causal, all
     materialised in float64; keys in their natural order."""
@@ -48,8 +57,10 @@ def materialised(query, key, value, table, offset, scaling):
 ])
 @pytest.mark.parametrize("logsumexp", [True, False], ids=["lse from the kernel (CPU)", "lse computed (other devices)"])
 @pytest.mark.parametrize("key_tile", [3, 256], ids=["key tiles of 3", "one key tile"])
-def test_gradients_equal_materialised_autograd(batch, heads, kv_heads, q, offset, step, logsumexp, key_tile,
+@pytest.mark.parametrize("layout", table_attention.LAYOUTS)
+def test_gradients_equal_materialised_autograd(batch, heads, kv_heads, q, offset, step, logsumexp, key_tile, layout,
                                                monkeypatch, device):
+    """Each plan the machine may pick (tile size, dS layout), forced, against autograd in float64."""
     if logsumexp and device.type != "cpu":
         pytest.skip("only aten's CPU flash kernel returns the logsumexp the forward keeps")
     monkeypatch.setattr(table_attention, "keeps_logsumexp", lambda device: logsumexp)
@@ -71,7 +82,8 @@ def test_gradients_equal_materialised_autograd(batch, heads, kv_heads, q, offset
     blocks = [(rows.start, rows.stop - rows.start, min(kv, offset + rows.stop),
                step + offset + rows.start - min(kv, offset + rows.stop) + 1)
               for rows in attention.query_blocks(torch.arange(q, device=device)[None], step)]
-    output = TableBiasAttention.apply(query, key.flip(2), value.flip(2), padded, blocks, scaling)
+    plan = table_attention.BackwardPlan(key_tile, layout)
+    output = TableBiasAttention.apply(query, key.flip(2), value.flip(2), padded, blocks, scaling, plan)
     grads = torch.autograd.grad(output, (query, key, value, table), grad_out)
 
     assert torch.allclose(output, expected, atol=1e-10)
@@ -101,7 +113,7 @@ def test_training_step_gradients_equal_the_eager_path(model_type, method, option
     calls = []
     original = TableBiasAttention.apply
     monkeypatch.setattr(table_attention.TableBiasAttention, "apply",
-                        staticmethod(lambda *args: calls.append(1) or original(*args)))
+                        staticmethod(lambda *args: served(args) and calls.append(1) or original(*args)))
     monkeypatch.setattr(bias_path, "VIEW_BLOCK_ROWS", 16)  # several blocks over 30 tokens
     monkeypatch.setattr(table_attention, "KEY_TILE", 8)  # and several key tiles per block in the backward
     fast = gradients("sdpa")
@@ -116,25 +128,26 @@ def test_training_step_gradients_equal_the_eager_path(model_type, method, option
         assert max_diff(fast[name], reference[name]) < 1e-6 * max(1.0, reference[name].abs().max().item()), name
 
 
-def test_not_used_without_gradient_or_for_fixed_biases(monkeypatch):
+def test_not_used_without_gradient(monkeypatch):
     calls = []
     monkeypatch.setattr(table_attention.TableBiasAttention, "apply",
                         staticmethod(lambda *args: calls.append(1)))
     ids = random_ids(1, 20)
-    trained = hf_posenc.patch_model(tiny_model("llama"), "t5")
-    with torch.no_grad():
-        trained(ids)
-    fixed = hf_posenc.patch_model(tiny_model("llama"), "alibi").train()
-    fixed(ids, labels=ids).loss.backward()
+    for method in ("t5", "alibi"):
+        model = hf_posenc.patch_model(tiny_model("llama"), method)
+        with torch.no_grad():
+            model(ids)
     assert not calls
 
 
 @pytest.mark.parametrize("method,frozen", [("sandwich", False), ("alibi", False), ("t5", True)])
-def test_fixed_tables_take_the_table_backward_where_sdpa_would_keep_block_masks(method, frozen, monkeypatch):
-    """Off the CPU, SDPA keeps an aligned copy of each block's mask for the backward (O(L^2) per layer: Sandwich at
-    3.3x native's peak on an H200), so there a fixed table goes through TableBiasAttention too: the device test is
-    forced here on the CPU. A learned table frozen (T5, as under LoRA) is a fixed one. Gradients equal the default
-    path's (SDPA with the mask, autograd), in float64, and the table, which takes no gradient, gets none."""
+def test_fixed_tables_take_the_table_backward(method, frozen, monkeypatch):
+    """A fixed table in training goes through TableBiasAttention too: off the CPU SDPA keeps an aligned copy of each
+    block's mask for the backward (O(L^2) per layer: Sandwich at 3.3x native's peak on an H200), on the CPU its
+    backward multiplies the subnormal probabilities of far keys (fixed ALiBi 2.4x native on an Intel Xeon, issue
+    56). A learned table frozen (T5, as under LoRA) is a fixed one. Gradients equal SDPA's with the mask under
+    autograd (the path without the table backward), in float64, and the table, which takes no gradient, gets
+    none."""
     ids = random_ids(2, 30)
 
     def gradients():
@@ -149,12 +162,15 @@ def test_fixed_tables_take_the_table_backward_where_sdpa_would_keep_block_masks(
     calls = []
     original = TableBiasAttention.apply
     monkeypatch.setattr(table_attention.TableBiasAttention, "apply",
-                        staticmethod(lambda *args: calls.append(args[3].requires_grad) or original(*args)))
-    reference = gradients()
-    assert not calls  # on the CPU SDPA keeps the mask's view: the default path
-    monkeypatch.setattr(bias_path, "sdpa_keeps_block_masks", lambda device: True)
+                        staticmethod(lambda *args: served(args) and calls.append(args[3].requires_grad)
+                                     or original(*args)))
     fast = gradients()
     assert calls and not any(calls), "the table backward did not serve the fixed table"
+    calls.clear()
+    with monkeypatch.context() as patched:
+        patched.setattr(bias_path, "needs_grad", lambda *args: False)  # SDPA per block, autograd's backward
+        reference = gradients()
+    assert not calls
     assert fast.keys() == reference.keys() and not any("posenc" in name for name in fast)
     for name in fast:
         assert max_diff(fast[name], reference[name]) < 1e-10 * max(1.0, reference[name].abs().max().item()), name
@@ -165,3 +181,84 @@ def test_key_tiles_are_for_the_cpu_cache_and_a_gpu_takes_a_block_in_one_tile():
     table 12-16x causal SDPA at 8192 tokens); a block, already sized to the accelerator budget, is one tile there."""
     assert table_attention.key_tile(torch.device("cpu")) == table_attention.KEY_TILE
     assert table_attention.key_tile(torch.device("cuda")) >= 1 << 20
+
+
+def test_the_backward_multiplies_no_subnormal_number():
+    """On an Intel core every multiply-add with a subnormal operand is a microcode assist (a product with a subnormal
+    triangle took 75x its time on a Xeon, issue 56): the masked keys and a steep ALiBi-like fall put probabilities
+    under float32's smallest normal number, and dS = P * (dP - delta) under it. No matrix product of the backward
+    reads one."""
+    heads, length, dim, step = 2, 64, 8, 16
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, heads, length, dim, generator=generator).requires_grad_() for _ in range(3))
+    table = (-2.0 * torch.arange(length, dtype=torch.float32)).expand(heads, -1).clone().requires_grad_()
+    blocks = [(rows.start, rows.stop - rows.start, rows.stop, step + rows.start - rows.stop + 1)
+              for rows in attention.query_blocks(torch.arange(length)[None], step)]
+    aten = torch.ops.aten
+    products = {aten.bmm, aten.baddbmm, aten.baddbmm_, aten.mm, aten.addmm, aten.addmm_}
+    subnormal = []
+
+    class Products(TorchDispatchMode):  # sees the aten products autograd's backward runs
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in products:
+                for operand in args:
+                    if isinstance(operand, torch.Tensor) and operand.is_floating_point():
+                        magnitude = operand.detach().abs()
+                        subnormal.append(int(((magnitude > 0) & (magnitude < torch.finfo(operand.dtype).tiny))
+                                             .sum()))
+            return func(*args, **(kwargs or {}))
+
+    for layout in table_attention.LAYOUTS:
+        padded = attention.padded_table(table, step, torch.float32)
+        output = TableBiasAttention.apply(query, key.flip(2), value.flip(2), padded, blocks, dim**-0.5,
+                                          table_attention.BackwardPlan(16, layout))
+        with Products():
+            output.backward(torch.randn(output.shape, generator=generator))
+    assert subnormal and sum(subnormal) == 0, f"{sum(subnormal)} subnormal operands"
+
+
+def test_a_plan_is_measured_once_per_kind_and_kept_on_the_model(monkeypatch):
+    """The machine's choice (tile size, layout) is timed at a model's first training call, among candidate_plans,
+    kept on that model's state (no process-wide cache: another model measures its own), listed by tuned_choices,
+    and not measured again."""
+    measured = []
+    original = table_attention.measure_plan
+    monkeypatch.setattr(table_attention, "measure_plan",
+                        lambda *args, **kwargs: measured.append(args) or original(*args, **kwargs))
+    monkeypatch.setattr(table_attention, "KEY_TILE", 8)
+    monkeypatch.setattr(bias_path, "VIEW_BLOCK_ROWS", 16)
+    ids = random_ids(1, 30)
+    model = hf_posenc.patch_model(tiny_model("llama"), "t5").train()
+    for _ in range(2):
+        model(ids, labels=ids).loss.backward()
+    assert len(measured) == 1  # every layer and step: one kind of call
+    choices = attention.tuned_choices(model)
+    assert len(choices) == 1
+    (kind, picked), = choices.items()
+    assert kind.startswith("table backward, cpu, float32")
+    assert picked in {plan.describe() for plan in table_attention.candidate_plans()}
+    other = hf_posenc.patch_model(tiny_model("llama"), "t5").train()
+    assert attention.tuned_choices(other) == {} and attention.tuned_choices(tiny_model("llama")) == {}
+    other(ids, labels=ids).loss.backward()
+    assert len(measured) == 2
+    short = hf_posenc.patch_model(tiny_model("llama"), "t5").train()  # 4 keys: one tile of every candidate
+    short(ids[:, :4], labels=ids[:, :4]).loss.backward()
+    assert len(measured) == 2 and attention.tuned_choices(short) == {}
+
+
+def test_measure_plan_picks_the_fastest_candidate(monkeypatch):
+    """The pick is the candidate of least time: a candidate made slow (a sleep in its backward) is not picked."""
+    slow, fast = table_attention.BackwardPlan(4, "skewed"), table_attention.BackwardPlan(4, "contiguous")
+    original = TableBiasAttention.backward
+
+    def backward(ctx, grad_output):
+        if ctx.plan == slow:
+            time.sleep(0.02)
+        return original(ctx, grad_output)
+
+    monkeypatch.setattr(TableBiasAttention, "backward", staticmethod(backward))
+    assert table_attention.measure_plan([slow, fast], torch.float32, 2, 8) == fast
+    assert table_attention.measure_plan([fast, slow], torch.float32, 2, 8) == fast
+    # within the margin, the first (the default) stays
+    assert table_attention.measure_plan([fast, fast], torch.float32, 2, 8) == fast
+    assert table_attention.candidate_plans()[0] == table_attention.default_plan(torch.device("cpu"))

@@ -91,6 +91,9 @@ class PositionState:
         self.holder, self.attribute = holder, attribute  # where the method is installed: holder.<attribute>
         self.attention_path: str | None = None  # this model's own path choice (attention/paths.py); None: none
         self.path_counts: Counter = Counter()  # the attention calls each path served (attention/paths.py)
+        # Choices measured on this machine at their first call, by kind (the table backward's plan:
+        # attention/table_attention.py backward_plan); attention/paths.py tuned_choices lists them.
+        self.tuned: dict = {}
         self._calls = threading.local()
         self._latest = None  # the CallPositions of the latest forward, from any thread (see `forward`)
 
@@ -123,6 +126,7 @@ class PositionState:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update({"attention_path": None, **state})
         self.path_counts = Counter()
+        self.tuned = {}  # measured again on the machine that loads it
         self._calls = threading.local()
         self._latest = None
 

@@ -20,4 +20,4 @@ from .dispatch import ATTENTION_NAME, RoutedAttentionConfig, posenc_attention, r
 from .geometry import (ACCELERATOR_BLOCK_BYTES, BLOCK_BYTES, block_mask, block_rows, padded_table,  # noqa: F401
                        position_span, query_blocks, toeplitz_view)
 from .paths import (ATTENTION_PATHS, attention_path, get_attention_path, last_paths, path_counts,  # noqa: F401
-                    set_attention_path)
+                    set_attention_path, tuned_choices)

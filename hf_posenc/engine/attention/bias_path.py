@@ -19,7 +19,7 @@ from .geometry import (block_mask, block_rows, causal_square, combined_mask, dis
                        needs_grad, padded_table, position_span, power_of_two_bucket, query_blocks,
                        rotates_as_one_block, toeplitz_view)
 from .paths import chosen_path, count_path
-from .table_attention import TableBiasAttention, sdpa_keeps_block_masks
+from .table_attention import TableBiasAttention
 
 VIEW_BLOCK_ROWS = 256  # query rows per block when the bias is a view: fewer wastes the masked keys less, more calls
 # Past dynamo's recompile_limit (8) flex runs uncompiled, every score matrix materialised (5x slower on an H200):
@@ -96,15 +96,16 @@ def blocked_attention(call: AttentionCall, rotate_blocks: bool = False):
         padded = padded_table(table, step, query.dtype if as_view else torch.float32)
     else:
         step = block_rows(batch, heads, kv, method.block_cost, query.device)
-    if as_view and dropout == 0.0 and needs_grad(method, query, key, value) and (
-            padded.requires_grad or sdpa_keeps_block_masks(query.device)):
-        # A learned table in training: SDPA takes the bias as a constant, the backward recomputes each block and
-        # sends dS into the table (table_attention.py), rather than SDPA's math path for a mask with a gradient.
-        # A fixed table too where SDPA would keep a copy of every block's mask (sdpa_keeps_block_masks).
+    if as_view and dropout == 0.0 and needs_grad(method, query, key, value):
+        # A table in training: SDPA takes the bias as a constant, the backward recomputes each block and sends dS
+        # into a learned table (table_attention.py), rather than SDPA's math path for a mask with a gradient. A fixed
+        # table too: off the CPU SDPA would keep a copy of every block's mask, on it SDPA's backward multiplies the
+        # subnormal probabilities of far keys (table_attention.SMALLEST_PROBABILITY): fixed ALiBi 2.4x native at
+        # 2048 tokens on an Intel Xeon where the table backward took 1.1-1.5x (issue 56).
         blocks = [(rows.start, rows.stop - rows.start, max(1, min(kv, query_offset + rows.stop)),
                    step + query_offset + rows.start - max(1, min(kv, query_offset + rows.stop)) + 1)
                   for rows in query_blocks(query_positions, step)]
-        output = TableBiasAttention.apply(query, key, value, padded, blocks, scaling)
+        output = TableBiasAttention.apply(query, key, value, padded, blocks, scaling, state.tuned)
         return output.transpose(1, 2).contiguous(), None
 
     outputs, weights = [], []

@@ -101,6 +101,16 @@ def path_counts(model: nn.Module) -> Counter:
     return total
 
 
+def tuned_choices(model: nn.Module) -> dict[str, str]:
+    """The choices measured on this machine for `model` at their first call (the table backward's plan per kind of
+    call: table_attention.backward_plan), kind -> what was picked, for a benchmark's record; {} for a model not
+    patched (native)."""
+    states = {id(state): state for module in model.modules()
+              if isinstance(state := getattr(module, STATE_ATTR, None), PositionState)}
+    return {", ".join(map(str, kind)): plan.describe() for state in states.values()
+            for kind, plan in state.tuned.items()}
+
+
 class PathCounts(MutableMapping):
     """`last_paths`: the counts of the current thread or asyncio task over every model, as a Counter (0 for a path
     that served nothing); clear() starts them again, copy() gives a Counter."""

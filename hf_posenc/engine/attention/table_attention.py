@@ -25,7 +25,13 @@ the ones that read it, and how long one takes no longer depends on the length. T
   anti-diagonal sums are one column sum of that buffer (in place of aten's unfold_backward: a tenth off the
   backward at 4096), and the matmuls read dS from it in place.
 Measured at the op level (8 heads x 64, float32, 2 threads; docs/benchmarks.md, issue 17): forward + backward
-1.15-1.21x causal SDPA at 8192 tokens over runs, where the untiled backward took 1.8-2.3x.
+1.15-1.21x causal SDPA at 8192 tokens over runs on an AMD EPYC, where the untiled backward took 1.8-2.3x.
+On an Intel Xeon the same code took 4-10x (issue 56): the masked keys' probabilities, clamped to e * float32's
+smallest normal number, made dS subnormal, and Intel cores take every multiply-add with a subnormal operand through a
+microcode assist (75x a product's time); probabilities under SMALLEST_PROBABILITY are now dropped. The tile size and
+whether the matmuls read dS from the skewed buffer or from a contiguous tile (BackwardPlan) are timed on the machine
+at a model's first training call and kept on its state (backward_plan; `attention.tuned_choices(model)`).
+Fixed tables in training (ALiBi, Sandwich, a frozen table) take this backward too (bias_path.py says why).
 Memory: a few [B*H, rows, KEY_TILE] tiles and the [B*H, q, D + 1] widened inputs, besides the gradients.
 
 tests/test_table_attention.py checks the gradients of queries, keys, values and the table against autograd of the
@@ -35,19 +41,108 @@ materialised computation in float64.
 from __future__ import annotations
 
 import math
+import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-KEY_TILE = 256  # keys per backward tile (see the module docstring): 512 was a little slower at 8192, 1024 more
+KEY_TILE = 256  # keys per backward tile when no plan is measured (see the module docstring, and BackwardPlan)
 # On a GPU the cache argument does not hold and every tile is a dozen kernel launches: a block's keys in one tile. A
 # block is already sized to the accelerator budget (geometry.ACCELERATOR_BLOCK_BYTES), which bounds the temporaries.
 ACCELERATOR_KEY_TILE = 1 << 30
+# Probabilities at most this are dropped (0) in the backward: a smaller one (the masked keys', and ALiBi's or FIRE's
+# far keys') times dP - delta is a subnormal number, and every multiply-add with one costs an Intel core a microcode
+# assist (a [256, 256] x [256, 64] product with a subnormal triangle: 75x its time on an Intel Xeon, issue 56; AMD's
+# Zen 4 takes them at full speed). 2^-60 leaves dS normal down to |dP - delta| of 2^-66, and each dropped probability
+# moves a gradient by at most 2^-60 times |dP - delta|, far below float32's resolution of the sums it enters.
+SMALLEST_PROBABILITY = 2.0 ** -60
+LAYOUTS = ("skewed", "contiguous")
+MEASURED_MARGIN = 0.1  # a measured plan replaces the default where its backward is this share faster
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """How the backward runs its tiles. key_tile: keys per tile. layout: "skewed", dS written straight into the skewed
+    buffer whose column sums are the table's gradient, and the matmuls read it there (strided: one product per batch
+    x head); "contiguous", dS in a contiguous tile the matmuls read, copied into the skewed buffer for the sums."""
+
+    key_tile: int
+    layout: str = "skewed"
+
+    def describe(self) -> str:
+        return f"key_tile={self.key_tile}, layout={self.layout}"
 
 
 def key_tile(device: torch.device) -> int:
-    """Keys per tile on `device` (the logsumexp of the forward and the backward)."""
+    """Keys per tile on `device` where no plan is measured (the logsumexp of the forward, the default plan)."""
     return KEY_TILE if device.type == "cpu" else ACCELERATOR_KEY_TILE
+
+
+def default_plan(device: torch.device) -> BackwardPlan:
+    return BackwardPlan(key_tile(device), "skewed")
+
+
+def candidate_plans() -> list[BackwardPlan]:
+    """What a measured plan is picked from on the CPU: half, once and twice KEY_TILE, each layout; the default
+    (KEY_TILE, skewed) first."""
+    others = [BackwardPlan(tile, layout) for tile in (max(1, KEY_TILE // 2), KEY_TILE, 2 * KEY_TILE)
+              for layout in LAYOUTS]
+    first = BackwardPlan(KEY_TILE, "skewed")
+    return [first, *(plan for plan in others if plan != first)]
+
+
+def backward_plan(tuned: dict, device: torch.device, dtype: torch.dtype, heads: int, dim: int,
+                  keys: int | None = None) -> BackwardPlan:
+    """The plan for calls of this kind (device, dtype, heads, head size, threads), measured at its first call (see
+    measure_plan) and kept in `tuned` (a patched model's PositionState.tuned: no process-wide state); off the CPU
+    the default, one tile a block. A call whose blocks have at most `keys` keys, within the smallest candidate
+    tile, takes the default unmeasured: every plan is one tile there, and the timing would cost more than the call.
+    `hf_posenc.attention.tuned_choices(model)` lists the picks."""
+    candidates = candidate_plans()
+    if device.type != "cpu" or (keys is not None and keys <= min(plan.key_tile for plan in candidates)):
+        return default_plan(device)
+    kind = ("table backward", device.type, str(dtype).removeprefix("torch."), heads, dim, torch.get_num_threads())
+    plan = tuned.get(kind)
+    if plan is None:
+        plan = tuned[kind] = measure_plan(candidates, dtype, heads, dim)
+    return plan
+
+
+def measure_plan(candidates: list[BackwardPlan], dtype: torch.dtype, heads: int, dim: int,
+                 repeats: int = 3) -> BackwardPlan:
+    """The candidate whose backward of one block (256 rows at most, keys twice the largest tile) takes least time,
+    the minimum over `repeats` interleaved runs after a warm-up each (a few tenths of a second on 2 cores), where it
+    beats the first candidate by MEASURED_MARGIN."""
+    keys = 2 * max(plan.key_tile for plan in candidates)
+    rows = min(256, keys)
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, heads, n, dim, generator=generator, dtype=dtype).requires_grad_()
+                         for n in (rows, keys, keys))
+    table = (0.1 * torch.randn(heads, keys, generator=generator, dtype=dtype)).requires_grad_()
+    grad = torch.randn(1, heads, rows, dim, generator=generator, dtype=dtype)
+    blocks = [(0, rows, keys, 1)]  # the last `rows` queries over all keys (bias_path's blocks, query offset keys - rows)
+
+    def backward_seconds(plan: BackwardPlan) -> float:
+        padded = torch.cat([table.new_full((heads, rows), torch.finfo(dtype).min), table], dim=1)
+        output = TableBiasAttention.apply(query, key, value, padded, blocks, dim**-0.5, plan)
+        start = time.perf_counter()
+        torch.autograd.grad(output, (query, key, value, table), grad)
+        return time.perf_counter() - start
+
+    times = {plan: [] for plan in candidates}
+    # Identity saved-tensor hooks: inside a layer under non-reentrant checkpointing the timing's own saved tensors
+    # stay out of the checkpoint (whose recomputation, which finds the plan kept, must save what its forward did).
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda tensor: tensor, lambda tensor: tensor):
+        for plan in candidates:
+            backward_seconds(plan)
+        for _ in range(repeats):
+            for plan in candidates:
+                times[plan].append(backward_seconds(plan))
+    # The first candidate (the default) unless another is a tenth faster: on a busy machine the times scatter, and
+    # a pick from noise should fall on the plan measured before (docs/benchmarks.md).
+    best = min(candidates, key=lambda plan: min(times[plan]))
+    return best if min(times[best]) < (1 - MEASURED_MARGIN) * min(times[candidates[0]]) else candidates[0]
 
 
 def skewed_view(buffer: torch.Tensor, keys: int) -> torch.Tensor:
@@ -60,15 +155,6 @@ def skewed_view(buffer: torch.Tensor, keys: int) -> torch.Tensor:
 
 def _block_bias(padded: torch.Tensor, start: int, rows: int, keys: int) -> torch.Tensor:
     return padded[:, start:start + rows + keys - 1].unfold(-1, keys, 1)
-
-
-def sdpa_keeps_block_masks(device: torch.device) -> bool:
-    """Whether SDPA in training, handed a block's bias as a constant mask, keeps its own copy of the mask for the
-    backward: off the CPU, its memory-efficient kernel wants a 16-aligned bias and keeps the aligned copy it makes of
-    the strided view, so a fixed table (Sandwich, ALiBi) held O(L^2) per layer over a training step (Sandwich at 4096
-    tokens on an H200: 3.3x native's peak, docs/benchmarks.md). There the blocked path hands fixed tables to
-    TableBiasAttention as well, whose backward recomputes each block. The CPU's flash kernel keeps the view itself."""
-    return device.type != "cpu"
 
 
 def keeps_logsumexp(device: torch.device) -> bool:
@@ -104,10 +190,11 @@ def _logsumexp(query, key, padded, start, rows, keys, scaling):
 class TableBiasAttention(torch.autograd.Function):
     """query [B, H, q, D]; key, value [B, H_kv, kv, D] with keys in reversed order (slot kv - 1 - c at column c);
     padded [H, pad + n] (geometry.padded_table); blocks: (first row, rows, keys, start index in `padded`) per query
-    block. Returns the output [B, H, q, D]."""
+    block; plan: a BackwardPlan, or a dict of measured plans to pick from or fill (backward_plan), or None for the
+    default. Returns the output [B, H, q, D]."""
 
     @staticmethod
-    def forward(ctx, query, key, value, padded, blocks, scaling):
+    def forward(ctx, query, key, value, padded, blocks, scaling, plan=None):
         groups = query.shape[1] // key.shape[1]
         kernel_lse = keeps_logsumexp(query.device)
         outputs, lses = [], []
@@ -127,6 +214,12 @@ class TableBiasAttention(torch.autograd.Function):
         lse = torch.cat(lses, dim=-1) if len(lses) > 1 else lses[0]
         ctx.save_for_backward(query, key, value, padded, output, lse)
         ctx.blocks, ctx.scaling, ctx.groups = blocks, scaling, groups
+        if plan is None:
+            plan = default_plan(query.device)
+        elif not isinstance(plan, BackwardPlan):
+            plan = backward_plan(plan, query.device, torch.promote_types(query.dtype, torch.float32),
+                                 query.shape[1], query.shape[3], max(keys for _, _, keys, _ in blocks))
+        ctx.plan = plan
         return output
 
     @staticmethod
@@ -150,17 +243,17 @@ class TableBiasAttention(torch.autograd.Function):
         grad_query = torch.empty_like(scaled_query)
         grad_key = torch.zeros_like(key)
         grad_value = torch.zeros_like(value.flatten(0, 1))
-        table_grad = ctx.needs_input_grad[3]  # a fixed table (sdpa_keeps_block_masks) takes none
+        table_grad = ctx.needs_input_grad[3]  # a fixed table (ALiBi, Sandwich, a frozen T5) takes none
         grad_padded = torch.zeros_like(padded, dtype=compute)
         # (rows, width) -> a zeroed buffer for dS (skewed_view), reused: entries outside the view stay zero. A few
         # shapes at most: the tiles are KEY_TILE wide but for one remainder per block, the same in every full block.
         skewed = {}
-        # exp's argument is clamped at the log of the smallest normal number (times e): aten's exp takes a slow path,
-        # about 10x, below about -87 in float32, where biases that fall with distance (ALiBi, FIRE) put many
-        # entries. A probability is then at least e * tiny (3e-38 in float32, the masked ones too) where it was
-        # smaller or 0: a difference below float32's resolution of anything it is added to.
-        floor = math.log(torch.finfo(compute).tiny) + 1
-        tile_width = key_tile(query.device)
+        # exp's argument is clamped below log(SMALLEST_PROBABILITY), which its result then falls under and is dropped:
+        # aten's exp takes a slow path, about 10x, below about -87 in float32, where biases that fall with distance
+        # (ALiBi, FIRE) and the masked keys put many entries, and dS must hold no subnormal number (see
+        # SMALLEST_PROBABILITY).
+        floor = math.log(SMALLEST_PROBABILITY) - 1
+        tile_width, contiguous = ctx.plan.key_tile, ctx.plan.layout == "contiguous"
         for first, rows, keys, start in ctx.blocks:
             span = slice(first, first + rows)
             block_grad_query = grad_query[:, span].zero_()
@@ -170,17 +263,22 @@ class TableBiasAttention(torch.autograd.Function):
                 bias = _block_bias(padded, start + tile, rows, width).to(compute)
                 probs = torch.baddbmm(bias.repeat(batch, 1, 1) if batch > 1 else bias,
                                       query_wide[:, span], key_wide[:, columns].transpose(1, 2))
-                probs = probs.clamp_min_(floor).exp_()
+                probs = torch.threshold_(probs.clamp_min_(floor).exp_(), SMALLEST_PROBABILITY, 0.0)
                 grad_value[:, columns].baddbmm_(probs.transpose(1, 2), grad_output[:, span])
-                if (rows, width) not in skewed:
+                if (rows, width) not in skewed and (table_grad or not contiguous):
                     skewed[rows, width] = probs.new_zeros(batch * heads, rows, width + rows)
-                buffer = skewed[rows, width]
-                grad_scores = torch.mul(torch.bmm(grad_wide[:, span], value_wide[:, columns].transpose(1, 2)), probs,
-                                        out=skewed_view(buffer, width))
+                buffer = skewed.get((rows, width))
+                grad_scores = torch.bmm(grad_wide[:, span], value_wide[:, columns].transpose(1, 2))
+                if contiguous:
+                    grad_scores.mul_(probs)
+                else:
+                    grad_scores = torch.mul(grad_scores, probs, out=skewed_view(buffer, width))
                 del probs
                 block_grad_query.baddbmm_(grad_scores, key[:, columns])
                 grad_key[:, columns].baddbmm_(grad_scores.transpose(1, 2), scaled_query[:, span])
                 if table_grad:
+                    if contiguous:
+                        skewed_view(buffer, width).copy_(grad_scores)
                     sums = buffer.view(batch, heads, rows, width + rows).sum((0, 2) if batch > 1 else 2)
                     grad_padded[:, start + tile:start + tile + rows + width - 1] += sums.view(heads, -1)[
                         :, :rows + width - 1]
@@ -189,4 +287,4 @@ class TableBiasAttention(torch.autograd.Function):
         grad_key, grad_value = (grad.view(batch, heads // groups, groups, kv, -1).sum(2) if groups > 1
                                 else grad.view(batch, heads, kv, -1) for grad in (grad_key, grad_value))
         grads = (grad.to(dtype) for grad, dtype in zip((grad_query, grad_key, grad_value, grad_padded), dtypes))
-        return (*(grad if needed else None for grad, needed in zip(grads, ctx.needs_input_grad)), None, None)
+        return (*(grad if needed else None for grad, needed in zip(grads, ctx.needs_input_grad)), None, None, None)

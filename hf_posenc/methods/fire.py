@@ -6,7 +6,8 @@ with f_theta a small MLP per layer (1 -> mlp_width -> heads, ReLU), and c > 0 an
 (kept positive as exp of a parameter). i is the query's true position, so left padding and caches give the
 same bias. For queries at positions i <= L the normaliser psi(L) is the same for every query, so the bias is a
 function of i - j alone: the attention path then uses a distance table (O(L) memory); past L every (i, j) needs
-its own value, computed per query block from the MLP's exact piecewise-linear form (`piecewise_linear`).
+its own value, computed per query block from the MLP's exact piecewise-linear form (`piecewise_linear`); in
+training, `FireBiasForm` sends its gradient to the MLP, c and L in closed form.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ..config import FLOAT32_MAX, FLOAT32_TINY, MAX_DISTANCE, PosEncConfig
 from ..model_info import ModelInfo
 from ..registry import register_method
 from .alibi import bloom_slopes
-from .base import PositionSpan
+from .base import BiasForm, PositionSpan
 from .distance import DistanceBiasMethod
 
 DEFAULT_THRESHOLD = 2048
@@ -155,3 +156,92 @@ class Fire(DistanceBiasMethod):
         segment = torch.searchsorted(knots, u.detach().reshape(-1))  # knots below each u
         flat = slope.T.index_select(1, segment) * u.reshape(1, -1) + intercept.T.index_select(1, segment)
         return flat.view(-1, *u.shape).transpose(0, 1)  # [B, H, q, kv]
+
+    def bias_form(self, layer_idx, query_positions, key_positions, span):
+        span = span or PositionSpan.of(query_positions, key_positions)
+        if span.max_query_position <= self.threshold_values()[layer_idx]:
+            return None  # a distance table serves
+        return FireBiasForm(self, layer_idx, query_positions, key_positions)
+
+
+class FireBiasForm(BiasForm):
+    """FIRE's bias past the threshold, tile by tile, for engine/attention/form_attention.py. With u = psi(d) /
+    psi(n), n = max(L, i), and segment s the knots below u, bias_h = slope[s, h] u + intercept[s, h]
+    (`piecewise_linear`): u and s are computed once per pair for all heads, and a tile's gradient dS reduces to
+
+        d slope[s, h] = sum_s dS_h u,   d intercept[s, h] = sum_s dS_h   (sums over the pairs in segment s),
+        d log c = sum g du/dlog c,   d log L = sum g du/dlog L,   g = sum_h dS_h slope[s, h] (one value per pair),
+        du/dlog c = (cd / (1 + cd) - u cn / (1 + cn)) / psi(n),   du/dlog L = -u [n = L] cL / ((1 + cL) psi(L)),
+
+    (the chain rule through psi and max, whose tie at i = L takes half, as torch.maximum's): per-row sums of g u and
+    g cd / (1 + cd), where autograd through the per-pair tensors kept each of them for the backward."""
+
+    def __init__(self, fire: Fire, layer_idx: int, query_positions: torch.Tensor, key_positions: torch.Tensor):
+        self.log_c, self.log_threshold = fire.log_c[layer_idx], fire.log_threshold[layer_idx]
+        knots, slope, intercept = fire.piecewise_linear(layer_idx)
+        self.tensors = (slope, intercept, self.log_c, self.log_threshold)
+        self.knots = knots
+        self.slope, self.intercept = slope.detach().T.contiguous(), intercept.detach().T.contiguous()  # [H, S]
+        self.c = self.log_c.detach().float().exp()
+        self.threshold = self.log_threshold.detach().float().exp()
+        self.query_positions, self.key_positions = query_positions, key_positions
+        position = query_positions.float()
+        n = torch.maximum(self.threshold, position)
+        self.normaliser = torch.log1p(self.c * n)  # psi(n) [B or 1, q]
+        self.inverse_normaliser = 1.0 / self.normaliser
+        self.normaliser_rate = self.c * n / (1 + self.c * n)  # dpsi(n)/dlog c
+        # dn/dL of max(L, i): 1 below the threshold, half at a tie, 0 past it
+        self.threshold_share = (self.threshold > position).float() + 0.5 * (self.threshold == position).float()
+
+    def tile(self, rows, columns):
+        distance = (self.query_positions[:, rows, None] - self.key_positions[:, None, columns]).clamp_min(0).float()
+        scaled = self.c * distance
+        u = torch.log1p(scaled) / self.normaliser[:, rows, None]  # [B or 1, r, k]
+        batch, r, k = u.shape
+        heads, segments = self.slope.shape
+        segment = torch.searchsorted(self.knots, u.view(batch, 1, r * k))  # knots below each u
+        segment = segment.expand(batch, heads, r * k)
+        slope = self.slope[None].expand(batch, heads, segments).gather(2, segment)
+        bias = self.intercept[None].expand(batch, heads, segments).gather(2, segment).addcmul_(slope, u.view(
+            batch, 1, r * k))
+        return bias.view(batch, heads, r, k), (rows, scaled, u, segment, slope)
+
+    def start_backward(self, dtype, needed):
+        self.needed = needed
+        heads, segments = self.slope.shape
+        batch = max(self.query_positions.shape[0], self.key_positions.shape[0])
+        self.grad_slope = torch.zeros(batch, heads, segments, dtype=dtype, device=self.slope.device)
+        self.grad_intercept = torch.zeros_like(self.grad_slope)
+        self.grad_log_c = torch.zeros((), dtype=dtype, device=self.slope.device)
+        self.grad_log_threshold = torch.zeros_like(self.grad_log_c)
+
+    def accumulate(self, saved, grad_bias):
+        rows, scaled, u, segment, slope = saved
+        batch, heads, r, k = grad_bias.shape
+        if u.shape[0] < batch:  # positions shared by the batch: so are u and the segments
+            grad_bias = grad_bias.sum(0, keepdim=True)
+            batch = 1
+        grad_bias = grad_bias.reshape(batch, heads, r * k)
+        u_flat = u.view(u.shape[0], 1, r * k)
+        need_slope, need_intercept, need_c, need_threshold = self.needed
+        if need_intercept:
+            self.grad_intercept[:batch].scatter_add_(2, segment, grad_bias)
+        if need_slope:
+            self.grad_slope[:batch].scatter_add_(2, segment, grad_bias * u_flat)
+        if not (need_c or need_threshold):
+            return
+        g = (grad_bias * slope).sum(1).view(batch, r, k)  # dloss/du per pair
+        gu = (g * u).sum(-1)  # [B, r]
+        inverse = self.inverse_normaliser[:, rows]
+        if need_c:
+            ga = (g * (scaled / (1 + scaled))).sum(-1)
+            self.grad_log_c += ((ga - gu * self.normaliser_rate[:, rows]) * inverse).sum()
+        if need_threshold:
+            rate = self.c * self.threshold / (1 + self.c * self.threshold)
+            self.grad_log_threshold -= (gu * self.threshold_share[:, rows] * inverse).sum() * rate
+
+    def gradients(self):
+        slope, intercept, log_c, log_threshold = self.tensors
+        grads = (self.grad_slope.sum(0).T.to(slope.dtype), self.grad_intercept.sum(0).T.to(intercept.dtype),
+                 self.grad_log_c.to(log_c.dtype), self.grad_log_threshold.to(log_threshold.dtype))
+        return tuple(grad if needed else None for grad, needed in zip(grads, self.needed))

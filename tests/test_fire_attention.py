@@ -12,7 +12,7 @@ import torch
 
 import hf_posenc
 from hf_posenc import attention
-from hf_posenc.engine.attention import bias_path, form_attention, table_attention
+from hf_posenc.engine.attention import bias_path, form_attention
 from hf_posenc.engine.state import PositionState
 from test_attention import CASES, FakeAttention
 from tiny_models import random_ids, tiny_model
@@ -59,7 +59,7 @@ def reference_attention(params, state, query, key, value, mask, scaling):
 @pytest.mark.parametrize("case", ["prefill", "chunk after cache", "static cache", "left padded"])
 def test_gradients_equal_the_float64_formula(case, heads, kv_heads, monkeypatch):
     monkeypatch.setattr(bias_path, "FORM_BLOCK_ROWS", 8)  # several query blocks
-    monkeypatch.setattr(table_attention, "KEY_TILE", 5)  # several key tiles per block in the backward
+    monkeypatch.setattr(form_attention, "KEY_TILE", 5)  # several key tiles per block in the backward
     batch, q, kv, offset, pad = CASES[case]
     fire = fire_module(threshold=offset + q // 2 + 0.5)  # queries on both sides of L (no tie: see below)
     state = PositionState(fire, backend="sdpa")

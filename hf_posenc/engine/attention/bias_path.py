@@ -172,6 +172,8 @@ def form_bias_attention(call: AttentionCall, form) -> torch.Tensor:
     query_offset = call.state.query_offset(call.query.shape[2], kv)
 
     def mask(rows, columns, bias, dtype):
+        if attention_mask is None and not method.masks_keys and columns.stop - 1 <= query_offset + rows.start:
+            return bias.to(dtype)  # every key of the tile is before every query of the block: nothing to mask
         allowed = key_slots[None, columns] <= query_slots[rows, None]
         given = attention_mask[..., rows, columns] if attention_mask is not None else None
         return combined_mask(method, allowed, bias, given, query_positions[:, rows], key_positions[:, columns],

@@ -19,8 +19,17 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
-from .table_attention import _widen, key_tile
+from .table_attention import _widen
+
+
+# Probabilities below e^-60 (1e-26: far below float32's resolution of the sums they enter) are made exactly 0. Left
+# as they come (or floored at the smallest normal number, as table_attention.py does for exp's slow path), the
+# masked and far entries made dS denormal, and on an Intel Xeon a matmul on denormal operands took 15x as long
+# (issue 56); exp(-inf) = 0 takes exp's fast path.
+LOG_PROBABILITY_FLOOR = -60.0
+KEY_TILE = 256  # keys per backward tile: its temporaries ([B*H, rows, KEY_TILE] each) stay in cache
 
 
 def applies(query: torch.Tensor) -> bool:
@@ -69,32 +78,39 @@ class FormBiasAttention(torch.autograd.Function):
         query_wide, key_wide = _widen(scaled_query, -lse.to(compute)), _widen(key, 1.0)
         grad_wide, value_wide = _widen(grad_output, -delta), _widen(value, 1.0)
         scaled_query, grad_output, key = scaled_query.flatten(0, 1), grad_output.flatten(0, 1), key.flatten(0, 1)
-        grad_query = torch.zeros_like(scaled_query)
-        grad_key = torch.zeros_like(key)
-        grad_value = torch.zeros_like(value.flatten(0, 1))
+        grad_query = torch.empty_like(scaled_query)
+        width = KEY_TILE
+        tiles = -(-kv // width)
+        # dK and dV by key tile, each tile's [B*H, width, D] contiguous: baddbmm_ into a strided slice of a
+        # [B*H, kv, D] tensor falls apart into one addmm_ per batch x head, some of them 100x slower (issue 56).
+        grad_key = key.new_zeros(tiles, batch * heads, min(width, kv), dim)
+        grad_value = key.new_zeros(tiles, batch * heads, min(width, kv), value.shape[-1])
         form.start_backward(compute, [needed for needed in ctx.needs_input_grad[7:]])
-        floor = math.log(torch.finfo(compute).tiny) + 1  # exp's slow path below it (see table_attention.py)
-        width = key_tile(query.device)
         for rows, columns in ctx.blocks:
-            block_grad_query = grad_query[:, rows]
-            for first in range(columns.start, columns.stop, width):
+            block_grad_query = grad_query.new_zeros(batch * heads, rows.stop - rows.start, dim)
+            for first in range(0, columns.stop, width):
                 tile = slice(first, min(columns.stop, first + width))
+                tile_grad_key, tile_grad_value = (grad[first // width, :, :tile.stop - first]
+                                                  for grad in (grad_key, grad_value))
                 bias, saved = form.tile(rows, tile)
                 mask = ctx.mask(rows, tile, bias, compute)
                 mask = mask.expand(batch, heads, *mask.shape[2:]).reshape(batch * heads, *mask.shape[2:])
                 probs = torch.baddbmm(mask, query_wide[:, rows], key_wide[:, tile].transpose(1, 2))
                 del mask
-                probs = probs.clamp_min_(floor).exp_()
-                grad_value[:, tile].baddbmm_(probs.transpose(1, 2), grad_output[:, rows])
+                probs = F.threshold_(probs, LOG_PROBABILITY_FLOOR, -math.inf).exp_()
+                tile_grad_value.baddbmm_(probs.transpose(1, 2), grad_output[:, rows])
                 grad_scores = torch.bmm(grad_wide[:, rows], value_wide[:, tile].transpose(1, 2)).mul_(probs)
                 del probs
                 block_grad_query.baddbmm_(grad_scores, key[:, tile])
-                grad_key[:, tile].baddbmm_(grad_scores.transpose(1, 2), scaled_query[:, rows])
+                tile_grad_key.baddbmm_(grad_scores.transpose(1, 2), scaled_query[:, rows])
                 form.accumulate(saved, grad_scores.view(batch, heads, *grad_scores.shape[1:]))
-        grad_query.mul_(scaling)
+            torch.mul(block_grad_query, scaling, out=grad_query[:, rows])
         grad_query = grad_query.view(batch, heads, q, dim)
-        grad_key, grad_value = (grad.view(batch, heads // groups, groups, kv, -1).sum(2) if groups > 1
-                                else grad.view(batch, heads, kv, -1) for grad in (grad_key, grad_value))
+        # [tiles, B*H, width, D] -> [B*H, kv, D]
+        grad_key, grad_value = (grad.transpose(0, 1).reshape(batch * heads, -1, grad.shape[-1])[:, :kv]
+                                for grad in (grad_key, grad_value))
+        grad_key, grad_value = (grad.reshape(batch, heads // groups, groups, kv, -1).sum(2) if groups > 1
+                                else grad.reshape(batch, heads, kv, -1) for grad in (grad_key, grad_value))
         grads = [grad.to(dtype) for grad, dtype in zip((grad_query, grad_key, grad_value), dtypes)]
         grads = [grad if needed else None for grad, needed in zip(grads, ctx.needs_input_grad)]
         return (*grads, None, None, None, None, *form.gradients())

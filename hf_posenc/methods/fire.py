@@ -224,8 +224,10 @@ class FireBiasForm(BiasForm):
         batch = max(self.query_positions.shape[0], self.key_positions.shape[0])
         self.grad_slope = torch.zeros(batch, heads, segments, dtype=dtype, device=self.slope.device)
         self.grad_intercept = torch.zeros_like(self.grad_slope)
-        self.grad_log_c = torch.zeros((), dtype=dtype, device=self.slope.device)
-        self.grad_log_threshold = torch.zeros_like(self.grad_log_c)
+        # per query row: the sums over its keys of g u and of g cd / (1 + cd) (g = dloss/du), made into the
+        # gradients of c and L once, in `gradients`
+        self.row_gu = torch.zeros(batch, self.query_positions.shape[1], dtype=dtype, device=self.slope.device)
+        self.row_ga = torch.zeros_like(self.row_gu)
 
     def accumulate(self, saved, grad_bias):
         rows, scaled, u, ends = saved
@@ -233,34 +235,35 @@ class FireBiasForm(BiasForm):
         if u.shape[0] < batch:  # positions shared by the batch: so are u and the segments
             grad_bias = grad_bias.sum(0, keepdim=True)
             batch = 1
-        need_slope, need_intercept, need_c, need_threshold = self.needed
-        weights = [None, u] + ([scaled / (1 + scaled)] if need_c else [])  # 1, u, cd / (1 + cd)
+        need_c = self.needed[2]
+        count = 3 if need_c else 2  # sums of dS, dS u and (for c) dS cd / (1 + cd)
         # prefix sums along each row, behind a 0: prefix[q, .., j] = sum over keys c < j of dS * weight q
-        prefix = grad_bias.new_empty(len(weights), batch, heads, r, k + 1)
+        prefix = grad_bias.new_empty(count, batch, heads, r, k + 1)
         prefix[..., 0] = 0
-        for index, weight in enumerate(weights):
-            torch.cumsum(grad_bias if weight is None else grad_bias * weight[:, None], -1, out=prefix[index, ..., 1:])
-        rows_base = torch.arange(len(weights) * batch * heads * r, device=u.device).view(
-            len(weights), batch, heads, r, 1) * (k + 1)
-        at_ends = prefix.view(-1).index_select(0, (rows_base + ends[None, :, None]).view(-1)).view(
-            len(weights), batch, heads, r, -1)
-        runs = at_ends[..., :-1] - at_ends[..., 1:]  # [quantity, B, H, r, S]: sums over each segment's run
-        self.grad_intercept[:batch] += runs[0].sum(2)
-        self.grad_slope[:batch] += runs[1].sum(2)
-        if not (need_c or need_threshold):
-            return
-        slope = self.slope.to(runs.dtype)
-        gu = torch.einsum("bhrs,hs->br", runs[1], slope)  # sum over the row of g u
-        inverse = self.inverse_normaliser[:, rows]
+        torch.cumsum(grad_bias, -1, out=prefix[0, ..., 1:])
+        torch.mul(grad_bias, u[:, None], out=prefix[1, ..., 1:])
         if need_c:
-            ga = torch.einsum("bhrs,hs->br", runs[2], slope)  # sum over the row of g cd / (1 + cd)
-            self.grad_log_c += ((ga - gu * self.normaliser_rate[:, rows]) * inverse).sum()
-        if need_threshold:
-            rate = self.c * self.threshold / (1 + self.c * self.threshold)
-            self.grad_log_threshold -= (gu * self.threshold_share[:, rows] * inverse).sum() * rate
+            torch.mul(grad_bias, (scaled / (1 + scaled))[:, None], out=prefix[2, ..., 1:])
+        prefix[1:].cumsum_(-1)
+        starts = torch.arange(0, prefix.numel(), k + 1, device=u.device).view(count, batch, heads, r, 1)
+        at_ends = prefix.view(-1).index_select(0, (starts + ends[None, :, None]).view(-1)).view(
+            count, batch, heads, r, -1)
+        runs = at_ends[..., :-1] - at_ends[..., 1:]  # [quantity, B, H, r, S]: sums over each segment's run
+        per_segment = runs[:2].sum(3)  # over the rows
+        self.grad_intercept[:batch] += per_segment[0]
+        self.grad_slope[:batch] += per_segment[1]
+        # sums over each row of g u and g cd / (1 + cd), g = sum_h dS_h slope[s, h] = dloss/du
+        row_sums = torch.einsum("qbhrs,hs->qbr", runs[1:], self.slope.to(runs.dtype))
+        self.row_gu[:batch, rows] += row_sums[0]
+        if need_c:
+            self.row_ga[:batch, rows] += row_sums[1]
 
     def gradients(self):
         slope, intercept, log_c, log_threshold = self.tensors
+        gu, ga, inverse = self.row_gu, self.row_ga, self.inverse_normaliser
+        grad_log_c = ((ga - gu * self.normaliser_rate) * inverse).sum()
+        rate = self.c * self.threshold / (1 + self.c * self.threshold)
+        grad_log_threshold = -(gu * self.threshold_share * inverse).sum() * rate
         grads = (self.grad_slope.sum(0).T.to(slope.dtype), self.grad_intercept.sum(0).T.to(intercept.dtype),
-                 self.grad_log_c.to(log_c.dtype), self.grad_log_threshold.to(log_threshold.dtype))
+                 grad_log_c.to(log_c.dtype), grad_log_threshold.to(log_threshold.dtype))
         return tuple(grad if needed else None for grad, needed in zip(grads, self.needed))

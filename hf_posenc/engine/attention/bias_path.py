@@ -24,7 +24,8 @@ from .form_attention import FormBiasAttention
 from .table_attention import TableBiasAttention, sdpa_keeps_block_masks
 
 VIEW_BLOCK_ROWS = 256  # query rows per block when the bias is a view: fewer wastes the masked keys less, more calls
-FORM_BLOCK_ROWS = 128  # query rows per block of a bias form (form_attention.py)
+FORM_BLOCK_ROWS = 256  # query rows per block of a bias form (form_attention.py): 256 x 256-key tiles were the
+# fastest of 64-256 rows x 128-256 keys at 2048 tokens on the Xeon under load (3.2x native there, 128 rows 4.8x)
 # Past dynamo's recompile_limit (8) flex runs uncompiled, every score matrix materialised (5x slower on an H200):
 # our compiled calls get this allowance, inside the call only (docs/attention-paths.md, dynamo's recompile limit).
 FLEX_RECOMPILE_LIMIT = 256

@@ -19,8 +19,7 @@ from .geometry import (block_mask, block_rows, causal_square, combined_mask, dis
                        needs_grad, padded_table, position_span, power_of_two_bucket, query_blocks,
                        rotates_as_one_block, toeplitz_view)
 from .paths import chosen_path, count_path
-from . import form_attention
-from .form_attention import FormBiasAttention
+from .form_attention import FormBiasAttention, form_attention_applies
 from .table_attention import TableBiasAttention, sdpa_keeps_block_masks
 
 VIEW_BLOCK_ROWS = 256  # query rows per block when the bias is a view: fewer wastes the masked keys less, more calls
@@ -111,7 +110,7 @@ def blocked_attention(call: AttentionCall, rotate_blocks: bool = False):
         output = TableBiasAttention.apply(query, key, value, padded, blocks, scaling)
         return output.transpose(1, 2).contiguous(), None
 
-    if (table is None and not eager and dropout == 0.0 and not rotate_blocks and form_attention.applies(query)
+    if (table is None and not eager and dropout == 0.0 and not rotate_blocks and form_attention_applies(query)
             and isinstance(method, AttentionBiasMethod) and needs_grad(method, query, key, value)):
         form = method.bias_form(layer_idx, query_positions, key_positions, position_span(call))
         if form is not None:

@@ -32,7 +32,7 @@ LOG_PROBABILITY_FLOOR = -60.0
 KEY_TILE = 256  # keys per backward tile: its temporaries ([B*H, rows, KEY_TILE] each) stay in cache
 
 
-def applies(query: torch.Tensor) -> bool:
+def form_attention_applies(query: torch.Tensor) -> bool:
     """Whether the form path can serve: aten's CPU flash kernel (which returns the logsumexp the backward needs)
     and a dtype whose mask holds the bias unrounded (float32, float64)."""
     return query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64)

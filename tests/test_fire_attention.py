@@ -60,6 +60,7 @@ def reference_attention(params, state, query, key, value, mask, scaling):
 def test_gradients_equal_the_float64_formula(case, heads, kv_heads, monkeypatch):
     monkeypatch.setattr(bias_path, "FORM_BLOCK_ROWS", 8)  # several query blocks
     monkeypatch.setattr(form_attention, "KEY_TILE", 5)  # several key tiles per block in the backward
+    monkeypatch.setattr(form_attention, "FORWARD_KEY_CHUNK", 7)  # and pieces of each bias in the forward
     batch, q, kv, offset, pad = CASES[case]
     fire = fire_module(threshold=offset + q // 2 + 0.5)  # queries on both sides of L (no tie: see below)
     state = PositionState(fire, backend="sdpa")

@@ -29,6 +29,7 @@ from .table_attention import _widen
 # masked and far entries made dS denormal, and on an Intel Xeon a matmul on denormal operands took 15x as long
 # (issue 56); exp(-inf) = 0 takes exp's fast path.
 LOG_PROBABILITY_FLOOR = -60.0
+FORWARD_KEY_CHUNK = 1024  # keys per piece of a block's bias in the forward
 KEY_TILE = 256  # keys per backward tile: its temporaries ([B*H, rows, KEY_TILE] each) stay in cache
 
 
@@ -46,9 +47,21 @@ class FormBiasAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, form, blocks, mask, scaling, *tensors):
-        outputs, lses = [], []
+        outputs, lses, storage = [], [], None
         for rows, columns in blocks:
-            bias, _ = form.tile(rows, columns)
+            # The block's bias, FORWARD_KEY_CHUNK keys at a time into one buffer reused by every block: made whole,
+            # each block allocated (and the system zeroed) a few hundred MiB of per-pair temporaries at 8192 tokens.
+            chunks = [form.tile(rows, slice(first, min(columns.stop, first + FORWARD_KEY_CHUNK)))[0]
+                      for first in range(0, min(columns.stop, FORWARD_KEY_CHUNK), FORWARD_KEY_CHUNK)]
+            shape = (*chunks[0].shape[:-1], columns.stop)
+            if storage is None:
+                storage = chunks[0].new_empty(shape[0] * shape[1] * shape[2] * blocks[-1][1].stop)
+            bias = storage[:math.prod(shape)].view(shape)
+            bias[..., :chunks[0].shape[-1]] = chunks[0]
+            del chunks
+            for first in range(FORWARD_KEY_CHUNK, columns.stop, FORWARD_KEY_CHUNK):
+                tile = slice(first, min(columns.stop, first + FORWARD_KEY_CHUNK))
+                bias[..., tile] = form.tile(rows, tile)[0]
             block_mask = mask(rows, columns, bias, query.dtype)
             output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 query[:, :, rows], key[:, :, columns], value[:, :, columns], attn_mask=block_mask, scale=scaling)

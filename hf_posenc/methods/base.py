@@ -128,6 +128,31 @@ class PositionSpan:
         return max(1, self.max_query_position - self.min_key_position + 1)
 
 
+class BiasForm:
+    """One attention call's bias, tile by tile, for a backward that never keeps a per-pair bias tensor (engine/
+    attention/form_attention.py): `tile` gives the bias of query rows x key columns and what `accumulate` needs
+    again; `accumulate` takes the gradient dS of that tile and reduces it into the method's own parameters;
+    `gradients` returns, after the last tile, one gradient (or None) per tensor of `tensors`, through which autograd
+    continues to the method's parameters."""
+
+    tensors: tuple[torch.Tensor, ...] = ()
+
+    def tile(self, rows: slice, columns: slice) -> tuple[torch.Tensor, object]:
+        """(float32 bias [B or 1, H, r, k] of query rows x key columns, a new tensor; what `accumulate` needs)."""
+        raise NotImplementedError
+
+    def start_backward(self, dtype: torch.dtype, needed: list[bool]) -> None:
+        """Before the first `accumulate`: the dtype dS comes in, and which of `tensors` need a gradient."""
+        raise NotImplementedError
+
+    def accumulate(self, saved: object, grad_bias: torch.Tensor) -> None:
+        """grad_bias [B, H, r, k]: the loss's gradient w.r.t. the bias of the tile `tile` returned `saved` for."""
+        raise NotImplementedError
+
+    def gradients(self) -> tuple[torch.Tensor | None, ...]:
+        raise NotImplementedError
+
+
 class AttentionBiasMethod(PositionalMethod):
     def bias(self, layer_idx: int, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """query_positions [B or 1, q], key_positions [B or 1, kv] -> float32 [B or 1, heads, q, kv]: each token's
@@ -147,6 +172,13 @@ class AttentionBiasMethod(PositionalMethod):
         """float32 [H, num_distances]: the bias at distances 0..num_distances-1 when, for queries at positions up to
         `max_position`, it depends on the distance i - j alone; else None. With a table the attention path never
         materialises the bias (a Toeplitz view per query block, a flex_attention score_mod)."""
+        return None
+
+    def bias_form(self, layer_idx: int, query_positions: torch.Tensor, key_positions: torch.Tensor,
+                  span: PositionSpan | None) -> BiasForm | None:
+        """The bias of a call whose positions span `span` as a `BiasForm` (a bias computed per tile, whose gradient
+        the method reduces itself), where `bias_table` gives none and the bias takes a gradient; None: the attention
+        path differentiates `block_bias` by autograd."""
         return None
 
     def alibi_slopes(self, device: torch.device) -> torch.Tensor | None:

@@ -6,7 +6,8 @@ with f_theta a small MLP per layer (1 -> mlp_width -> heads, ReLU), and c > 0 an
 (kept positive as exp of a parameter). i is the query's true position, so left padding and caches give the
 same bias. For queries at positions i <= L the normaliser psi(L) is the same for every query, so the bias is a
 function of i - j alone: the attention path then uses a distance table (O(L) memory); past L every (i, j) needs
-its own value, computed per query block from the MLP's exact piecewise-linear form (`piecewise_linear`).
+its own value, computed per query block from the MLP's exact piecewise-linear form (`piecewise_linear`); in
+training, `FireBiasForm` sends its gradient to the MLP, c and L in closed form.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ..config import FLOAT32_MAX, FLOAT32_TINY, MAX_DISTANCE, PosEncConfig
 from ..model_info import ModelInfo
 from ..registry import register_method
 from .alibi import bloom_slopes
-from .base import PositionSpan
+from .base import BiasForm, PositionSpan
 from .distance import DistanceBiasMethod
 
 DEFAULT_THRESHOLD = 2048
@@ -155,3 +156,114 @@ class Fire(DistanceBiasMethod):
         segment = torch.searchsorted(knots, u.detach().reshape(-1))  # knots below each u
         flat = slope.T.index_select(1, segment) * u.reshape(1, -1) + intercept.T.index_select(1, segment)
         return flat.view(-1, *u.shape).transpose(0, 1)  # [B, H, q, kv]
+
+    def bias_form(self, layer_idx, query_positions, key_positions, span):
+        span = span or PositionSpan.of(query_positions, key_positions)
+        if span.max_query_position <= self.threshold_values()[layer_idx]:
+            return None  # a distance table serves
+        if key_positions.shape[-1] > 1 and not bool((key_positions.diff(dim=-1) >= 0).all()):
+            return None  # positions that restart (packed sequences): segments are not runs of keys (FireBiasForm)
+        return FireBiasForm(self, layer_idx, query_positions, key_positions)
+
+
+class FireBiasForm(BiasForm):
+    """FIRE's bias past the threshold, tile by tile, for engine/attention/form_attention.py. With u = psi(d) /
+    psi(n), n = max(L, i), and segment s the knots below u, bias_h = slope[s, h] u + intercept[s, h]
+    (`piecewise_linear`). u and s are computed once per pair for all heads, and a tile's gradient dS reduces to
+
+        d slope[s, h] = sum_s dS_h u,   d intercept[s, h] = sum_s dS_h   (sums over the pairs in segment s),
+        d log c = sum g du/dlog c,   d log L = sum g du/dlog L,   g = sum_h dS_h slope[s, h],
+        du/dlog c = (cd / (1 + cd) - u cn / (1 + cn)) / psi(n),   du/dlog L = -u [n = L] cL / ((1 + cL) psi(L)),
+
+    (the chain rule through psi and max, whose tie at i = L takes half, as torch.maximum's), so that every sum is
+    one over the pairs of a row in one segment, of dS_h, dS_h u or dS_h cd / (1 + cd). With key positions in order,
+    u falls along a row, so each segment is a run of keys, whose sum is the difference of two prefix sums: a cumsum
+    per quantity and a lookup at the run ends, where a scatter per pair (or autograd through the per-pair tensors)
+    took 50-200x a vectorised pass on the CPU (issue 56). The run ends come from the knots' places in each row's u
+    (one search per row and knot), and the segment of each pair from the run ends, so all agree."""
+
+    def __init__(self, fire: Fire, layer_idx: int, query_positions: torch.Tensor, key_positions: torch.Tensor):
+        self.log_c, self.log_threshold = fire.log_c[layer_idx], fire.log_threshold[layer_idx]
+        knots, slope, intercept = fire.piecewise_linear(layer_idx)
+        self.tensors = (slope, intercept, self.log_c, self.log_threshold)
+        self.knots = knots
+        self.slope, self.intercept = slope.detach().T.contiguous(), intercept.detach().T.contiguous()  # [H, S]
+        self.c = self.log_c.detach().float().exp()
+        self.threshold = self.log_threshold.detach().float().exp()
+        self.query_positions, self.key_positions = query_positions.float(), key_positions.float()
+        n = torch.maximum(self.threshold, self.query_positions)
+        self.normaliser = torch.log1p(self.c * n)  # psi(n) [B or 1, q]
+        self.inverse_normaliser = 1.0 / self.normaliser
+        self.normaliser_rate = self.c * n / (1 + self.c * n)  # dpsi(n)/dlog c
+        # dn/dL of max(L, i): 1 below the threshold, half at a tie, 0 past it
+        self.threshold_share = ((self.threshold > self.query_positions).float()
+                                + 0.5 * (self.threshold == self.query_positions).float())
+
+    def tile(self, rows, columns):
+        distance = (self.query_positions[:, rows, None] - self.key_positions[:, None, columns]).clamp_min_(0)
+        scaled = distance.mul_(self.c)  # c d
+        u = torch.log1p(scaled).div_(self.normaliser[:, rows, None])  # [B or 1, r, k], falling along each row
+        batch, r, k = u.shape
+        width = self.knots.numel()
+        # run ends: ends[.., 1 + m] = how many leading keys have u above knot m (ends[.., 0] = k, ends[.., -1] = 0)
+        at_or_below = torch.searchsorted(u.flip(-1).contiguous(), self.knots.expand(batch, r, width).contiguous(),
+                                         right=True)
+        inner = k - at_or_below
+        ends = torch.cat([inner.new_full((batch, r, 1), k), inner, inner.new_zeros(batch, r, 1)], dim=-1)
+        # segment of key c = knots below its u = how many run ends lie past c
+        passed = torch.zeros(batch, r, k + 1, dtype=inner.dtype, device=u.device).scatter_add_(
+            2, inner, torch.ones_like(inner))
+        segment = (width - passed.cumsum_(-1)[..., :k]).view(-1)
+        heads = self.slope.shape[0]
+        bias = self.intercept.index_select(1, segment).addcmul_(self.slope.index_select(1, segment), u.view(1, -1))
+        return bias.view(heads, batch, r, k).transpose(0, 1), (rows, scaled, u, ends)
+
+    def start_backward(self, dtype, needed):
+        self.needed = needed
+        heads, segments = self.slope.shape
+        batch = max(self.query_positions.shape[0], self.key_positions.shape[0])
+        self.grad_slope = torch.zeros(batch, heads, segments, dtype=dtype, device=self.slope.device)
+        self.grad_intercept = torch.zeros_like(self.grad_slope)
+        # per query row: the sums over its keys of g u and of g cd / (1 + cd) (g = dloss/du), made into the
+        # gradients of c and L once, in `gradients`
+        self.row_gu = torch.zeros(batch, self.query_positions.shape[1], dtype=dtype, device=self.slope.device)
+        self.row_ga = torch.zeros_like(self.row_gu)
+
+    def accumulate(self, saved, grad_bias):
+        rows, scaled, u, ends = saved
+        batch, heads, r, k = grad_bias.shape
+        if u.shape[0] < batch:  # positions shared by the batch: so are u and the segments
+            grad_bias = grad_bias.sum(0, keepdim=True)
+            batch = 1
+        need_c = self.needed[2]
+        count = 3 if need_c else 2  # sums of dS, dS u and (for c) dS cd / (1 + cd)
+        # prefix sums along each row, behind a 0: prefix[q, .., j] = sum over keys c < j of dS * weight q
+        prefix = grad_bias.new_empty(count, batch, heads, r, k + 1)
+        prefix[..., 0] = 0
+        torch.cumsum(grad_bias, -1, out=prefix[0, ..., 1:])
+        torch.mul(grad_bias, u[:, None], out=prefix[1, ..., 1:])
+        if need_c:
+            torch.mul(grad_bias, (scaled / (1 + scaled))[:, None], out=prefix[2, ..., 1:])
+        prefix[1:].cumsum_(-1)
+        starts = torch.arange(0, prefix.numel(), k + 1, device=u.device).view(count, batch, heads, r, 1)
+        at_ends = prefix.view(-1).index_select(0, (starts + ends[None, :, None]).view(-1)).view(
+            count, batch, heads, r, -1)
+        runs = at_ends[..., :-1] - at_ends[..., 1:]  # [quantity, B, H, r, S]: sums over each segment's run
+        per_segment = runs[:2].sum(3)  # over the rows
+        self.grad_intercept[:batch] += per_segment[0]
+        self.grad_slope[:batch] += per_segment[1]
+        # sums over each row of g u and g cd / (1 + cd), g = sum_h dS_h slope[s, h] = dloss/du
+        row_sums = torch.einsum("qbhrs,hs->qbr", runs[1:], self.slope.to(runs.dtype))
+        self.row_gu[:batch, rows] += row_sums[0]
+        if need_c:
+            self.row_ga[:batch, rows] += row_sums[1]
+
+    def gradients(self):
+        slope, intercept, log_c, log_threshold = self.tensors
+        gu, ga, inverse = self.row_gu, self.row_ga, self.inverse_normaliser
+        grad_log_c = ((ga - gu * self.normaliser_rate) * inverse).sum()
+        rate = self.c * self.threshold / (1 + self.c * self.threshold)
+        grad_log_threshold = -(gu * self.threshold_share * inverse).sum() * rate
+        grads = (self.grad_slope.sum(0).T.to(slope.dtype), self.grad_intercept.sum(0).T.to(intercept.dtype),
+                 grad_log_c.to(log_c.dtype), grad_log_threshold.to(log_threshold.dtype))
+        return tuple(grad if needed else None for grad, needed in zip(grads, self.needed))

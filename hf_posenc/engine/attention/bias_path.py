@@ -19,9 +19,12 @@ from .geometry import (block_mask, block_rows, causal_square, combined_mask, dis
                        needs_grad, padded_table, position_span, power_of_two_bucket, query_blocks,
                        rotates_as_one_block, toeplitz_view)
 from .paths import chosen_path, count_path
+from .form_attention import FormBiasAttention, form_attention_applies
 from .table_attention import TableBiasAttention
 
 VIEW_BLOCK_ROWS = 256  # query rows per block when the bias is a view: fewer wastes the masked keys less, more calls
+FORM_BLOCK_ROWS = 256  # query rows per block of a bias form (form_attention.py): 256 x 256-key tiles were the
+# fastest of 64-256 rows x 128-256 keys at 2048 tokens on the Xeon under load (3.2x native there, 128 rows 4.8x)
 # Past dynamo's recompile_limit (8) flex runs uncompiled, every score matrix materialised (5x slower on an H200):
 # our compiled calls get this allowance, inside the call only (docs/attention-paths.md, dynamo's recompile limit).
 FLEX_RECOMPILE_LIMIT = 256
@@ -108,6 +111,14 @@ def blocked_attention(call: AttentionCall, rotate_blocks: bool = False):
         output = TableBiasAttention.apply(query, key, value, padded, blocks, scaling, state.tuned)
         return output.transpose(1, 2).contiguous(), None
 
+    if (table is None and not eager and dropout == 0.0 and not rotate_blocks and form_attention_applies(query)
+            and isinstance(method, AttentionBiasMethod) and needs_grad(method, query, key, value)):
+        form = method.bias_form(layer_idx, query_positions, key_positions, position_span(call))
+        if form is not None:
+            # A learned bias with no table (FIRE past its threshold): its gradient goes to the method's parameters
+            # without a per-pair tensor in the graph (form_attention.py).
+            return form_bias_attention(call, form), None
+
     outputs, weights = [], []
     for rows in query_blocks(query_positions, step, method.max_query_spread(query.dtype) if rotate_blocks
                              else None):
@@ -152,6 +163,28 @@ def blocked_attention(call: AttentionCall, rotate_blocks: bool = False):
     output = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
     attn_weights = (torch.cat(weights, dim=2) if len(weights) > 1 else weights[0]) if eager else None
     return output.transpose(1, 2).contiguous(), attn_weights
+
+
+def form_bias_attention(call: AttentionCall, form) -> torch.Tensor:
+    """The output [B, q, H, D] of a call whose bias is a method's BiasForm, by query blocks of FORM_BLOCK_ROWS."""
+    method, query_positions, key_positions = call.method, call.query_positions, call.key_positions
+    query_slots, key_slots, attention_mask = call.query_slots, call.key_slots, call.attention_mask
+    kv = call.key.shape[2]
+    query_offset = call.state.query_offset(call.query.shape[2], kv)
+
+    def mask(rows, columns, bias, dtype):
+        if attention_mask is None and not method.masks_keys and columns.stop - 1 <= query_offset + rows.start:
+            return bias.to(dtype)  # every key of the tile is before every query of the block: nothing to mask
+        allowed = key_slots[None, columns] <= query_slots[rows, None]
+        given = attention_mask[..., rows, columns] if attention_mask is not None else None
+        return combined_mask(method, allowed, bias, given, query_positions[:, rows], key_positions[:, columns],
+                             dtype, owned=True)
+
+    blocks = [(rows, slice(0, max(1, min(kv, query_offset + rows.stop))))
+              for rows in query_blocks(query_positions, FORM_BLOCK_ROWS)]
+    output = FormBiasAttention.apply(call.query, call.key, call.value, form, blocks, mask, call.scaling,
+                                     *form.tensors)
+    return output.transpose(1, 2).contiguous()
 
 
 def traced_attention(call: AttentionCall):

@@ -1,4 +1,4 @@
-"""Which path computes a call ("auto", "blocked", "flex", "flash", "compiled"), and the counts of which path served.
+"""Which path computes a call ("auto", "blocked", "flex", "flash", "compiled", "triton"), and the counts of which path served.
 
 The choice is per model or per thread: `set_attention_path(path, model)` keeps a model's own (on its PositionState);
 `attention_path(path)` (a context manager) and `set_attention_path(path)` set the current thread's or asyncio task's
@@ -18,7 +18,7 @@ from torch import nn
 from ...errors import PosEncError
 from ..state import STATE_ATTR, PositionState
 
-ATTENTION_PATHS = ("auto", "blocked", "flex", "flash", "compiled")
+ATTENTION_PATHS = ("auto", "blocked", "flex", "flash", "compiled", "triton")
 
 _context_path: ContextVar[str | None] = ContextVar("hf_posenc_attention_path", default=None)
 _context_counts: ContextVar[Counter] = ContextVar("hf_posenc_path_counts")
@@ -42,8 +42,8 @@ def _states_of(model: nn.Module) -> list[PositionState]:
 
 
 def set_attention_path(path: str, model: nn.Module | None = None) -> None:
-    """Choose how attention is computed: "auto" (default), "blocked", "flex", "flash" or "compiled" (content methods'
-    blocks under torch.compile; docs/attention-paths.md). With `model`, for that patched model's calls; without,
+    """Choose how attention is computed: "auto" (default), "blocked", "flex", "flash", "compiled" (content methods'
+    blocks under torch.compile) or "triton" (the Triton kernels, hf_posenc[gpu]; docs/attention-paths.md). With `model`, for that patched model's calls; without,
     for every model's calls in the current thread or asyncio task, over any model's own choice."""
     _checked(path)
     if model is None:

@@ -11,10 +11,6 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download anything
-# The Triton kernels' tests run through Triton's interpreter where torch sees no GPU: it must be set before triton is
-# imported (the library imports triton only where a Triton path is chosen; nothing else in the tests reads it).
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 # One intra-op thread per pytest-xdist worker: the workers already fill the cores, and on tiny models a second
 # thread per worker only oversubscribes them (measured on 2 cores: the contract's decoding and padding tests took
 # 5x as long with 2 threads per worker as with 1).
@@ -25,6 +21,13 @@ def pytest_addoption(parser):
     parser.addoption("--device", default="cpu",
                      help="where the tests that take the `device` fixture run (the hand-written backwards and the "
                           "paths that differ off the CPU): e.g. `--device cuda` on a GPU machine; default cpu")
+
+
+def pytest_configure(config):
+    # The Triton kernels' tests run through Triton's interpreter unless they run on a GPU (--device cuda): it must be
+    # set before triton is imported (the library imports triton only where a Triton path is chosen).
+    if config.getoption("--device") == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

@@ -20,12 +20,14 @@ METHODS = {"kerple": {}, "t5": {}, "trainable alibi": {"trainable": True}, "fire
 
 def _outputs_and_gradients(model, path, **inputs):
     model.zero_grad()
+    inputs = {name: tensor.to(model.device) for name, tensor in inputs.items()}
     with attention.attention_path(path):
         logits = model(**inputs).logits
-    keep = inputs["attention_mask"].bool() if "attention_mask" in inputs else torch.ones(logits.shape[:2], dtype=bool)
-    (logits[keep] * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    return logits[keep].detach(), grads
+    keep = inputs["attention_mask"].bool() if "attention_mask" in inputs else torch.ones(logits.shape[:2], dtype=bool,
+                                                                                         device=logits.device)
+    (logits[keep] * torch.linspace(-1, 1, logits.shape[-1], device=logits.device)).sum().backward()
+    grads = {name: p.grad.cpu() for name, p in model.named_parameters() if p.grad is not None}
+    return logits[keep].detach().cpu(), grads
 
 
 def _assert_paths_agree(model, **inputs):
@@ -44,36 +46,37 @@ def _assert_paths_agree(model, **inputs):
         assert (triton[1][name] - grad).abs().max() <= 1e-4 * max(grad.abs().max(), 1e-2 * largest), name
 
 
-def _patched(method, family="llama"):
+def _patched(method, device, family="llama"):
     name = method.split()[-1]
-    return hf_posenc.patch_model(tiny_model(family).float(), name, **METHODS[method]).eval()  # no dropout (GPT-2)
+    model = hf_posenc.patch_model(tiny_model(family).float(), name, **METHODS[method])
+    return model.to(device).eval()  # eval: no dropout (GPT-2)
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_triton_path_equals_blocked_on_llama(method):
-    _assert_paths_agree(_patched(method), input_ids=random_ids(2, 40))
+def test_triton_path_equals_blocked_on_llama(method, device):
+    _assert_paths_agree(_patched(method, device), input_ids=random_ids(2, 40))
 
 
 @pytest.mark.parametrize("method", ["kerple", "t5"])
-def test_triton_path_equals_blocked_on_a_left_padded_batch(method):
+def test_triton_path_equals_blocked_on_a_left_padded_batch(method, device):
     padded, mask = left_pad([random_ids(1, 37, seed=3)[0], random_ids(1, 22, seed=4)[0]])
-    _assert_paths_agree(_patched(method), input_ids=padded, attention_mask=mask)
+    _assert_paths_agree(_patched(method, device), input_ids=padded, attention_mask=mask)
 
 
 @pytest.mark.parametrize("method", ["trainable alibi", "t5"])
-def test_triton_path_equals_blocked_on_packed_documents(method):
+def test_triton_path_equals_blocked_on_packed_documents(method, device):
     positions = torch.cat([torch.arange(14), torch.arange(19), torch.arange(7)])[None]
-    _assert_paths_agree(_patched(method), input_ids=random_ids(1, 40), position_ids=positions)
+    _assert_paths_agree(_patched(method, device), input_ids=random_ids(1, 40), position_ids=positions)
 
 
-def test_triton_path_equals_blocked_on_gpt2():
+def test_triton_path_equals_blocked_on_gpt2(device):
     # (BLOOM runs eager attention only, which returns the weights: the blocked path serves it.)
-    _assert_paths_agree(_patched("kerple", "gpt2"), input_ids=random_ids(2, 24))
+    _assert_paths_agree(_patched("kerple", device, "gpt2"), input_ids=random_ids(2, 24))
 
 
-def test_triton_path_serves_queries_after_a_cache():
-    model = _patched("kerple").eval()
-    ids = random_ids(2, 30)
+def test_triton_path_serves_queries_after_a_cache(device):
+    model = _patched("kerple", device)
+    ids = random_ids(2, 30).to(device)
     outputs = {}
     for path in ("blocked", "triton"):
         with torch.no_grad(), attention.attention_path(path):
@@ -85,7 +88,7 @@ def test_triton_path_serves_queries_after_a_cache():
 
 
 def test_auto_leaves_the_cpu_to_the_blocked_path():
-    model = _patched("kerple").eval()
+    model = _patched("kerple", "cpu")
     attention.last_paths.clear()
     with torch.no_grad():
         model(random_ids(1, 16))
@@ -93,11 +96,11 @@ def test_auto_leaves_the_cpu_to_the_blocked_path():
 
 
 def test_forcing_triton_without_triton_names_the_fix(monkeypatch):
-    model = _patched("kerple").eval()
+    model = _patched("kerple", "cpu")
     monkeypatch.setattr(triton_kernels, "triton_installed", lambda: False)
     with pytest.raises(PosEncError, match=r"hf_posenc\[gpu\]"), torch.no_grad(), attention.attention_path("triton"):
         model(random_ids(1, 16))
     monkeypatch.undo()
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(PosEncError, match="TRITON_INTERPRET=1"), torch.no_grad(), attention.attention_path("triton"):
         model(random_ids(1, 16))

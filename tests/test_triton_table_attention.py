@@ -55,17 +55,17 @@ CASES = {"causal": {}, "cache": dict(offset=17), "left padding": dict(padding=(0
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("case", CASES)
-def test_kernel_and_gradients_match_the_formula(dtype, case):
+def test_kernel_and_gradients_match_the_formula(dtype, case, device):
     tensors, fixed = problem(dtype, **CASES[case])
     defined = (fixed["valid"][:, None, :] & (torch.arange(fixed["key_positions"].shape[1])[None, None]
                <= torch.arange(tensors[0].shape[2])[None, :, None] + fixed["offset"])).any(-1)  # [B, q]
     weight = torch.randn(tensors[0].shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     results = []
-    for function, cast in ((table_attention, lambda t: t), (reference, lambda t: t.double())):
-        leaves = [cast(t.detach()).requires_grad_(True) for t in tensors]
-        output = function(*leaves, **fixed)
-        grads = torch.autograd.grad((output.double() * weight).sum(), leaves)
-        results.append((output.double(), [g.double() for g in grads]))
+    for function, cast, where in ((table_attention, lambda t: t, device), (reference, lambda t: t.double(), "cpu")):
+        leaves = [cast(t.detach()).to(where).requires_grad_(True) for t in tensors]
+        output = function(*leaves, **{k: v.to(where) if torch.is_tensor(v) else v for k, v in fixed.items()})
+        grads = torch.autograd.grad((output.double() * weight.to(where)).sum(), leaves)
+        results.append((output.double().cpu(), [g.double().cpu() for g in grads]))
     (got, got_grads), (want, want_grads) = results
     keep = defined[:, None, :, None].expand_as(got)
     assert torch.isfinite(got).all()

@@ -104,3 +104,34 @@ def test_forcing_triton_without_triton_names_the_fix(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(PosEncError, match="TRITON_INTERPRET=1"), torch.no_grad(), attention.attention_path("triton"):
         model(random_ids(1, 16))
+
+
+def test_triton_is_imported_only_where_a_triton_path_is_chosen():
+    """Patching and running a table method on "auto" on the CPU does not import the kernel module (nor triton
+    through it: transformers' model classes may import triton themselves, where it is installed); forcing "triton"
+    does."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = """
+import sys
+sys.path.insert(0, "tests")
+import torch, hf_posenc
+from hf_posenc import attention
+from tiny_models import random_ids, tiny_model
+model = hf_posenc.patch_model(tiny_model("llama"), "kerple")
+with torch.no_grad():
+    model(random_ids(1, 8))
+print("auto", "hf_posenc.engine.kernels.triton.table_attention" in sys.modules)
+with torch.no_grad(), attention.attention_path("triton"):
+    model(random_ids(1, 8))
+print("triton", "hf_posenc.engine.kernels.triton.table_attention" in sys.modules, attention.last_paths["triton"])
+"""
+    root = Path(__file__).resolve().parent.parent
+    environment = {**os.environ, "PYTHONPATH": str(root), "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", script], cwd=root, env=environment, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split("\n")[-3:-1] == ["auto False", "triton True 2"], result.stdout

@@ -14,6 +14,7 @@ Prints a markdown table and writes bench_triton_launches.json to --output-dir.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 from collections import Counter
@@ -55,7 +56,7 @@ def aten_events(function) -> tuple[int, Counter]:
 
 
 def measure(length: int, execute: bool, heads: int, head_dim: int, device: str) -> dict:
-    from hf_posenc.engine.kernels.triton import table_attention as module
+    module = importlib.import_module("hf_posenc.engine.kernels.triton.table_attention")
 
     generator = torch.Generator().manual_seed(0)
     make = lambda *shape: torch.randn(*shape, generator=generator).to(device).requires_grad_(True)  # noqa: E731

@@ -65,9 +65,10 @@ def test_standalone_code_is_the_library_code_with_a_versioned_header(contract_ch
                     "posenc_checkpoints_hub", "posenc_checkpoints_export", "posenc_checkpoints_model_card"}
     assert not shipped & library_only, shipped & library_only
     # the engine's closure for one method (6,712 lines with engine/attention/ as a package of one file per path, the
-    # kernel table engine/kernels/by_method.py, the checks of malformed metadata and checkpointing's shared graphs): a
-    # guard that notices the shipped code growing; raise it with the reason when a change must ship more
-    assert sum(len(p.read_text().splitlines()) for p in directory.glob("*.py")) < 6800
+    # kernel table engine/kernels/by_method.py, the checks of malformed metadata and checkpointing's shared graphs;
+    # 7,126 with the Triton distance-table kernel, engine/kernels/triton/, issue 53, imported only where a Triton path
+    # is chosen): a guard that notices the shipped code growing; raise it with the reason when a change must ship more
+    assert sum(len(p.read_text().splitlines()) for p in directory.glob("*.py")) < 7200
 
 
 def test_export_command_writes_what_save_pretrained_standalone_writes(contract_checkpoints, tmp_path):

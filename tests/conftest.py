@@ -23,6 +23,13 @@ def pytest_addoption(parser):
                           "paths that differ off the CPU): e.g. `--device cuda` on a GPU machine; default cpu")
 
 
+def pytest_configure(config):
+    # The Triton kernels' tests run through Triton's interpreter unless they run on a GPU (--device cuda): it must be
+    # set before triton is imported (the library imports triton only where a Triton path is chosen).
+    if config.getoption("--device") == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 @pytest.fixture
 def device(request) -> torch.device:
     """The device of `--device`. Tests build their inputs on the CPU (seeded CPU generators) and move them here."""

@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from ...methods.base import AttentionBiasMethod, RotaryMethod
+from ..kernels.by_method import serves_triton_table
 from ..kernels.check import PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, table_attention_reference
 from ..kernels.check import serve as serve_checked
+from ..kernels.triton import table_kernel
 from .call import AttentionCall
 from .geometry import (block_mask, block_rows, causal_square, combined_mask, distance_table, max_query_position,
                        needs_grad, padded_table, position_span, power_of_two_bucket, query_blocks,
@@ -53,8 +55,8 @@ def bias_attention(call: AttentionCall):
         rotate_blocks = rotary
     if state.forward.traced:
         return traced_attention(call)
-    if not call.eager and call.dropout == 0.0 and has_bias and state.forward.shift is not None:
-        output = kernel_output(call)
+    if not call.eager and call.dropout == 0.0 and has_bias:
+        output = kernel_output(call, rotate_blocks)
         if output is not None:
             return output, None
     query, key = call.query, call.key
@@ -207,14 +209,18 @@ def traced_attention(call: AttentionCall):
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 
 
-def kernel_output(call: AttentionCall):
+def kernel_output(call: AttentionCall, rotate_blocks: bool = False):
     """The output [B, q, H, D] of the first compiled or external kernel that applies to this call under the chosen
-    path and is (or has just been) checked on this device (see kernel_check), or None: the blocked path serves."""
+    path and is (or has just been) checked on this device (see kernel_check), or None: the blocked path serves.
+    The Triton kernel takes positions (restarts too); flash and flex need position distances to be slot distances."""
     path, builders = chosen_path(call.state), []
-    if path in ("auto", "flash"):
-        builders.append(_flash_call)
-    if path == "flex" or (path == "auto" and call.query.is_cuda):
-        builders.append(_flex_call)
+    if not rotate_blocks and (path == "triton" or (path == "auto" and call.query.is_cuda)):
+        builders.append(_triton_call)
+    if call.state.forward.shift is not None:
+        if path in ("auto", "flash"):
+            builders.append(_flash_call)
+        if path == "flex" or (path == "auto" and call.query.is_cuda):
+            builders.append(_flex_call)
     for build in builders:
         kernel_call = build(call)
         output = serve_checked(kernel_call) if kernel_call is not None else None
@@ -346,6 +352,90 @@ def _table_gradient_probe(kernel, query, key, value, table, end: int, valid, sca
         inputs, kernel=lambda **tensors: kernel(**tensors, **fixed),
         reference=lambda **tensors: table_attention_reference(**tensors, **fixed),
         defined=fixed["valid"].cumsum(-1) > 0 if valid is not None else None)
+
+
+def _triton_masks(call: AttentionCall, offset: int):
+    """(valid [B, kv] bool, lowest [B, q] long) such that the given mask is exactly: key j valid, j >= lowest[i]
+    (the query's document starts there) and j <= i + offset; (None, None) without a mask; None where the mask is
+    not of that form (the Triton kernel cannot serve it). Read once per forward: every layer gets the same mask."""
+    mask = call.attention_mask
+    if mask is None:
+        return None, None
+    q, kv = call.query.shape[2], call.key.shape[2]
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-2:] != (q, kv):
+        return None
+
+    def read():
+        if mask.dtype == torch.bool:
+            allowed = mask[:, 0]
+        elif mask.is_floating_point():  # an additive mask of 0 and "minus infinity" only
+            allowed = mask[:, 0] == 0
+            if not bool((allowed | (mask[:, 0] <= torch.finfo(mask.dtype).min / 2)).all()):
+                return None
+        else:
+            return None
+        valid = allowed.any(-2)
+        lowest = allowed.to(torch.int8).argmax(-1)
+        columns = torch.arange(kv, device=mask.device)
+        rebuilt = (valid[:, None, :] & (columns >= lowest[..., None])
+                   & (columns <= torch.arange(q, device=mask.device)[:, None] + offset))
+        return (valid, lowest) if torch.equal(rebuilt, allowed.expand_as(rebuilt)) else None
+    return call.state.once_per_forward(("triton masks", mask.data_ptr(), tuple(mask.shape), offset), read)
+
+
+def _triton_call(call: AttentionCall) -> KernelCall | None:
+    """The Triton distance-table kernel (kernels/triton/table_attention.py), or None where it does not apply (a
+    method without a distance table or KERNELS entry, a key mask or sliding window, a mask that is not padding and
+    documents). Its kind: dtype, heads, key heads, head size, masked or not, grad mode (one JIT kernel with run-time
+    shapes)."""
+    state, method, query, key = call.state, call.method, call.query, call.key
+    if not serves_triton_table(method) or method.masks_keys or call.options.get("sliding_window") \
+            or getattr(call.module, "sliding_window", None):
+        return None
+    triton_attention = table_kernel(query.device, forced=chosen_path(state) == "triton")
+    if triton_attention is None:
+        return None
+    batch, heads, q, head_dim = query.shape
+    kv = key.shape[2]
+    offset = state.query_offset(q, kv)
+    masks = _triton_masks(call, offset)
+    if masks is None:
+        return None
+    valid, lowest = masks
+    table = distance_table(method, call.layer_idx, position_span(call).distances, max_query_position(call),
+                           query.device)
+    if table is None:
+        return None
+    if query.dtype == torch.float64:
+        table = table.double()
+    with_grad = needs_grad(method, query, key, call.value)
+    dtype = str(query.dtype)
+    query_positions, key_positions = call.query_positions, call.key_positions
+
+    def kernel(query, key, value, table):
+        return triton_attention(query, key, value, table, query_positions, key_positions, valid, lowest,
+                                       offset, call.scaling).transpose(1, 2).contiguous()
+
+    def probe_kernel(query, key, value, table, offset, valid, scaling):
+        end = key.shape[2]
+        positions = torch.arange(end, device=query.device)[None]
+        return triton_attention(query, key, value, table, positions[:, end - query.shape[2]:], positions,
+                                       valid, None, offset + end - query.shape[2], scaling).transpose(1, 2)
+
+    defined = None
+    if valid is not None:
+        defined = lambda: (valid[:, None, :] & (torch.arange(kv, device=query.device)  # noqa: E731
+                           >= lowest[..., None]) & (torch.arange(kv, device=query.device)
+                           <= torch.arange(q, device=query.device)[:, None] + offset)).any(-1)
+    return KernelCall(
+        kernel="triton", device=query.device,
+        kind=(dtype, heads, key.shape[1], head_dim, "mask" if valid is not None else "no mask",
+              "grad" if with_grad else "no grad"),
+        function=kernel, inputs={"query": query, "key": key, "value": call.value, "table": table},
+        reference=_reference_rows(call), defined=defined,
+        gradient_kind=(dtype, heads, key.shape[1], head_dim) if with_grad else None,
+        gradient_probe=(lambda: _table_gradient_probe(probe_kernel, query, key, call.value, table, offset + q, None,
+                                                      call.scaling)) if with_grad else None)
 
 
 def _flash_device(query: torch.Tensor) -> bool:

@@ -44,9 +44,10 @@ def _states_of(model: nn.Module) -> list[PositionState]:
 
 def set_attention_path(path: str, model: nn.Module | None = None) -> None:
     """Choose how attention is computed: "auto" (default), "blocked", "flex", "flash", "compiled" (content methods'
-    blocks under torch.compile; docs/attention-paths.md) or "triton" (Triton kernels: FoX's and stick-breaking's
-    by fla-core, on a GPU or under TRITON_INTERPRET=1). With `model`, for that patched model's calls; without,
-    for every model's calls in the current thread or asyncio task, over any model's own choice."""
+    blocks under torch.compile; docs/attention-paths.md) or "triton" (Triton kernels, hf_posenc[gpu]: the distance
+    table kernel and fla-core's FoX and stick-breaking, on a GPU or under TRITON_INTERPRET=1). With `model`, for that
+    patched model's calls; without, for every model's calls in the current thread or asyncio task, over any model's
+    own choice."""
     _checked(path)
     if model is None:
         _context_path.set(path)

@@ -13,8 +13,8 @@ import torch
 from ..kernels.by_method import TritonKernel, triton_kernel
 from ..kernels.check import PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall
 from ..kernels.check import serve as serve_checked
-from ..kernels.triton.fla_content import (FLA_DTYPES, MAX_HEAD_DIM, cu_seqlens_of, document_starts, fla_installed,
-                                          triton_runs_on)
+from ..kernels.triton import runs_on as triton_runs_on
+from ..kernels.triton.fla_content import FLA_DTYPES, MAX_HEAD_DIM, cu_seqlens_of, document_starts, fla_installed
 from .call import AttentionCall
 from .content_blocks import content_block, cut_block
 from .geometry import causal_columns, match_heads, needs_grad, power_of_two_bucket

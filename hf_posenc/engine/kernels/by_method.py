@@ -60,6 +60,9 @@ class MethodKernels:
     # The fused near/far kernel (fused_cpu.near_far_causal) may serve the method's block_parts where the far keys are
     # a causal triangle: its block_parts are all there is to its scores. Reference: block_scores and a softmax.
     near_far: bool = False
+    # The Triton distance-table kernel (kernels/triton/table_attention.py) may serve the method's calls where its
+    # `bias_table` gives a table: the bias depends on the distance alone. Reference: the blocked path.
+    triton_table: bool = False
 
 
 # --- stick-breaking, CoPE, CAPE: a causal square in one call ---------------------------------------------------------
@@ -149,6 +152,7 @@ KERNELS: dict[str, MethodKernels] = {
     "tape": MethodKernels(heads=tape_heads),
     "self-extend": MethodKernels(near_far=True),
     "rerope": MethodKernels(near_far=True),
+    **{name: MethodKernels(triton_table=True) for name in ("alibi", "sandwich", "t5", "kerple", "fire")},
 }
 NO_KERNELS = MethodKernels()
 
@@ -168,6 +172,10 @@ def triton_kernel(method) -> TritonKernel | None:
 
 def serves_near_far(method) -> bool:
     return kernels_for(method).near_far
+
+
+def serves_triton_table(method) -> bool:
+    return kernels_for(method).triton_table
 
 
 def kernel_heads(method, layer_idx, query, key, query_state, key_state, query_positions, key_positions,

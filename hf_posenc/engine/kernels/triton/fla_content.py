@@ -12,7 +12,6 @@ fla is imported inside the functions: only a call on the "triton" path needs it.
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
@@ -26,14 +25,6 @@ FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def fla_installed() -> bool:
     """Whether fla-core and triton can be imported (the `gpu` extra)."""
     return all(importlib.util.find_spec(name) is not None for name in ("triton", "fla"))
-
-
-def triton_runs_on(device: torch.device) -> bool:
-    """Whether Triton kernels can run on `device`: a GPU, or the CPU through Triton's interpreter (TRITON_INTERPRET=1,
-    which must be set before triton is first imported)."""
-    if device.type == "cuda":
-        return True
-    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def document_starts(positions: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from hf_posenc.tools.machine import machine_description, machine_header
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # a spawned process finds this script by its name
 
 ENGINES = ("ddp", "zero2", "zero3", "fsdp2")
@@ -143,12 +145,13 @@ def run(args) -> dict:
     rows = json.loads(rows_file.read_text())
     rows_file.unlink()
     parameters = sum(p.numel() for p in build_model(args).parameters())
-    result = {"machine": "cpu", "processes": args.processes, "threads_per_process": args.threads,
+    result = {"machine": machine_description(), "processes": args.processes, "threads_per_process": args.threads,
               "method": args.method, "parameters": parameters, "hidden": args.hidden, "layers": args.layers,
               "vocab": args.vocab, "length": args.length, "batch_per_process": args.batch, "steps": args.steps,
               "rounds": args.rounds, "load_average_before": load_before, "load_average_after": os.getloadavg(),
               "torch": torch.__version__, "rows": rows}
     (args.output_dir / "bench_engines.json").write_text(json.dumps(result, indent=2))
+    print(machine_header(result["machine"]))
     print(table(result))
     plot(result, args.output_dir / "bench_engines.png")
     return result

@@ -28,6 +28,8 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from hf_posenc.tools.machine import machine_description, machine_header  # noqa: E402
+
 KERNEL_NAMES = ("_forward", "_backward_query", "_backward_key")
 
 
@@ -110,6 +112,7 @@ def main() -> None:
     rows = {int(length): measure(int(length), execute, args.heads, args.head_dim, device)
             for length in args.lengths.split(",")}
     columns = list(next(iter(rows.values())))
+    print(machine_header())
     print(f"device {device}, torch {torch.__version__}, kernels {'run' if execute else 'counted, not run'}")
     print("| tokens | " + " | ".join(columns) + " |")
     print("|---:|" + "---:|" * len(columns))
@@ -118,7 +121,7 @@ def main() -> None:
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     (output / "bench_triton_launches.json").write_text(json.dumps(
-        {"device": device, "torch": torch.__version__, "executed": execute,
+        {"device": device, "machine": machine_description(), "torch": torch.__version__, "executed": execute,
          "heads": args.heads, "head_dim": args.head_dim, "rows": rows}, indent=1))
 
 

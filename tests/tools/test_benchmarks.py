@@ -48,8 +48,9 @@ def test_attention_benchmark_training_mode_times_a_loss_over_every_position(monk
     assert [r.method for r in rows] == ["rope (native)", "t5", "alibi:trainable=true"]
     assert order == ["time"] * 3 + ["memory"] * 3
     assert all(r.mode == "train" and r.forward_backward_peak_mib == r.forward_backward_peak_mib for r in rows)
-    # the table backward's plan, measured on this machine, is in each learned table's row (native has none)
-    assert rows[0].tuned == {} and all(any(kind.startswith("table backward") for kind in r.tuned) for r in rows[1:])
+    # rows carry the table backward's measured plan (attention.tuned_choices); 16 keys fit one candidate tile, where
+    # every plan is the same and none is measured (test_table_attention.py checks the measured picks)
+    assert all(isinstance(r.tuned, dict) for r in rows) and all(r.tuned == {} for r in rows)
     model = bench.build_model(1, 2, 8, 16)
     forward, _ = bench.step_functions(model, torch.randint(0, 256, (1, 16)), "train")
     model.register_forward_hook(lambda module, args, output: logits_kept.append(output.logits.shape[1]))

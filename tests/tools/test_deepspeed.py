@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 from test_fsdp2 import METHODS, fixed_batch, patched, positional_state
-from tool_helpers import BOOK, launch, run_cli, save_tiny_model
+from tool_helpers import BOOK, free_port, launch, run_cli, save_tiny_model
 
 import hf_posenc
 
@@ -97,12 +96,6 @@ def zero_worker(rank: int, world: int, port: int, stage: int, out: str) -> None:
     if rank == 0:
         (Path(out) / "results.json").write_text(json.dumps(results))
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])

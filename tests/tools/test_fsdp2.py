@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tool_helpers import REPO
+from tool_helpers import REPO, free_port
 
 import hf_posenc
 from hf_posenc.tools.finetune import fsdp_wrap_units
@@ -100,12 +99,6 @@ def sharded_worker(rank: int, world: int, port: int, out: str) -> None:
     if rank == 0:
         (Path(out) / "results.json").write_text(json.dumps(results))
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

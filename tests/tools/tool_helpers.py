@@ -78,15 +78,20 @@ def assert_refused(exit_code: int, capsys, message: str, folder: Path, before: d
     assert snapshot(folder) == before
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now, for a process group's rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def launch(command: str, args: list[str], num_processes: int = 2, timeout: int = 300,
            config: str = "ddp.yaml", cpu_mpirun: bool = False) -> subprocess.CompletedProcess:
     """`accelerate launch -m hf_posenc COMMAND ARGS...` of two processes, on a CPU-only machine too. By default with
     a shipped config (ddp.yaml: torchrun starts CPU processes, gloo). `cpu_mpirun`: the `--cpu` form, `accelerate
     launch --cpu --num_processes N --mpirun_hostfile FILE` (accelerate starts several CPU processes only through
     mpirun; MPICH comes from its PyPI wheel, so its mpiexec lies beside this Python)."""
-    with socket.socket() as sock:  # a free port: other test runs may hold accelerate's default 29500
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # other test runs may hold accelerate's default 29500
     bin_dir = str(Path(sys.executable).parent)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "MASTER_PORT": str(port)}

@@ -47,18 +47,22 @@ def build_model(args):
     return hf_posenc.patch_model(model, args.method).train()
 
 
+def adamw_step(module):
+    """A step of forward, backward and AdamW on `module` (DDP's wrapper, or a model sharded in place by FSDP2)."""
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+
+    def step(ids):
+        module(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return step
+
+
 def prepared(engine: str, args, mesh):
     """(step function, model) for `engine`; the step runs forward, backward and AdamW on `ids`."""
     model = build_model(args)
     if engine == "ddp":
-        wrapped = torch.nn.parallel.DistributedDataParallel(model)
-        optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
-
-        def step(ids):
-            wrapped(input_ids=ids, labels=ids).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        return step, model
+        return adamw_step(torch.nn.parallel.DistributedDataParallel(model)), model
     if engine == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -66,13 +70,7 @@ def prepared(engine: str, args, mesh):
 
         for unit in fsdp_wrap_units(model):
             fully_shard(unit, mesh=mesh)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-        def step(ids):
-            model(input_ids=ids, labels=ids).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        return step, model
+        return adamw_step(model), model
     import deepspeed
 
     config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,

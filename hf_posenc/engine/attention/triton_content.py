@@ -93,7 +93,7 @@ def _kernel_call(call: AttentionCall, kernel: TritonKernel, query, key, value, g
     with_grad = needs_grad(method, query, key, value)
 
     def function(query, key, value, gates=None, cu_seqlens=cu_seqlens):
-        return kernel.run(method, query, key, value, gates, scaling, cu_seqlens).transpose(1, 2)
+        return kernel.run(method, call.layer_idx, query, key, value, gates, scaling, cu_seqlens).transpose(1, 2)
 
     def reference(rows: slice) -> torch.Tensor:
         columns = causal_columns(rows, q, 0)

@@ -41,8 +41,8 @@ class TritonKernel:
     (no cache before the call, no padding, native bias or key mask; engine/attention/triton_content.py decides),
     checked against the method's blocks. Served on the "triton" attention path."""
 
-    # (method, query [B, H, T, D], key/value [B, H_kv, T, D], gates [B, H, T] or None, scaling, cu_seqlens or None)
-    # -> output [B, H, T, D]
+    # (method, layer_idx, query [B, H, T, D], key/value [B, H_kv, T, D], gates [B, H, T] or None, scaling,
+    # cu_seqlens or None) -> output [B, H, T, D]
     run: Callable[..., torch.Tensor]
     # (method, layer_idx, layer input [B, T, hidden]) -> the per-token gates the kernel takes, float32 [B, H, T],
     # whose cumulative sum is the method's query and key state (FoX's log f_t); None: the kernel takes none
@@ -93,7 +93,7 @@ def cape_kernel(method, layer_idx, query, key, value, scaling, positions):
 
 # --- FoX and stick-breaking on the "triton" path: fla-core's kernels (kernels/triton/fla_content.py) --------------
 
-def fox_triton(method, query, key, value, gates, scaling, cu_seqlens):
+def fox_triton(method, layer_idx, query, key, value, gates, scaling, cu_seqlens):
     return forgetting_attention(query, key, value, gates, scaling, cu_seqlens)
 
 
@@ -102,7 +102,7 @@ def fox_gates(method, layer_idx, layer_input):
     return method.log_forget(layer_idx, layer_input)
 
 
-def stick_breaking_triton(method, query, key, value, gates, scaling, cu_seqlens):
+def stick_breaking_triton(method, layer_idx, query, key, value, gates, scaling, cu_seqlens):
     return stick_breaking_attention(query, key, value, scaling, method.config.attend_current, cu_seqlens)
 
 

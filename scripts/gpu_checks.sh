@@ -60,6 +60,9 @@ bench() {  # NAME SECONDS ARGS...: one bench_finetune run into $OUT/NAME; its ta
   timeout "$seconds" python3 benchmarks/bench_finetune.py --steps 3 --checkpointing no --mixed-precision bf16 \
     --output-dir "$OUT/$name" "$@" 2>&1 | tr '\r' '\n' | grep -E '^\||refused|not used|Error|^  File' | grep -v 'it/s'
 }
+# Issue 53: what serves Transformer-XL, TAPE, Self-Extend and ReRoPE on a GPU (docs/attention-paths.md, "What serves
+# the other content methods on a GPU"), tokens/s over native RoPE's in the same run.
+bench other_content_gpu 120 --layers 30 --lengths 4096 --methods "transformer-xl;tape;self-extend;rerope"
 stage "flex against blocked for learned tables, bf16 (FLEX_CUDA_KERNEL_OPTIONS)"
 timeout 120 python3 benchmarks/bench_attention.py --device cuda --mode train --lengths 2048,8192 \
   --paths blocked,flex --layers 2 --dtype bfloat16 --methods "t5;fire" --output-dir "$OUT/flex_bf16" 2>&1 \

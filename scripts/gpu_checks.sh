@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks still open on issue 17: the tests of the paths that differ off the CPU (`--device cuda`), the compiled
+# The GPU checks still open on issues 17, 53 (Triton kernels) and 54 (FSDP2 through accelerate): the tests of the paths that differ off the CPU (`--device cuda`), the compiled
 # content blocks' tests, flex against blocked for learned tables in bf16, the compiled content path, Sandwich under
 # CUDA graphs (reduce-overhead failed with a bare AssertionError on an H100; bench_finetune now prints the traceback),
 # xPos in bf16 (one causal flash call per layer since 843d734: its attention calls should read "causal"), and the
@@ -49,6 +49,10 @@ timeout 60 python3 benchmarks/bench_triton_launches.py --lengths 512,8192 --outp
 timeout 150 python3 benchmarks/bench_attention.py --device cuda --mode train --lengths 4096,16384 \
   --paths blocked,triton --layers 2 --dtype bfloat16 --methods "alibi:trainable=true;t5;kerple;fire;sandwich" \
   --output-dir "$OUT/triton_bf16" 2>&1 | tr '\r' '\n' | grep -E '^\||refused|Error' | grep -v 'it/s'
+stage "FSDP2 through accelerate on the GPUs (issue 54): fsdp.yaml trains and saves a patched tiny LLaMA"
+timeout 150 python3 -m pytest -q -p no:cacheprovider --device cuda tests/tools/test_fsdp2.py -k runs_fsdp2_on_gpus \
+  > "$OUT/tests_fsdp2_cuda.log" 2>&1
+tail -5 "$OUT/tests_fsdp2_cuda.log"
 stage "compiled content tests on cuda (each compiles for a minute or more)"
 timeout 180 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_compiled_content.py -k train_like \
   > "$OUT/tests_compiled_cuda.log" 2>&1

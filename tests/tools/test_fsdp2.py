@@ -155,3 +155,48 @@ def test_fsdp_yaml_asks_accelerate_for_fsdp2(tmp_path):
 def test_fsdp_wrap_units_refuses_a_model_without_layer_classes():
     with pytest.raises(hf_posenc.PosEncError, match="_no_split_modules; call fully_shard on each"):
         fsdp_wrap_units(torch.nn.Linear(2, 2))
+
+
+def test_finetune_launched_with_fsdp_yaml_runs_fsdp2_on_gpus(device, tmp_path):
+    """`accelerate launch --config_file fsdp.yaml -m hf_posenc finetune` on every GPU of the machine (one is enough:
+    accelerate's FSDP launcher wraps even one process) trains a patched tiny LLaMA under FSDP2 as one plain process
+    with the same global batch trains it, records the engine, and saves a full model that reloads with its patch.
+    On a CPU-only machine accelerate's FSDP refuses, which test_finetune's
+    test_fsdp_config_on_a_cpu_only_machine_says_what_to_use checks; this runs under `--device cuda`
+    (scripts/gpu_checks.sh)."""
+    if device.type != "cuda":
+        pytest.skip("FSDP2 through accelerate needs GPUs: run with --device cuda (scripts/gpu_checks.sh)")
+    from tool_helpers import BOOK, launch, run_cli, save_tiny_model
+
+    tiny = save_tiny_model(tmp_path / "tiny-llama")
+    processes = torch.cuda.device_count()
+    args = ["--model", str(tiny), "--method", "kerple", "--text-file", str(BOOK), "--text-fraction", "0:0.8",
+            "--max-length", "64", "--lr", "3e-3", "--max-steps", "4", "--train-only", "all",
+            "--mixed-precision", "no", "--no-progress"]
+    done = launch("finetune", [*args, "--batch-size", "1", "--output-dir", str(tmp_path / "fsdp")],
+                  num_processes=processes, config="fsdp.yaml")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert run_cli("finetune", [*args, "--batch-size", str(processes), "--output-dir", str(tmp_path / "one")]) == 0
+
+    summary = json.loads((tmp_path / "fsdp" / "training_args.json").read_text())
+    assert summary["distributed_type"].endswith("FSDP") and summary["engine"] == "fsdp2"
+    log, one_log = (json.loads((tmp_path / d / "loss_log.json").read_text()) for d in ("fsdp", "one"))
+    assert [e["loss"] for e in log] == pytest.approx([e["loss"] for e in one_log], rel=RELATIVE)
+    reloaded, one = (hf_posenc.from_pretrained(tmp_path / d) for d in ("fsdp", "one"))
+    assert hf_posenc.get_posenc_config(reloaded).to_dict() == summary["posenc_config"]
+    ids = fixed_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.eval()(input_ids=ids).logits, one.eval()(input_ids=ids).logits,
+                                   rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("version, recorded", [(1, "fsdp1"), (2, "fsdp2")])
+def test_training_args_record_the_fsdp_version_that_ran(version, recorded):
+    """A config without `fsdp_version: 2` runs accelerate's FSDP version 1: training_args.json says so."""
+    from types import SimpleNamespace
+
+    from hf_posenc.tools.finetune.prepare import engine_of
+
+    accelerator = SimpleNamespace(distributed_type=SimpleNamespace(name="FSDP"),
+                                  state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=version)))
+    assert engine_of(accelerator) == recorded

@@ -252,7 +252,8 @@ def prepare_training(args: argparse.Namespace, accelerator, model, data: Trainin
     if not args.no_memory_check:
         needed = estimate_training_bytes(model, args.max_length, args.batch_size,
                                          sum(parameter_count(p) for p in trainable), args.gradient_checkpointing,
-                                         teacher, engine=engine_of(accelerator), processes=accelerator.num_processes)
+                                         teacher, engine=engine_of(accelerator).replace("fsdp1", "fsdp2"),
+                                         processes=accelerator.num_processes)
         if accelerator.device.type == "cpu":  # the processes on this machine share its memory
             needed *= int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
         check_memory(needed, f"training on {args.batch_size} x {args.max_length} tokens")
@@ -275,12 +276,17 @@ def prepare_training(args: argparse.Namespace, accelerator, model, data: Trainin
 
 
 def engine_of(accelerator) -> str:
-    """The engine the run has, in estimates.ENGINES' names (ZeRO-1 and 0 keep whole gradients, counted as DDP)."""
+    """The engine the run has, in estimates.ENGINES' names (ZeRO-1 and 0 keep whole gradients, counted as DDP), or
+    fsdp1."""
     kind = accelerator.distributed_type.name
     if kind == "DEEPSPEED":
         stage = accelerator.state.deepspeed_plugin.zero_stage
         return f"zero{stage}" if stage in (2, 3) else "ddp"
-    return {"NO": "none", "FSDP": "fsdp2"}.get(kind, "ddp")
+    # FSDP version 1 (accelerate's default where a config has no fsdp_version: 2) is recorded as such; under
+    # FULL_SHARD it holds what FSDP2 holds, and is estimated as fsdp2
+    if kind == "FSDP":
+        return "fsdp2" if getattr(accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2 else "fsdp1"
+    return "none" if kind == "NO" else "ddp"
 
 
 def release_prepared(training: Training) -> None:

@@ -36,7 +36,7 @@ def run_summary(args: argparse.Namespace, training: Training, progress: Progress
         "distributed_type": str(accelerator.distributed_type),
         "deepspeed_zero_stage": accelerator.state.deepspeed_plugin.zero_stage
         if accelerator.distributed_type.name == "DEEPSPEED" else None,
-        "engine": engine_of(accelerator),  # as estimates.ENGINES names it: none, ddp, zero2, zero3, fsdp2
+        "engine": engine_of(accelerator),  # as estimates.ENGINES names it: none, ddp, zero2, zero3, fsdp2, fsdp1
         "mixed_precision_used": accelerator.mixed_precision,
         "warmup_steps_used": training.warmup_steps,
         "document_restarts_used": training.restarts,

@@ -54,7 +54,7 @@ def _forward(Qp, Kp, Vp, Tp, QPOS, KPOS, VALID, LOW, Op, LSE, H, HK, Q, KV, N, o
              D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
              ACC: tl.constexpr, PREC: tl.constexpr):
     m_block = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # offsets in int64: B*H*T*D may pass 2^31 elements
     b = bh // H
     h = bh % H
     kv_base = (b * HK + h // (H // HK)) * KV
@@ -97,7 +97,7 @@ def _backward_query(Qp, Kp, Vp, Tp, QPOS, KPOS, VALID, LOW, DOp, LSE, DELTA, DQp
                     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     ACC: tl.constexpr, PREC: tl.constexpr):
     m_block = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # offsets in int64: B*H*T*D may pass 2^31 elements
     b = bh // H
     h = bh % H
     kv_base = (b * HK + h // (H // HK)) * KV
@@ -133,7 +133,7 @@ def _backward_key(Qp, Kp, Vp, Tp, QPOS, KPOS, VALID, LOW, DOp, LSE, DELTA, DKp, 
                   scale, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr,
                   ACC: tl.constexpr, PREC: tl.constexpr, TABLE_GRAD: tl.constexpr):
     n_block = tl.program_id(0)
-    bhk = tl.program_id(1)
+    bhk = tl.program_id(1).to(tl.int64)
     b = bhk // HK
     hk = bhk % HK
     groups = H // HK

@@ -50,21 +50,31 @@ def _logits(q, rows, row_ok, qpos, lowest, Kp, Tp, KPOS, VALID, kv_base, b, h, c
 
 
 @triton.jit
-def _forward(Qp, Kp, Vp, Tp, QPOS, KPOS, VALID, LOW, Op, LSE, H, HK, Q, KV, N, offset, scale,
-             D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-             ACC: tl.constexpr, PREC: tl.constexpr):
+def _query_tile(Qp, QPOS, LOW, H, HK, Q, KV, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr):
+    """What a query-tile program (the forward's, dQ's) starts from: its ids, the offsets of its [BM, BD] tile, the
+    queries, their positions and first allowed keys. Offsets in int64: B*H*T*D may pass 2^31 elements."""
     m_block = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)  # offsets in int64: B*H*T*D may pass 2^31 elements
+    bh = tl.program_id(1).to(tl.int64)
     b = bh // H
     h = bh % H
     kv_base = (b * HK + h // (H // HK)) * KV
     rows = m_block * BM + tl.arange(0, BM)
     dims = tl.arange(0, BD)
     row_ok = rows < Q
-    q = tl.load(Qp + (bh * Q + rows[:, None]) * D + dims[None, :], mask=row_ok[:, None] & (dims[None, :] < D),
-                other=0.0)
+    tile = (bh * Q + rows[:, None]) * D + dims[None, :]
+    tile_ok = row_ok[:, None] & (dims[None, :] < D)
+    q = tl.load(Qp + tile, mask=tile_ok, other=0.0)
     qpos = tl.load(QPOS + b * Q + rows, mask=row_ok, other=0)
     lowest = tl.load(LOW + b * Q + rows, mask=row_ok, other=KV)
+    return m_block, bh, b, h, kv_base, rows, dims, row_ok, tile, tile_ok, q, qpos, lowest
+
+
+@triton.jit
+def _forward(Qp, Kp, Vp, Tp, QPOS, KPOS, VALID, LOW, Op, LSE, H, HK, Q, KV, N, offset, scale,
+             D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+             ACC: tl.constexpr, PREC: tl.constexpr):
+    m_block, bh, b, h, kv_base, rows, dims, row_ok, tile, tile_ok, q, qpos, lowest = _query_tile(
+        Qp, QPOS, LOW, H, HK, Q, KV, D, BD, BM)
     m_i = tl.full([BM], float("-inf"), ACC)
     l_i = tl.zeros([BM], ACC)
     acc = tl.zeros([BM, BD], ACC)
@@ -86,8 +96,7 @@ def _forward(Qp, Kp, Vp, Tp, QPOS, KPOS, VALID, LOW, Op, LSE, H, HK, Q, KV, N, o
         m_i = m_new
     defined = l_i > 0  # a row with no allowed key (a padding query) gives 0 and no gradient
     out = acc / tl.where(defined, l_i, 1.0)[:, None]
-    tl.store(Op + (bh * Q + rows[:, None]) * D + dims[None, :], out.to(Op.dtype.element_ty),
-             mask=row_ok[:, None] & (dims[None, :] < D))
+    tl.store(Op + tile, out.to(Op.dtype.element_ty), mask=tile_ok)
     tl.store(LSE + bh * Q + rows, tl.where(defined, m_i + tl.log(tl.where(defined, l_i, 1.0)), float("inf")),
              mask=row_ok)
 
@@ -96,20 +105,9 @@ def _forward(Qp, Kp, Vp, Tp, QPOS, KPOS, VALID, LOW, Op, LSE, H, HK, Q, KV, N, o
 def _backward_query(Qp, Kp, Vp, Tp, QPOS, KPOS, VALID, LOW, DOp, LSE, DELTA, DQp, H, HK, Q, KV, N, offset, scale,
                     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     ACC: tl.constexpr, PREC: tl.constexpr):
-    m_block = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)  # offsets in int64: B*H*T*D may pass 2^31 elements
-    b = bh // H
-    h = bh % H
-    kv_base = (b * HK + h // (H // HK)) * KV
-    rows = m_block * BM + tl.arange(0, BM)
-    dims = tl.arange(0, BD)
-    row_ok = rows < Q
-    tile = (bh * Q + rows[:, None]) * D + dims[None, :]
-    tile_ok = row_ok[:, None] & (dims[None, :] < D)
-    q = tl.load(Qp + tile, mask=tile_ok, other=0.0)
+    m_block, bh, b, h, kv_base, rows, dims, row_ok, tile, tile_ok, q, qpos, lowest = _query_tile(
+        Qp, QPOS, LOW, H, HK, Q, KV, D, BD, BM)
     do = tl.load(DOp + tile, mask=tile_ok, other=0.0)
-    qpos = tl.load(QPOS + b * Q + rows, mask=row_ok, other=0)
-    lowest = tl.load(LOW + b * Q + rows, mask=row_ok, other=KV)
     lse = tl.load(LSE + bh * Q + rows, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + bh * Q + rows, mask=row_ok, other=0.0)
     dq = tl.zeros([BM, BD], ACC)
@@ -133,7 +131,7 @@ def _backward_key(Qp, Kp, Vp, Tp, QPOS, KPOS, VALID, LOW, DOp, LSE, DELTA, DKp, 
                   scale, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, W: tl.constexpr,
                   ACC: tl.constexpr, PREC: tl.constexpr, TABLE_GRAD: tl.constexpr):
     n_block = tl.program_id(0)
-    bhk = tl.program_id(1).to(tl.int64)
+    bhk = tl.program_id(1).to(tl.int64)  # int64 offsets, as in _query_tile
     b = bhk // HK
     hk = bhk % HK
     groups = H // HK

@@ -39,7 +39,7 @@ timeout 100 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_ta
   -k "backward_equals or recomputed or gradients_equal or training_step_gradients or learned_table" \
   > "$OUT/tests_cuda.log" 2>&1
 tail -5 "$OUT/tests_cuda.log"
-stage "Triton table and CAPE kernels on cuda (issue 53): their tests, launches, op-level and fine-tune timing against blocked"
+stage "Triton table and CAPE kernels on cuda (issue 53): tests, launches, op-level and fine-tune timing against blocked"
 timeout 240 python3 -m pytest -q -p no:cacheprovider --device cuda tests/test_triton_table_attention.py \
   tests/test_triton_path.py tests/test_triton_cape.py \
   > "$OUT/tests_triton_cuda.log" 2>&1

@@ -1,10 +1,11 @@
 """A content call on the "triton" path: a method's Triton kernel (engine/kernels/by_method.py `TritonKernel`: FoX and
-stick-breaking by fla-core, CAPE by kernels/triton/cape_attention.py) on a causal prefill, one document per row or packed documents, checked against the
-method's eager blocks like any kernel (kernel_check). What the kernel does not serve returns None, and the blocked
-path serves it as on any other path: a KV cache before the call, a padding mask or any mask other than packed
-documents', the method's native bias or key mask, eager attention (weights asked for), attention dropout, float64
-(and bfloat16 on the CPU, where only the interpreter runs Triton), a head size over 256, or a machine where Triton
-cannot run (no GPU and no TRITON_INTERPRET=1, or no fla-core)."""
+stick-breaking by fla-core, CAPE by kernels/triton/cape_attention.py) on a causal prefill, one document per row or
+packed documents, checked against the method's eager blocks like any kernel (kernel_check). What the kernel does not
+serve returns None, and the blocked path serves it as on any other path: a KV cache before the call, a padding mask
+or any mask other than packed documents', the method's native bias or key mask, a call outside the kernel's
+`applies` (CAPE: positions that are not consecutive, a bias with no distance table), eager attention (weights asked
+for), attention dropout, float64 (and bfloat16 on the CPU, where only the interpreter runs Triton), a head size over
+256, or a machine where Triton cannot run (no GPU and no TRITON_INTERPRET=1, or no fla-core)."""
 
 from __future__ import annotations
 

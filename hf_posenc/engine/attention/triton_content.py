@@ -1,10 +1,11 @@
 """A content call on the "triton" path: a method's Triton kernel (engine/kernels/by_method.py `TritonKernel`: FoX and
-stick-breaking by fla-core) on a causal prefill, one document per row or packed documents, checked against the
-method's eager blocks like any kernel (kernel_check). What the kernel does not serve returns None, and the blocked
-path serves it as on any other path: a KV cache before the call, a padding mask or any mask other than packed
-documents', the method's native bias or key mask, eager attention (weights asked for), attention dropout, float64
-(and bfloat16 on the CPU, where only the interpreter runs Triton), a head size over 256, or a machine where Triton
-cannot run (no GPU and no TRITON_INTERPRET=1, or no fla-core)."""
+stick-breaking by fla-core, CAPE by kernels/triton/cape_attention.py) on a causal prefill, one document per row or
+packed documents, checked against the method's eager blocks like any kernel (kernel_check). What the kernel does not
+serve returns None, and the blocked path serves it as on any other path: a KV cache before the call, a padding mask
+or any mask other than packed documents', the method's native bias or key mask, a call outside the kernel's
+`applies` (CAPE: positions that are not consecutive, a bias with no distance table), eager attention (weights asked
+for), attention dropout, float64 (and bfloat16 on the CPU, where only the interpreter runs Triton), a head size over
+256, or a machine where Triton cannot run (no GPU and no TRITON_INTERPRET=1, or no fla-core)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def triton_content(call: AttentionCall, query, key, value, layer_input, query_st
     blocked path serves (see the module docstring). query [B, H, q, D], key and value [B, H_kv, kv, D] as the
     method's `prepare_heads` left them; the states as engine/content.py `layer_state` gives them."""
     kernel = triton_kernel(call.method)
-    if kernel is None or not _served(call, query, key, value):
+    if kernel is None or not _served(call, query, key, value) \
+            or not kernel.applies(call.method, call.layer_idx, call.query_positions):
         return None
     documents = _documents(call, query.shape[0])
     if documents is False:
@@ -85,7 +87,8 @@ def _kernel_call(call: AttentionCall, kernel: TritonKernel, query, key, value, g
                  cu_seqlens) -> KernelCall:
     """The call by `kernel` as a checked kernel call (outputs [B, q, H, D]): against the method's eager blocks on the
     call's rows, and for gradients on a probe of its last PROBE_ROWS tokens (w.r.t. queries, keys, values and the
-    gates, through which the method's gate parameters get theirs). Its kind: the method and its variant, dtype, grad
+    gates, through which the method's gate parameters get theirs, and w.r.t. the method's parameters that the kernel
+    reads itself: CAPE's MLP and bias). Its kind: the method and its variant, dtype, grad
     mode, packed or not, the head counts and sizes (the kernels' compile-time constants) and the length's size
     class."""
     method, scaling = call.method, call.scaling
@@ -122,9 +125,11 @@ def _kernel_call(call: AttentionCall, kernel: TritonKernel, query, key, value, g
             return content_block(probe, *block, query, match_heads(key, heads), match_heads(value, heads), state,
                                  state)[0].transpose(1, 2)
 
+        # Both sides read the method's parameters as they are; one that neither reads has no gradient on either.
+        parameters = {name: parameter for name, parameter in method.named_parameters() if parameter.requires_grad}
         return GradientProbe(inputs, kernel=lambda **probe_inputs: function(**probe_inputs,
                                                                              cu_seqlens=probe_documents),
-                             reference=probe_reference)
+                             reference=probe_reference, parameters=parameters)
 
     name, dtype, variant = method.config.method, str(query.dtype), kernel.variant(method)
     layout = ("packed" if cu_seqlens is not None else "causal", heads, key.shape[1], head_dim, value.shape[-1])

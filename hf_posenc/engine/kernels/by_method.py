@@ -49,6 +49,8 @@ class TritonKernel:
     gates: Callable[..., torch.Tensor] | None = None
     # method -> the kernel's code paths its options choose (part of the checked kind)
     variant: Callable[..., tuple] = lambda method: ()
+    # (method, layer_idx, position ids [B or 1, T]) -> whether the kernel's form holds for tokens at these positions
+    applies: Callable[..., bool] = lambda method, layer_idx, positions: True
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,20 @@ def cape_kernel(method, layer_idx, query, key, value, scaling, positions):
                        method.output_weight[layer_idx], method.output_bias[layer_idx], scaling,
                        method.config.base == "none", activation=method.config.activation,
                        negative_slope=method.leaky_relu_slope)
+
+
+def cape_triton(method, layer_idx, query, key, value, gates, scaling, cu_seqlens):
+    """CAPE by kernels/triton/cape_attention.py where cape_applies holds (no packed documents: their positions
+    restart). The table for the call's T distances: a bias that depends on the distance alone has the same table
+    whatever the highest position (cape_applies asked with the real one), and positions from 0 reach T - 1."""
+    from .triton.cape_attention import cape_attention
+
+    length = query.shape[2]
+    table = method.bias_method.bias_table(layer_idx, length, length - 1, query.device)
+    return cape_attention(query, key, value, table, method.input_weight[layer_idx], method.input_bias[layer_idx],
+                          method.output_weight[layer_idx], method.output_bias[layer_idx], scaling,
+                          method.config.base == "none", activation=method.config.activation,
+                          negative_slope=method.leaky_relu_slope)
 
 
 # --- FoX and stick-breaking on the "triton" path: fla-core's kernels (kernels/triton/fla_content.py) --------------
@@ -148,7 +164,9 @@ KERNELS: dict[str, MethodKernels] = {
     "fox": MethodKernels(triton=TritonKernel(fox_triton, gates=fox_gates)),
     "cope": MethodKernels(causal=CausalKernel(cope_kernel, reference="content_scores")),
     "cape": MethodKernels(causal=CausalKernel(cape_kernel, reference="content_scores", applies=cape_applies,
-                                              variant=lambda method: (method.config.activation,))),
+                                              variant=lambda method: (method.config.activation,)),
+                          triton=TritonKernel(cape_triton, applies=cape_applies,
+                                              variant=lambda method: (method.config.activation, method.config.base))),
     "tape": MethodKernels(heads=tape_heads),
     "self-extend": MethodKernels(near_far=True),
     "rerope": MethodKernels(near_far=True),

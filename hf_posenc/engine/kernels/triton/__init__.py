@@ -5,6 +5,8 @@ triton installed everything else works as before.
 - table_attention.py: attention with a per-head distance table (fixed and trainable ALiBi, Sandwich, T5, KERPLE,
   FIRE up to its threshold), FlashAttention-2 style, forward and backward with the table's gradient.
 - fla_content.py: FoX and stick-breaking by fla-core's maintained kernels (flash-linear-attention).
+- cape_attention.py: CAPE (its MLP across heads per pair) on a causal square with a distance table, forward and
+  backward with the MLP's and the table's gradients: the port of cpu_kernels/cape.cpp.
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def _forward(Qp, Kp, Vp, W1, E, W2, B2, TAB, SLOPE, Op, LSE, T, L, scale,
              WP: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
              ACC: tl.constexpr, PREC: tl.constexpr, GELU: tl.constexpr, ADD_BIAS: tl.constexpr):
     m_block = tl.program_id(0)
-    b = tl.program_id(1)
+    b = tl.program_id(1).to(tl.int64)  # int64 offsets: B*H*T*D may pass 2^31 elements
     heads = tl.arange(0, HP)
     hidden = tl.arange(0, WP)
     rows = m_block * BM + tl.arange(0, BM)
@@ -166,7 +166,7 @@ def _backward(Qp, Kp, Vp, W1, E, W2, B2, TAB, DOp, LSE, DELTA, DQp, DKp, DVp, DW
               WD: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, GELU: tl.constexpr,
               ADD_BIAS: tl.constexpr, TABLE_GRAD: tl.constexpr):
     n_block = tl.program_id(0)
-    b = tl.program_id(1)
+    b = tl.program_id(1).to(tl.int64)  # int64 offsets: B*H*T*D may pass 2^31 elements
     heads = tl.arange(0, HP)
     hidden = tl.arange(0, WP)
     cols = n_block * BN + tl.arange(0, BN)

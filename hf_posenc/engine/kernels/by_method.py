@@ -4,6 +4,9 @@ An entry takes the method object and reads its parameters; it names the plain fo
 (check.py), which is what serves wherever the kernel does not apply, fails its check, or is turned off
 (`HF_POSENC_CPU_KERNELS=0`). A method registered under another name (a user's subclass of one of these) adds its own
 entry: `KERNELS["my-method"] = MethodKernels(...)`.
+
+On the "triton" path (`TritonKernel`): FoX and stick-breaking by fla-core's kernels, CoPE by ours
+(kernels/triton/cope_attention.py).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import torch
 from ...methods.base import DotProductForm
 from .check import PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, serve as serve_checked
 from .fused_cpu import cape_causal, cope_causal, stick_breaking_causal, turn_by_features
-from .triton.fla_content import forgetting_attention, stick_breaking_attention
+from .triton import triton_installed
+from .triton.fla_content import FLA_DTYPES, fla_installed, forgetting_attention, stick_breaking_attention
 
 
 @dataclass(frozen=True)
@@ -39,7 +43,8 @@ class CausalKernel:
 class TritonKernel:
     """A Triton kernel computing a content method's whole call on a causal prefill, one row or packed documents
     (no cache before the call, no padding, native bias or key mask; engine/attention/triton_content.py decides),
-    checked against the method's blocks. Served on the "triton" attention path."""
+    checked against the method's blocks (the gradients of the method's parameters too: a kernel reading one, as
+    CoPE's its position embeddings, differentiates it). Served on the "triton" attention path."""
 
     # (method, layer_idx, query [B, H, T, D], key/value [B, H_kv, T, D], gates [B, H, T] or None, scaling,
     # cu_seqlens or None) -> output [B, H, T, D]
@@ -49,6 +54,9 @@ class TritonKernel:
     gates: Callable[..., torch.Tensor] | None = None
     # method -> the kernel's code paths its options choose (part of the checked kind)
     variant: Callable[..., tuple] = lambda method: ()
+    # the dtypes it takes (fla's kernels keep float32 statistics: no float64) and what it needs installed
+    dtypes: tuple[torch.dtype, ...] = FLA_DTYPES
+    installed: Callable[[], bool] = fla_installed
 
 
 @dataclass(frozen=True)
@@ -91,7 +99,7 @@ def cape_kernel(method, layer_idx, query, key, value, scaling, positions):
                        negative_slope=method.leaky_relu_slope)
 
 
-# --- FoX and stick-breaking on the "triton" path: fla-core's kernels (kernels/triton/fla_content.py) --------------
+# --- the "triton" path: FoX and stick-breaking by fla-core's kernels (kernels/triton/fla_content.py), CoPE by ours --
 
 def fox_triton(method, layer_idx, query, key, value, gates, scaling, cu_seqlens):
     return forgetting_attention(query, key, value, gates, scaling, cu_seqlens)
@@ -104,6 +112,13 @@ def fox_gates(method, layer_idx, layer_input):
 
 def stick_breaking_triton(method, layer_idx, query, key, value, gates, scaling, cu_seqlens):
     return stick_breaking_attention(query, key, value, scaling, method.config.attend_current, cu_seqlens)
+
+
+def cope_triton(method, layer_idx, query, key, value, gates, scaling, cu_seqlens):
+    """CoPE by our Triton kernel (kernels/triton/cope_attention.py), which reads the layer's position embeddings."""
+    from .triton.cope_attention import cope_attention
+    return cope_attention(query, key, value, method.position_embeddings[layer_idx], scaling, method.config.max_pos,
+                          cu_seqlens)
 
 
 # --- TAPE: queries and keys turned by their features ----------------------------------------------------------------
@@ -146,7 +161,9 @@ KERNELS: dict[str, MethodKernels] = {
                                     triton=TritonKernel(stick_breaking_triton,
                                                         variant=lambda method: (method.config.attend_current,))),
     "fox": MethodKernels(triton=TritonKernel(fox_triton, gates=fox_gates)),
-    "cope": MethodKernels(causal=CausalKernel(cope_kernel, reference="content_scores")),
+    "cope": MethodKernels(causal=CausalKernel(cope_kernel, reference="content_scores"),
+                          triton=TritonKernel(cope_triton, variant=lambda method: (method.config.max_pos,),
+                                              dtypes=(*FLA_DTYPES, torch.float64), installed=triton_installed)),
     "cape": MethodKernels(causal=CausalKernel(cape_kernel, reference="content_scores", applies=cape_applies,
                                               variant=lambda method: (method.config.activation,))),
     "tape": MethodKernels(heads=tape_heads),

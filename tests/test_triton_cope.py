@@ -55,9 +55,10 @@ CASES = {
 }
 CLAMPED = {"one token": False, "7 tokens, gqa, clamped": True, "64 tokens, never clamped": False,
            "100 tokens, gqa, clamped": True, "packed, gqa, clamped": True}
-# float64 to rounding; float32: observed <= 1e-5 (logits summed over 32 dims, positions over 64 gates); float16: the
-# inputs and outputs rounded to float16 (observed <= 2e-3)
-TOLERANCE = {torch.float64: 1e-10, torch.float32: 5e-5, torch.float16: 5e-3}
+# Outputs within these, gradients within twice. float64: observed <= 2e-14; float32: 3e-6, as a plain float32
+# computation of the formula (2e-5 for the one token's gradients that are zero in exact arithmetic, against 1% of the
+# largest); float16: the inputs and outputs rounded to float16, observed <= 1.7e-3.
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3}
 
 
 def case_inputs(batch, heads, key_heads, length, dim, max_pos, lengths, seed=0):

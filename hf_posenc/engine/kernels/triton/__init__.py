@@ -5,6 +5,8 @@ triton installed everything else works as before.
 - table_attention.py: attention with a per-head distance table (fixed and trainable ALiBi, Sandwich, T5, KERPLE,
   FIRE up to its threshold), FlashAttention-2 style, forward and backward with the table's gradient.
 - fla_content.py: FoX and stick-breaking by fla-core's maintained kernels (flash-linear-attention).
+- cope_attention.py: CoPE (contextual positions), the fused CPU kernel's tiling in Triton, forward and backward with
+  the position embeddings' gradient.
 """
 
 from __future__ import annotations

@@ -14,6 +14,10 @@ the online softmax. Saved: each row's logsumexp, its last clamped key b_i (its p
 left of it is clamped too) and its window's sum of gates W_i = sum_{b_i<k<=i} g_ik. Backward, one program per query
 tile, key tiles from the left, so that the reverse cumulative sum's adjoint dg_ij = sum_{k<=j} dp_ik is a running
 sum carried from the left: positions p_ij = W_i - sum_{b_i<k<j} g_ik in the window, l = z + I[max_pos] left of it.
+The positions are summed in float64 both ways, as the CPU kernel's are: the backward's must equal the forward's far
+below float32's rounding, or P no longer sums to 1 against the saved logsumexp (in float32 they differ by about 1e-6
+of max_pos, which made the float32 gradients' error 5x a plain float32 computation's: 1.3e-5 against 2.7e-6 on 64
+tokens).
 dl = P (dO . v - dO_i . o_i); dI[f] += (1 - w) dl, dI[f + 1] += w dl; dp = dl R[f] (0 where clamped);
 dz = dl + dg g (1 - g). dQ is the program's own; dK and dV of a tile are reduced over its rows (tl.dot) before one
 atomic add per tile (query heads of a key head, and query tiles, add into the same keys). dI [B, H, T, max_pos + 1]
@@ -87,20 +91,21 @@ def _forward(Qp, Kp, Vp, Ep, RISEp, LOW, Op, LSE, LASTp, WINp, H, HK, T, P, scal
     m_i = tl.full([BM], float("-inf"), ACC)
     l_i = tl.zeros([BM], ACC)
     acc = tl.zeros([BM, BDV], ACC)
-    carry = tl.zeros([BM], ACC)  # the gates of the keys right of the tile
-    window = tl.zeros([BM], ACC)  # the gates of the keys not clamped
+    carry = tl.zeros([BM], tl.float64)  # the gates of the keys right of the tile
+    window = tl.zeros([BM], tl.float64)  # the gates of the keys not clamped
     last_clamped = lowest - 1
     first_tile = tl.min(lowest) // BN  # keys before every row's document are skipped
     last_tile = (tl.minimum(T, m_block * BM + BM) - 1) // BN
     for t in range(0, last_tile - first_tile + 1):
         cols = (last_tile - t) * BN + tl.arange(0, BN)
         z, allowed, gates, k = _scores(q, rows, row_ok, lowest, Kp, kv_base, cols, dims, T, scale, D, ACC, PREC)
+        gates = gates.to(tl.float64)  # the positions in float64: see the module docstring
         position = carry[:, None] + tl.cumsum(gates, axis=1, reverse=True)
         clamped = allowed & (position >= max_pos)
         last_clamped = tl.maximum(last_clamped, tl.max(tl.where(clamped, cols[None, :], -1), 1))
         window += tl.sum(tl.where(clamped, 0.0, gates), 1)
         carry += tl.sum(gates, 1)
-        position = tl.minimum(position, max_pos)
+        position = tl.minimum(position, max_pos).to(ACC)
         floor = tl.minimum(position.to(tl.int32), P - 1)  # p >= 0: truncation is the floor
         s = z + tl.gather(integer, floor, 1) + (position - floor.to(ACC)) * tl.gather(rise, floor, 1)
         s = tl.where(allowed, s, float("-inf"))
@@ -150,7 +155,7 @@ def _backward(Qp, Kp, Vp, Ep, RISEp, LOW, DOp, LSE, DELTA, LASTp, WINp, DQp, DKp
     integer, rise = _integers(q, Ep, RISEp, dims, slots, D, P, ACC, PREC)
     row_slots = (bh * T + rows) * P
     dq = tl.zeros([BM, BD], ACC)
-    before = tl.zeros([BM], ACC)  # the window's gates left of the tile
+    before = tl.zeros([BM], tl.float64)  # the window's gates left of the tile
     carry_grad = tl.zeros([BM], ACC)  # dp summed over the keys left of the tile
     to_last = tl.zeros([BM], ACC)  # the clamped keys' share of dI[max_pos]
     first_tile = tl.min(lowest) // BN
@@ -162,9 +167,10 @@ def _backward(Qp, Kp, Vp, Ep, RISEp, LOW, DOp, LSE, DELTA, LASTp, WINp, DQp, DKp
         clamped = allowed & (cols[None, :] <= last_clamped[:, None])
         inside = allowed & (cols[None, :] > last_clamped[:, None])  # the window
         gates = tl.where(inside, gates, 0.0)
-        position = whole[:, None] - before[:, None] - (tl.cumsum(gates, axis=1) - gates)
-        before += tl.sum(gates, 1)
-        position = tl.minimum(tl.maximum(position, 0.0), max_pos)
+        wide = gates.to(tl.float64)
+        position = whole[:, None] - before[:, None] - (tl.cumsum(wide, axis=1) - wide)
+        before += tl.sum(wide, 1)
+        position = tl.minimum(tl.maximum(position, 0.0), max_pos).to(ACC)
         floor = tl.where(inside, tl.minimum(position.to(tl.int32), P - 1), P - 1)
         weight = tl.where(inside, position - floor.to(ACC), 0.0)
         rise_at = tl.gather(rise, floor, 1)
@@ -212,7 +218,7 @@ class TritonCope(torch.autograd.Function):
         output = torch.empty(batch, heads, length, value_dim, dtype=value.dtype, device=query.device)
         lse = torch.empty(batch, heads, length, dtype=compute, device=query.device)
         last_clamped = torch.empty(batch, heads, length, dtype=torch.int32, device=query.device)
-        window = torch.empty(batch, heads, length, dtype=compute, device=query.device)
+        window = torch.empty(batch, heads, length, dtype=torch.float64, device=query.device)
         _forward[(triton.cdiv(length, BLOCK), batch * heads)](
             query, key, value, table, rises, lowest, output, lse, last_clamped, window, heads, key_heads, length,
             positions, scaling, max_pos, **_sizes(query, value, positions))

@@ -86,10 +86,9 @@ def _kernel_call(call: AttentionCall, kernel: TritonKernel, query, key, value, g
                  cu_seqlens) -> KernelCall:
     """The call by `kernel` as a checked kernel call (outputs [B, q, H, D]): against the method's eager blocks on the
     call's rows, and for gradients on a probe of its last PROBE_ROWS tokens (w.r.t. queries, keys, values, the
-    gates, through which the method's gate parameters get theirs, and the method's parameters the kernel reads
-    itself, as CoPE's position embeddings). Its kind: the method and its variant, dtype, grad
-    mode, packed or not, the head counts and sizes (the kernels' compile-time constants) and the length's size
-    class."""
+    gates, through which the method's gate parameters get theirs, and the method's parameters, which a kernel may
+    read itself: CoPE's position embeddings). Its kind: the method and its variant, dtype, grad mode, packed or not,
+    the head counts and sizes (the kernels' compile-time constants) and the length's size class."""
     method, scaling = call.method, call.scaling
     batch, heads, q, head_dim = query.shape
     with_grad = needs_grad(method, query, key, value)

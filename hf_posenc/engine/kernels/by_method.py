@@ -43,8 +43,8 @@ class CausalKernel:
 class TritonKernel:
     """A Triton kernel computing a content method's whole call on a causal prefill, one row or packed documents
     (no cache before the call, no padding, native bias or key mask; engine/attention/triton_content.py decides),
-    checked against the method's blocks (the gradients of the method's parameters too: a kernel reading one, as
-    CoPE's its position embeddings, differentiates it). Served on the "triton" attention path."""
+    checked against the method's blocks, the gradients of the method's parameters included (a kernel that reads one
+    itself, as CoPE's reads its position embeddings, must differentiate it). Served on the "triton" attention path."""
 
     # (method, layer_idx, query [B, H, T, D], key/value [B, H_kv, T, D], gates [B, H, T] or None, scaling,
     # cu_seqlens or None) -> output [B, H, T, D]

@@ -3,8 +3,9 @@
 keys, values and the position embeddings against the paper's formula in float64, in float64, float32 and float16,
 with positions clamped at max_pos and not, GQA and packed documents; and on the "triton" path, tiny patched LLaMA
 and GPT-2 models whose logits and parameter gradients equal the blocked path's, the kernel serving every layer of a
-causal or packed batch, the blocked path a left-padded one; the kernel check's gradient probe refusing a kernel whose
-position embeddings' gradient is wrong."""
+causal or packed batch, the blocked path a left-padded one, a decoding step after a cache and the calls the kernel
+does not take (bfloat16 on the CPU, eager attention, a native bias); the kernel check's gradient probe refusing a
+kernel whose position embeddings' gradient is wrong."""
 
 import dataclasses
 import warnings
@@ -209,3 +210,42 @@ def test_the_check_refuses_a_wrong_position_embeddings_gradient(device, fresh_ch
     refused = [v for v in attention.kernel_status() if not v.passed]
     assert len(refused) == 1 and refused[0].kind[0] == "gradients"
     assert "position_embeddings" in refused[0].detail
+
+
+CALLS_THE_KERNEL_DOES_NOT_TAKE = {
+    "bfloat16 on the CPU": lambda: (tiny_model("llama").bfloat16(), {}),  # the interpreter's bf16 products are wrong
+    "eager attention (weights asked for)": lambda: (tiny_model("llama", attn_implementation="eager"), {}),
+    "BLOOM's ALiBi kept underneath (base=native)": lambda: (tiny_model("bloom"), {"base": "native"}),
+}
+
+
+@pytest.mark.parametrize("case", CALLS_THE_KERNEL_DOES_NOT_TAKE)
+def test_calls_the_kernel_does_not_take_never_reach_it(case, monkeypatch, fresh_checks):
+    """The blocked path serves them without trying the kernel (here it raises, which a check would record)."""
+    model, options = CALLS_THE_KERNEL_DOES_NOT_TAKE[case]()
+    model = hf_posenc.patch_model(model, "cope", **options)
+
+    def untouchable(*args, **kwargs):
+        raise AssertionError("the Triton kernel was called")
+
+    entry = by_method.KERNELS["cope"]
+    monkeypatch.setitem(by_method.KERNELS, "cope",
+                        dataclasses.replace(entry, triton=dataclasses.replace(entry.triton, run=untouchable)))
+    attention.last_paths.clear()
+    with attention.attention_path("triton"):
+        model(random_ids(2, 12)).logits.float().sum().backward()
+    assert attention.last_paths["triton"] == 0 and attention.last_paths["content"] == model.config.num_hidden_layers
+    assert attention.kernel_status() == []
+
+
+def test_a_decoding_step_after_a_cache_goes_to_the_blocked_path(fresh_checks):
+    model = _patched("llama", "cpu", 3)
+    ids = random_ids(2, 20)
+    outputs = {}
+    for path in ("blocked", "triton"):
+        with torch.no_grad(), attention.attention_path(path):
+            cache = model(ids[:, :17], use_cache=True).past_key_values
+            attention.last_paths.clear()
+            outputs[path] = model(ids[:, 17:], past_key_values=cache, use_cache=True).logits
+        assert attention.last_paths["triton"] == 0 and attention.last_paths["content"] == 2
+    assert (outputs["triton"] - outputs["blocked"]).abs().max() <= 1e-5 * outputs["blocked"].abs().max()

@@ -181,3 +181,21 @@ def test_host_values_read_once_give_the_logits_of_reading_them_in_every_layer(gp
                         raising=False)
     again = logits(model_with(method, 4))
     assert all(torch.equal(a, b) for a, b in zip(kept, again))
+
+
+@pytest.mark.parametrize("method", ["cope", "cape"])  # fla's kernels (FoX's) run under the interpreter only in a
+def test_host_reads_on_the_triton_path_do_not_grow_with_depth(gpu_paths, method):  # process of their own
+    """Our Triton kernels' path (under Triton's interpreter here, as on a GPU otherwise) reads what it needs of
+    the forward's positions once too (CAPE's consecutive positions and highest one, packed documents' starts): a
+    training step and a packed forward make the same reads with 2 layers as with 4, and the kernels served them."""
+    from hf_posenc import attention
+
+    with attention.attention_path("triton"):
+        runs = {}
+        for layers in (2, 4):
+            model = model_with(method, layers)
+            attention.last_paths.clear()
+            runs[layers] = {"a training step": training_step(model), "a packed forward": packed_forward(model)}
+            assert attention.last_paths["triton"] > 0, dict(attention.last_paths)
+    growing = {name: dict(runs[4][name]) for name in runs[2] if runs[2][name] != runs[4][name]}
+    assert not growing, f"reads that grow with depth (2 -> 4 layers; where each was made at 4): {growing}"

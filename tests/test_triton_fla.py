@@ -154,10 +154,9 @@ def test_calls_fla_does_not_take_never_reach_it(case, method, monkeypatch, fresh
         raise AssertionError("the Triton kernel was called")
 
     monkeypatch.setattr(triton_content, "triton_runs_on", lambda device: True)
-    monkeypatch.setattr(triton_content, "fla_installed", lambda: True)
     entry = by_method.kernels_for(hf_posenc.get_positional_module(model))
-    monkeypatch.setitem(by_method.KERNELS, method,
-                        dataclasses.replace(entry, triton=dataclasses.replace(entry.triton, run=untouchable)))
+    triton = dataclasses.replace(entry.triton, run=untouchable, installed=lambda: True)
+    monkeypatch.setitem(by_method.KERNELS, method, dataclasses.replace(entry, triton=triton))
     ids = random_ids(2, 12)
     engine.last_paths.clear()
     with engine.attention_path("triton"):

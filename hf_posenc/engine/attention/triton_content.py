@@ -1,11 +1,13 @@
 """A content call on the "triton" path: a method's Triton kernel (engine/kernels/by_method.py `TritonKernel`: FoX and
-stick-breaking by fla-core, CAPE by kernels/triton/cape_attention.py) on a causal prefill, one document per row or
-packed documents, checked against the method's eager blocks like any kernel (kernel_check). What the kernel does not
-serve returns None, and the blocked path serves it as on any other path: a KV cache before the call, a padding mask
-or any mask other than packed documents', the method's native bias or key mask, a call outside the kernel's
-`applies` (CAPE: positions that are not consecutive, a bias with no distance table), eager attention (weights asked
-for), attention dropout, float64 (and bfloat16 on the CPU, where only the interpreter runs Triton), a head size over
-256, or a machine where Triton cannot run (no GPU and no TRITON_INTERPRET=1, or no fla-core)."""
+stick-breaking by fla-core, CoPE and CAPE by kernels/triton/cope_attention.py and cape_attention.py) on a causal
+prefill, one document per row or packed documents, checked against the method's eager blocks like any kernel
+(kernel_check). What the kernel does not serve returns None, and the blocked path serves it as on any other path: a
+KV cache before the call, a padding mask or any mask other than packed documents', the method's native bias or key
+mask, a call outside the kernel's `applies` (CAPE: positions that are not consecutive, a bias with no distance
+table), eager attention (weights asked for), attention dropout, a dtype the kernel does not take (float64 for fla's
+and CAPE's; bfloat16 on the CPU, where only the interpreter runs Triton), a head size over 256, or a machine where
+Triton cannot run (no GPU and no TRITON_INTERPRET=1, or what the kernel needs not installed: fla-core for fla's,
+triton for ours)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from ..kernels.by_method import TritonKernel, triton_kernel
 from ..kernels.check import PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall
 from ..kernels.check import serve as serve_checked
 from ..kernels.triton import runs_on as triton_runs_on
-from ..kernels.triton.fla_content import FLA_DTYPES, MAX_HEAD_DIM, cu_seqlens_of, document_starts, fla_installed
+from ..kernels.triton.fla_content import MAX_HEAD_DIM, cu_seqlens_of, document_starts
 from .call import AttentionCall
 from .content_blocks import content_block, cut_block
 from .geometry import causal_columns, match_heads, needs_grad, power_of_two_bucket
@@ -29,8 +31,8 @@ def triton_content(call: AttentionCall, query, key, value, layer_input, query_st
     blocked path serves (see the module docstring). query [B, H, q, D], key and value [B, H_kv, kv, D] as the
     method's `prepare_heads` left them; the states as engine/content.py `layer_state` gives them."""
     kernel = triton_kernel(call.method)
-    if kernel is None or not _served(call, query, key, value) \
-            or not kernel.applies(call.method, call.layer_idx, call.query_positions):
+    if kernel is None or not _served(call, kernel, query, key, value) \
+            or not kernel.applies(call.method, call.layer_idx, call):
         return None
     documents = _documents(call, query.shape[0])
     if documents is False:
@@ -40,18 +42,18 @@ def triton_content(call: AttentionCall, query, key, value, layer_input, query_st
     return output.transpose(1, 2) if output is not None else None
 
 
-def _served(call: AttentionCall, query, key, value) -> bool:
+def _served(call: AttentionCall, kernel: TritonKernel, query, key, value) -> bool:
     """Whether the call is one the Triton kernels take, from its sizes and options (no read of a tensor's values)."""
     method, state = call.method, call.state
     q, kv = query.shape[2], key.shape[2]
     return (not call.eager and call.dropout == 0.0 and q == kv and int(state.forward.slot_offset) == 0
-            and query.dtype in FLA_DTYPES and value.dtype == query.dtype
+            and query.dtype in kernel.dtypes and value.dtype == query.dtype
             # Triton 3.9's interpreter multiplies bfloat16 tl.dot operands as raw bits: on the CPU it stays blocked
             and not (query.device.type == "cpu" and query.dtype == torch.bfloat16)
             and max(query.shape[-1], value.shape[-1]) <= MAX_HEAD_DIM
             and not method.masks_keys
             and method.native_bias(call.layer_idx, call.query_positions[:, :1], call.key_positions[:, :1]) is None
-            and triton_runs_on(query.device) and fla_installed())
+            and triton_runs_on(query.device) and kernel.installed())
 
 
 def _documents(call: AttentionCall, batch: int):
@@ -86,9 +88,9 @@ def _documents(call: AttentionCall, batch: int):
 def _kernel_call(call: AttentionCall, kernel: TritonKernel, query, key, value, gates, query_state, key_state,
                  cu_seqlens) -> KernelCall:
     """The call by `kernel` as a checked kernel call (outputs [B, q, H, D]): against the method's eager blocks on the
-    call's rows, and for gradients on a probe of its last PROBE_ROWS tokens (w.r.t. queries, keys, values and the
-    gates, through which the method's gate parameters get theirs, and w.r.t. the method's parameters that the kernel
-    reads itself: CAPE's MLP and bias). Its kind: the method and its variant, dtype, grad
+    call's rows, and for gradients on a probe of its last PROBE_ROWS tokens (w.r.t. queries, keys, values, the
+    gates, through which the method's gate parameters get theirs, and the method's parameters, which a kernel may
+    read itself: CoPE's position embeddings, CAPE's MLP and bias). Its kind: the method and its variant, dtype, grad
     mode, packed or not, the head counts and sizes (the kernels' compile-time constants) and the length's size
     class."""
     method, scaling = call.method, call.scaling

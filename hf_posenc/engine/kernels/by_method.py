@@ -4,6 +4,9 @@ An entry takes the method object and reads its parameters; it names the plain fo
 (check.py), which is what serves wherever the kernel does not apply, fails its check, or is turned off
 (`HF_POSENC_CPU_KERNELS=0`). A method registered under another name (a user's subclass of one of these) adds its own
 entry: `KERNELS["my-method"] = MethodKernels(...)`.
+
+On the "triton" path (`TritonKernel`): FoX and stick-breaking by fla-core's kernels, CoPE and CAPE by ours
+(kernels/triton/cope_attention.py, cape_attention.py).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import torch
 from ...methods.base import DotProductForm
 from .check import PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, serve as serve_checked
 from .fused_cpu import cape_causal, cope_causal, stick_breaking_causal, turn_by_features
-from .triton.fla_content import forgetting_attention, stick_breaking_attention
+from .triton import triton_installed
+from .triton.fla_content import FLA_DTYPES, fla_installed, forgetting_attention, stick_breaking_attention
 
 
 @dataclass(frozen=True)
@@ -39,7 +43,8 @@ class CausalKernel:
 class TritonKernel:
     """A Triton kernel computing a content method's whole call on a causal prefill, one row or packed documents
     (no cache before the call, no padding, native bias or key mask; engine/attention/triton_content.py decides),
-    checked against the method's blocks. Served on the "triton" attention path."""
+    checked against the method's blocks, the gradients of the method's parameters included (a kernel that reads one
+    itself, as CoPE's reads its position embeddings, must differentiate it). Served on the "triton" attention path."""
 
     # (method, layer_idx, query [B, H, T, D], key/value [B, H_kv, T, D], gates [B, H, T] or None, scaling,
     # cu_seqlens or None) -> output [B, H, T, D]
@@ -49,8 +54,12 @@ class TritonKernel:
     gates: Callable[..., torch.Tensor] | None = None
     # method -> the kernel's code paths its options choose (part of the checked kind)
     variant: Callable[..., tuple] = lambda method: ()
-    # (method, layer_idx, position ids [B or 1, T]) -> whether the kernel's form holds for tokens at these positions
-    applies: Callable[..., bool] = lambda method, layer_idx, positions: True
+    # the dtypes it takes (fla's kernels keep float32 statistics: no float64) and what it needs installed
+    dtypes: tuple[torch.dtype, ...] = FLA_DTYPES
+    installed: Callable[[], bool] = fla_installed
+    # (method, layer_idx, the AttentionCall) -> whether the kernel's form holds for the call's positions (values read
+    # once per forward: call.state.once_per_forward)
+    applies: Callable[..., bool] = lambda method, layer_idx, call: True
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,16 @@ def cape_applies(method, layer_idx, positions) -> bool:
     return method.bias_method.bias_table(layer_idx, 1, int(positions.max()), positions.device) is not None
 
 
+def cape_triton_applies(method, layer_idx, call) -> bool:
+    """cape_applies for a call on the "triton" path, its reads of the positions made once per forward (on a GPU each
+    read waits for the device: docs/attention-paths.md, "Reads of tensor values")."""
+    positions = call.query_positions
+    consecutive, highest = call.state.once_per_forward(
+        ("consecutive query positions, highest", positions.shape[-1]),
+        lambda: (positions.shape[-1] <= 1 or bool((positions.diff(dim=-1) == 1).all()), int(positions.max())))
+    return consecutive and method.bias_method.bias_table(layer_idx, 1, highest, positions.device) is not None
+
+
 def cape_kernel(method, layer_idx, query, key, value, scaling, positions):
     table = method.bias_method.bias_table(layer_idx, query.shape[2], int(positions.max()), query.device)
     return cape_causal(query, key, value, table, method.input_weight[layer_idx], method.input_bias[layer_idx],
@@ -93,8 +112,11 @@ def cape_kernel(method, layer_idx, query, key, value, scaling, positions):
                        negative_slope=method.leaky_relu_slope)
 
 
+# --- the "triton" path: FoX and stick-breaking by fla-core's kernels (kernels/triton/fla_content.py), CoPE and CAPE
+# by ours ----------------------------------------------------------------------------------------------------------
+
 def cape_triton(method, layer_idx, query, key, value, gates, scaling, cu_seqlens):
-    """CAPE by kernels/triton/cape_attention.py where cape_applies holds (no packed documents: their positions
+    """CAPE by kernels/triton/cape_attention.py where cape_triton_applies holds (no packed documents: their positions
     restart). The table for the call's T distances: a bias that depends on the distance alone has the same table
     whatever the highest position (cape_applies asked with the real one), and positions from 0 reach T - 1."""
     from .triton.cape_attention import cape_attention
@@ -107,8 +129,6 @@ def cape_triton(method, layer_idx, query, key, value, gates, scaling, cu_seqlens
                           negative_slope=method.leaky_relu_slope)
 
 
-# --- FoX and stick-breaking on the "triton" path: fla-core's kernels (kernels/triton/fla_content.py) --------------
-
 def fox_triton(method, layer_idx, query, key, value, gates, scaling, cu_seqlens):
     return forgetting_attention(query, key, value, gates, scaling, cu_seqlens)
 
@@ -120,6 +140,13 @@ def fox_gates(method, layer_idx, layer_input):
 
 def stick_breaking_triton(method, layer_idx, query, key, value, gates, scaling, cu_seqlens):
     return stick_breaking_attention(query, key, value, scaling, method.config.attend_current, cu_seqlens)
+
+
+def cope_triton(method, layer_idx, query, key, value, gates, scaling, cu_seqlens):
+    """CoPE by our Triton kernel (kernels/triton/cope_attention.py), which reads the layer's position embeddings."""
+    from .triton.cope_attention import cope_attention
+    return cope_attention(query, key, value, method.position_embeddings[layer_idx], scaling, method.config.max_pos,
+                          cu_seqlens)
 
 
 # --- TAPE: queries and keys turned by their features ----------------------------------------------------------------
@@ -162,10 +189,12 @@ KERNELS: dict[str, MethodKernels] = {
                                     triton=TritonKernel(stick_breaking_triton,
                                                         variant=lambda method: (method.config.attend_current,))),
     "fox": MethodKernels(triton=TritonKernel(fox_triton, gates=fox_gates)),
-    "cope": MethodKernels(causal=CausalKernel(cope_kernel, reference="content_scores")),
+    "cope": MethodKernels(causal=CausalKernel(cope_kernel, reference="content_scores"),
+                          triton=TritonKernel(cope_triton, variant=lambda method: (method.config.max_pos,),
+                                              dtypes=(*FLA_DTYPES, torch.float64), installed=triton_installed)),
     "cape": MethodKernels(causal=CausalKernel(cape_kernel, reference="content_scores", applies=cape_applies,
                                               variant=lambda method: (method.config.activation,)),
-                          triton=TritonKernel(cape_triton, applies=cape_applies,
+                          triton=TritonKernel(cape_triton, applies=cape_triton_applies, installed=triton_installed,
                                               variant=lambda method: (method.config.activation, method.config.base))),
     "tape": MethodKernels(heads=tape_heads),
     "self-extend": MethodKernels(near_far=True),

@@ -7,6 +7,8 @@ triton installed everything else works as before.
 - fla_content.py: FoX and stick-breaking by fla-core's maintained kernels (flash-linear-attention).
 - cape_attention.py: CAPE (its MLP across heads per pair) on a causal square with a distance table, forward and
   backward with the MLP's and the table's gradients: the port of cpu_kernels/cape.cpp.
+- cope_attention.py: CoPE (contextual positions), the fused CPU kernel's tiling in Triton, forward and backward with
+  the position embeddings' gradient.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ METHODS = {"kerple": {}, "t5": {}, "trainable alibi": {"trainable": True}, "fire
 
 def _outputs_and_gradients(model, path, **inputs):
     model.zero_grad()
-    inputs = {name: tensor.to(model.device) for name, tensor in inputs.items()}
+    inputs = {name: value.to(model.device) if torch.is_tensor(value) else value for name, value in inputs.items()}
     with attention.attention_path(path):
         logits = model(**inputs).logits
     keep = inputs["attention_mask"].bool() if "attention_mask" in inputs else torch.ones(logits.shape[:2], dtype=bool,
@@ -65,8 +65,17 @@ def test_triton_path_equals_blocked_on_a_left_padded_batch(method, device):
 
 @pytest.mark.parametrize("method", ["trainable alibi", "t5"])
 def test_triton_path_equals_blocked_on_packed_documents(method, device):
+    """Both with transformers' packed-documents mask (built from restarting position ids where no cache is used) and
+    with the plain causal mask over restarting positions (a cache in use: distances restart, documents see earlier
+    ones)."""
     positions = torch.cat([torch.arange(14), torch.arange(19), torch.arange(7)])[None]
-    _assert_paths_agree(_patched(method, device), input_ids=random_ids(1, 40), position_ids=positions)
+    model = _patched(method, device)
+    for use_cache in (False, True):
+        _assert_paths_agree(model, input_ids=random_ids(1, 40), position_ids=positions, use_cache=use_cache)
+    with torch.no_grad():  # the two masks differ: the packed one keeps each document to itself
+        packed, plain = (model(random_ids(1, 40).to(device), position_ids=positions.to(device),
+                               use_cache=use_cache).logits for use_cache in (False, True))
+    assert torch.allclose(packed[:, :14], plain[:, :14]) and not torch.allclose(packed[:, 14:], plain[:, 14:])
 
 
 def test_triton_path_equals_blocked_on_gpt2(device):

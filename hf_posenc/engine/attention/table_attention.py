@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..kernels import check
+from ..kernels.check import tolerance, verified
 from ..kernels.fused_cpu import fused_kernels_enabled, table_backward_tiles
 
 KEY_TILE = 256  # keys per backward tile when no plan is measured (see the module docstring, and BackwardPlan)
@@ -347,7 +347,7 @@ def fused_tiles_serve(compute: torch.dtype) -> bool:
     are on, and at the first such backward in this process its gradients matched torch_tiles' on a small problem
     (check_fused_tiles; recorded as kernel checks are: `hf_posenc.attention.kernel_status()`, a KernelCheckWarning
     on a failure, a failed build included, after which torch ops serve)."""
-    return fused_kernels_enabled() and check.verified(FUSED_KERNEL, torch.device("cpu"), (str(compute),),
+    return fused_kernels_enabled() and verified(FUSED_KERNEL, torch.device("cpu"), (str(compute),),
                                                       lambda: check_fused_tiles(compute))
 
 
@@ -374,4 +374,4 @@ def check_fused_tiles(compute: torch.dtype) -> tuple[float, float]:
     got = (*got[:3], got[3].sum(0))
     want = (*want[:3], want[3].sum(0))
     error = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want))
-    return error, 2 * check.tolerance(compute)
+    return error, 2 * tolerance(compute)

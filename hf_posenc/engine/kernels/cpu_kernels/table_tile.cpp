@@ -2,8 +2,8 @@
 // method, the widened operands and the torch-op tiles this replaces; engine/fused_cpu.py builds this file).
 //
 // Per batch x head, per query block, per key tile, in one thread's cache: the bias written into the tile, then
-//   S = bias + Q' K'^T,  P = exp(S) (0 where at most kSmallestProbability),  dV += P^T dO,
-//   dS = (dO' V'^T) * P, the table's gradient += dS's anti-diagonal sums,  dQ += scale dS K,  dK += dS^T (scale Q),
+//   S = bias + scale Q K^T,  P = exp(S - lse) (0 where at most kSmallestProbability),  dV += P^T dO,
+//   dS = (dO V^T - delta) * P, the table's gradient += dS's anti-diagonal sums,  dQ += scale dS K,  dK += dS^T (scale Q),
 // the five products by the BLAS torch links (tiles.h), the passes between them one loop each over the tile, where
 // the torch-op tiles take about ten (a bias copy, clamp, exp, threshold, the multiply, the skewed buffer's column sum)
 // at memory speed across a batch of heads. A tile whose every probability is dropped (the far keys of a steep ALiBi)
@@ -21,18 +21,22 @@ using namespace hf_posenc_cpu;
 constexpr double kSmallestProbability = 0x1p-60;
 constexpr double kLogFloor = -42.588830833596716;  // log(2^-60) - 1
 
-// A tile's logits to probabilities, in place: exp(max(s, floor)), 0 where at most kSmallestProbability; whether any
-// probability is kept.
+// A tile's logits to probabilities, in place, row r shifted by shift[r * stride] (-lse): exp(max(s + shift, floor)),
+// 0 where at most kSmallestProbability; whether any probability is kept.
 template <typename T>
-inline bool probabilities_in_place(T* s, int64_t n) {
+inline bool probabilities_in_place(T* s, int64_t rows, int64_t n, const T* shift, int64_t stride) {
   const T floor = T(kLogFloor), smallest = T(kSmallestProbability);
   int kept = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    T* row = s + r * n;
+    const T by = shift == nullptr ? T(0) : shift[r * stride];
 #pragma omp simd reduction(| : kept)
-  for (int64_t c = 0; c < n; ++c) {
-    const T p = std::exp(std::max(s[c], floor));
-    const bool keep = p > smallest;
-    s[c] = keep ? p : T(0);
-    kept |= int(keep);
+    for (int64_t c = 0; c < n; ++c) {
+      const T p = std::exp(std::max(row[c] + by, floor));
+      const bool keep = p > smallest;
+      row[c] = keep ? p : T(0);
+      kept |= int(keep);
+    }
   }
   return kept != 0;
 }
@@ -67,25 +71,28 @@ void head_backward(const Operands<T>& o, int64_t n, const int64_t* blocks, int64
       T* p = probs.data();
       T* g = grads.data();
       for (int r = 0; r < nr; ++r) std::copy(bias + offset + r, bias + offset + r + nk, p + int64_t(r) * nk);
-      times_transposed<T>(qw + first * wide, kw + c0 * wide, p, nr, nk, int(wide), T(1), T(1), wide, wide);
-      if (!probabilities_in_place(p, int64_t(nr) * nk)) continue;  // dS = 0: nothing reaches any gradient
+      // -lse and -delta (the widened operands' last columns) are added in the passes: the products run at depth D,
+      // which the BLAS takes faster than D + 1.
+      times_transposed<T>(qw + first * wide, kw + c0 * wide, p, nr, nk, int(dim), T(1), T(1), wide, wide);
+      if (!probabilities_in_place(p, nr, nk, qw + first * wide + dim, wide)) continue;  // dS = 0: no gradient
       // dV[c0:] += P^T dO   (dO: the first D columns of dO')
       gemm('N', 'T', int(dim), nk, nr, T(1), gw + first * wide, int(wide), p, nk, T(1), dv + c0 * dim, int(dim));
-      times_transposed<T>(gw + first * wide, vw + c0 * wide, g, nr, nk, int(wide), T(1), T(0), wide, wide);  // dP'
-      for (int r = 0; r < nr; ++r) {  // dS = dP' * P, and its anti-diagonal sums into the table's gradient
+      times_transposed<T>(gw + first * wide, vw + c0 * wide, g, nr, nk, int(dim), T(1), T(0), wide, wide);  // dP
+      for (int r = 0; r < nr; ++r) {  // dS = (dP - delta) * P, and its anti-diagonal sums into the table's gradient
         T* gr = g + int64_t(r) * nk;
         const T* pr = p + int64_t(r) * nk;
+        const T centre = gw[(first + r) * wide + dim];
         if (dtable != nullptr) {
           T* sums = dtable + offset + r;
 #pragma omp simd
           for (int c = 0; c < nk; ++c) {
-            const T ds = gr[c] * pr[c];
+            const T ds = (gr[c] + centre) * pr[c];
             gr[c] = ds;
             sums[c] += ds;
           }
         } else {
 #pragma omp simd
-          for (int c = 0; c < nk; ++c) gr[c] *= pr[c];
+          for (int c = 0; c < nk; ++c) gr[c] = (gr[c] + centre) * pr[c];
         }
       }
       // dQ[first:] += scale dS K,  dK[c0:] += dS^T (scale Q)   (K, scale Q: the first D columns of K', Q')
@@ -154,8 +161,8 @@ std::vector<at::Tensor> table_backward(const at::Tensor& query, const at::Tensor
 at::Tensor table_probabilities(const at::Tensor& logits) {
   auto out = logits.contiguous().clone();
   TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kDouble, "float32 or float64");
-  if (out.scalar_type() == at::kDouble) probabilities_in_place(out.data_ptr<double>(), out.numel());
-  else probabilities_in_place(out.data_ptr<float>(), out.numel());
+  if (out.scalar_type() == at::kDouble) probabilities_in_place<double>(out.data_ptr<double>(), 1, out.numel(), nullptr, 0);
+  else probabilities_in_place<float>(out.data_ptr<float>(), 1, out.numel(), nullptr, 0);
   return out;
 }
 

@@ -17,20 +17,28 @@ Why the backward tiles the keys too (KEY_TILE columns at a time): a block's temp
 8192 tokens, 8 heads and 256 rows that is 64 MiB each, past the CPU's last-level cache, and the elementwise passes
 (exp, dS) ran at memory speed. A [B*H, rows, KEY_TILE] tile stays in cache between the matmul that makes it and
 the ones that read it, and how long one takes no longer depends on the length. The five matmuls are the floor
-(causal SDPA's backward runs the same five); per tile the elementwise work around them is kept to four passes:
+(causal SDPA's backward runs the same five). With torch ops (torch_tiles: off the CPU, with HF_POSENC_CPU_KERNELS=0,
+or where the fused kernel failed its check) the elementwise work around them is kept to four passes a tile:
 - -lse and -rowsum(dO * O) ride in the matmuls as one more column (Q' = [scale Q, -lse], K' = [K, 1],
   dO' = [dO, -delta], V' = [V, 1]): P = exp(bias + Q' K'^T) is one baddbmm (the bias its accumulator) and an exp,
   dS = (dO' V'^T) * P one matmul and a multiply;
 - the multiply writes dS into a skewed buffer (row r shifted r columns right, see skewed_view), so that the
   anti-diagonal sums are one column sum of that buffer (in place of aten's unfold_backward: a tenth off the
   backward at 4096), and the matmuls read dS from it in place.
-Measured at the op level (8 heads x 64, float32, 2 threads; docs/benchmarks.md, issue 17): forward + backward
-1.15-1.21x causal SDPA at 8192 tokens over runs on an AMD EPYC, where the untiled backward took 1.8-2.3x.
-On an Intel Xeon the same code took 4-10x (issue 56): the masked keys' probabilities, clamped to e * float32's
+Those passes and their dispatch still cost about 600 ms of a 2.5 s forward+backward at 8192 tokens on an Intel Xeon
+(1 thread; 1.4-1.6x causal SDPA at 512-8192 tokens, up to 2x and more on 2 threads, issue 56). On the CPU the tiles
+are the fused kernel's (fused_tiles, engine/kernels/cpu_kernels/table_tile.cpp): per batch x head, one thread, each
+tile's bias, exp and dS (with the anti-diagonal sums) one loop each between the five BLAS products, in cache; a tile
+whose probabilities are all dropped skips its products. It serves once it matched torch_tiles on a small problem in
+this process (fused_tiles_serve). Forward + backward over causal SDPA's on that Xeon (8 heads x 64, float32,
+benchmarks/bench_table_attention.py, docs/attention-paths.md "Training learned tables"): 0.93-1.08x at 512-8192
+tokens on 1 thread, 1.0-1.23x on 2 of a busy machine, where the torch-op tiles took 1.40-1.54x and 1.9-10x.
+On an Intel Xeon the first code took 4-10x (issue 56): the masked keys' probabilities, clamped to e * float32's
 smallest normal number, made dS subnormal, and Intel cores take every multiply-add with a subnormal operand through a
-microcode assist (75x a product's time); probabilities under SMALLEST_PROBABILITY are now dropped. The tile size and
-whether the matmuls read dS from the skewed buffer or from a contiguous tile (BackwardPlan) are timed on the machine
-at a model's first training call and kept on its state (backward_plan; `attention.tuned_choices(model)`).
+microcode assist (75x a product's time); probabilities under SMALLEST_PROBABILITY are now dropped (by both). The
+tile size and layout (BackwardPlan: fused, or torch ops reading dS from the skewed buffer or from a contiguous tile)
+are timed on the machine at a model's first training call and kept on its state (backward_plan;
+`attention.tuned_choices(model)`).
 Fixed tables in training (ALiBi, Sandwich, a frozen table) take this backward too (bias_path.py says why).
 Memory: a few [B*H, rows, KEY_TILE] tiles and the [B*H, q, D + 1] widened inputs, besides the gradients.
 

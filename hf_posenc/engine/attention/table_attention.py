@@ -274,8 +274,10 @@ class TableBiasAttention(torch.autograd.Function):
         table_grad = ctx.needs_input_grad[3]  # a fixed table (ALiBi, Sandwich, a frozen T5) takes none
         operands = (query_wide, key_wide, grad_wide, value_wide, padded.to(compute))
         plan = ctx.plan
-        if plan.layout == "fused" and not fused_tiles_serve(compute):
-            plan = BackwardPlan(plan.key_tile, "skewed")  # the kernels are off, or failed their check here
+        if plan.layout == "fused" and (query.device.type != "cpu" or value.shape[-1] != dim
+                                       or not fused_tiles_serve(compute)):
+            # the kernels are off or failed their check here; or values of another head size than the queries'
+            plan = BackwardPlan(plan.key_tile, "skewed")
         tiles = fused_tiles if plan.layout == "fused" else torch_tiles
         grad_query, grad_key, grad_value, grad_padded = tiles(*operands, ctx.blocks, plan, scaling, batch, table_grad)
         grad_query = grad_query.view(batch, heads, q, dim)
@@ -293,11 +295,11 @@ def torch_tiles(query_wide, key_wide, grad_wide, value_wide, padded, blocks, pla
     dtype -> the gradients of the queries ([B*H, q, D]), of the keys and values per query head ([B*H, kv, D]) and of
     `padded` ([1, H, P], or None without `table_grad`)."""
     count, q, wide = query_wide.shape
-    heads, kv, compute = padded.shape[0], key_wide.shape[1], padded.dtype
-    scaled_query, grad_output, key = (wide[..., :-1].contiguous() for wide in (query_wide, grad_wide, key_wide))
-    grad_query = torch.empty(count, q, wide - 1, dtype=compute)
-    grad_key = torch.zeros(count, kv, wide - 1, dtype=compute)
-    grad_value = torch.zeros(count, kv, wide - 1, dtype=compute)
+    heads, kv = padded.shape[0], key_wide.shape[1]
+    scaled_query, grad_output, key = (tensor[..., :-1].contiguous() for tensor in (query_wide, grad_wide, key_wide))
+    grad_query = query_wide.new_empty(count, q, wide - 1)
+    grad_key = key_wide.new_zeros(count, kv, wide - 1)
+    grad_value = value_wide.new_zeros(count, kv, value_wide.shape[-1] - 1)
     grad_padded = torch.zeros_like(padded)
     # (rows, width) -> a zeroed buffer for dS (skewed_view), reused: entries outside the view stay zero. A few
     # shapes at most: the tiles are KEY_TILE wide but for one remainder per block, the same in every full block.

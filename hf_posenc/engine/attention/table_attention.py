@@ -358,7 +358,7 @@ def fused_tiles_serve(compute: torch.dtype) -> bool:
     (check_fused_tiles; recorded as kernel checks are: `hf_posenc.attention.kernel_status()`, a KernelCheckWarning
     on a failure, a failed build included, after which torch ops serve)."""
     return fused_kernels_enabled() and verified(FUSED_KERNEL, torch.device("cpu"), (str(compute),),
-                                                      lambda: check_fused_tiles(compute))
+                                                lambda: check_fused_tiles(compute))
 
 
 def check_fused_tiles(compute: torch.dtype) -> tuple[float, float]:

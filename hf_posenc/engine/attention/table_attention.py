@@ -32,7 +32,7 @@ tile's bias, exp and dS (with the anti-diagonal sums) one loop each between the 
 whose probabilities are all dropped skips its products. It serves once it matched torch_tiles on a small problem in
 this process (fused_tiles_serve). Forward + backward over causal SDPA's on that Xeon (8 heads x 64, float32,
 benchmarks/bench_table_attention.py, docs/attention-paths.md "Training learned tables"): 0.93-1.08x at 512-8192
-tokens on 1 thread, 1.0-1.23x on 2 of a busy machine, where the torch-op tiles took 1.40-1.54x and 1.9-10x.
+tokens on 1 thread, 1.0-1.4x on 2 of a busy machine, where the torch-op tiles took 1.40-1.54x and 1.8-10x.
 On an Intel Xeon the first code took 4-10x (issue 56): the masked keys' probabilities, clamped to e * float32's
 smallest normal number, made dS subnormal, and Intel cores take every multiply-add with a subnormal operand through a
 microcode assist (75x a product's time); probabilities under SMALLEST_PROBABILITY are now dropped (by both). The

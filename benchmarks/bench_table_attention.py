@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from hf_posenc.tools.machine import machine_description, machine_header
 def load_module(name: str, path: str):
     spec = importlib.util.spec_from_file_location(f"_reference_{name}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a dataclass in it looks its module up there
     spec.loader.exec_module(module)
     return module
 

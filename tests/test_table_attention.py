@@ -4,6 +4,7 @@ values and the table against autograd of the materialised computation in float64
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -262,3 +263,112 @@ def test_measure_plan_picks_the_fastest_candidate(monkeypatch):
     # within the margin, the first (the default) stays
     assert table_attention.measure_plan([fast, fast], torch.float32, 2, 8) == fast
     assert table_attention.candidate_plans()[0] == table_attention.default_plan(torch.device("cpu"))
+
+
+def fused_case(dtype, batch=2, heads=4, kv_heads=2, length=40, step=16, tile=8, steep=True):
+    """Inputs of a backward with several blocks and tiles (remainders, masked keys, a head whose steep fall drops
+    whole tiles): query, key, value, table, grad_output, blocks, the table's padding (the block rows), plan's tile."""
+    generator = torch.Generator().manual_seed(1)
+    dim = 8
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator, dtype=dtype)
+
+    query, key, value = rand(batch, heads, length, dim), rand(batch, kv_heads, length, dim), rand(batch, kv_heads,
+                                                                                                 length, dim)
+    table = 0.5 * rand(heads, length)
+    if steep:
+        table[-1] = -4.0 * torch.arange(length, dtype=dtype)
+    blocks = [(rows.start, rows.stop - rows.start, rows.stop, step + rows.start - rows.stop + 1)
+              for rows in attention.query_blocks(torch.arange(length)[None], step)]
+    return query, key, value, table, rand(batch, heads, length, dim), blocks, step, tile
+
+
+def backward_grads(case, layout, table_grad=True):
+    query, key, value, table, grad_out, blocks, step, tile = case
+    inputs = [tensor.clone().requires_grad_() for tensor in (query, key, value)]
+    table = table.clone().requires_grad_(table_grad)
+    padded = attention.padded_table(table, step, table.dtype)
+    output = TableBiasAttention.apply(inputs[0], inputs[1].flip(2), inputs[2].flip(2), padded, blocks, 8**-0.5,
+                                      table_attention.BackwardPlan(tile, layout))
+    wanted = (*inputs, table) if table_grad else inputs
+    return torch.autograd.grad(output, wanted, grad_out)
+
+
+@pytest.mark.parametrize("dtype,allowed", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("shape", [{}, {"batch": 1, "heads": 2, "kv_heads": 2, "length": 7, "step": 4, "tile": 3},
+                                   {"batch": 3, "heads": 2, "kv_heads": 1, "length": 33, "step": 256, "tile": 256}],
+                         ids=["GQA, batch 2, blocks and tiles", "tiles of 3", "one block, one tile"])
+@pytest.mark.parametrize("table_grad", [True, False], ids=["learned table", "fixed table"])
+def test_the_fused_tiles_equal_the_torch_op_tiles(dtype, allowed, shape, table_grad):
+    """The fused kernel's gradients of queries, keys, values and table against the torch-op tiles' (each gradient's
+    largest error relative to its largest value), and in float64 against autograd of the materialised computation;
+    a fixed table gets no gradient, and the others are unchanged."""
+    case = fused_case(dtype, **shape)
+    fused, reference = backward_grads(case, "fused", table_grad), backward_grads(case, "skewed", table_grad)
+    assert len(fused) == len(reference) == (4 if table_grad else 3)
+    for name, got, want in zip(("query", "key", "value", "table"), fused, reference):
+        assert max_diff(got, want) <= allowed * want.abs().max().item(), name
+    assert any(verdict.kernel == table_attention.FUSED_KERNEL and verdict.passed
+               for verdict in attention.kernel_status())
+    if dtype == torch.float64:
+        query, key, value, table, grad_out = case[:5]
+        inputs = [tensor.clone().requires_grad_(index < 3 or table_grad)
+                  for index, tensor in enumerate((query, key, value, table))]
+        expected = materialised(*inputs, 0, 8**-0.5)
+        for name, got, want in zip(("query", "key", "value", "table"), fused,
+                                   torch.autograd.grad(expected, inputs[:len(fused)], grad_out)):
+            assert torch.allclose(got, want, atol=1e-10), name
+
+
+def test_the_fused_kernel_drops_what_the_torch_ops_drop():
+    """The probability pass (clamp, exp, threshold in one loop) keeps no probability at most SMALLEST_PROBABILITY,
+    so dS = P * dP' holds no subnormal number from it (test_the_backward_multiplies_no_subnormal_number for the torch
+    ops), and keeps the same probabilities as the torch ops."""
+    from hf_posenc.engine.kernels import fused_cpu
+
+    fused_cpu.load()
+    logits = torch.linspace(-120.0, 10.0, 100_003)
+    got = torch.ops.hf_posenc_cpu.table_probabilities(logits)
+    floor = math.log(table_attention.SMALLEST_PROBABILITY) - 1
+    want = torch.threshold(logits.clamp_min(floor).exp(), table_attention.SMALLEST_PROBABILITY, 0.0)
+    assert not ((got > 0) & (got <= table_attention.SMALLEST_PROBABILITY)).any()
+    assert torch.equal(got > 0, want > 0) and max_diff(got, want) <= 1e-6 * want.max().item()
+
+
+def test_the_torch_op_tiles_serve_where_the_kernels_are_off(monkeypatch):
+    """HF_POSENC_CPU_KERNELS=0: the default plan is the torch ops', a forced fused plan runs them (nothing built or
+    checked), and the gradients are the same."""
+    case = fused_case(torch.float64)
+    expected = backward_grads(case, "skewed")
+    monkeypatch.setenv("HF_POSENC_CPU_KERNELS", "0")
+    attention.reset_kernel_status()
+    assert table_attention.default_plan(torch.device("cpu")).layout == "skewed"
+    assert all(plan.layout != "fused" for plan in table_attention.candidate_plans())
+    calls = []
+    monkeypatch.setattr(table_attention, "fused_tiles", lambda *args: calls.append(1))
+    got = backward_grads(case, "fused")
+    assert not calls and attention.kernel_status() == []
+    for name, a, b in zip(("query", "key", "value", "table"), got, expected):
+        assert max_diff(a, b) < 1e-12 * b.abs().max().item(), name
+
+
+def test_a_fused_kernel_that_fails_its_check_never_serves(monkeypatch):
+    """A fused kernel whose gradients are wrong (or whose build fails) is refused at its first backward, with one
+    KernelCheckWarning, and the torch ops serve that backward and the later ones."""
+    case = fused_case(torch.float32)
+    expected = backward_grads(case, "skewed")
+    original = table_attention.fused_tiles
+    monkeypatch.setattr(table_attention, "fused_tiles",
+                        lambda *args: tuple(None if grad is None else 1.01 * grad for grad in original(*args)))
+    attention.reset_kernel_status()
+    try:
+        with pytest.warns(attention.KernelCheckWarning, match="fused cpu \\(table backward\\)"):
+            first = backward_grads(case, "fused")
+        second = backward_grads(case, "fused")
+        assert [verdict.passed for verdict in attention.kernel_status()] == [False]
+    finally:
+        attention.reset_kernel_status()
+    for got in (first, second):
+        for name, a, b in zip(("query", "key", "value", "table"), got, expected):
+            assert max_diff(a, b) == 0, name

@@ -194,6 +194,27 @@ def serve(call: KernelCall) -> torch.Tensor | None:
     return output
 
 
+def verified(kernel: str, device: torch.device, kind: tuple, measure: Callable[[], tuple[float, float]]) -> bool:
+    """Whether `kernel` may serve calls of `kind` on `device`, for a kernel that no KernelCall fits (a part of a
+    backward): checked by `measure()` (its error against the reference and the tolerance) at the first such call,
+    an exception a failure, and recorded as `serve`'s checks are; False from then on where the kernel was refused."""
+    device = device_name(device)
+    key = (kernel, device, kind)
+    with _lock:
+        if (kernel, device) in _refused:
+            return False
+        if key in _passed:
+            return True
+    try:
+        with _kept_out_of_checkpointing(), torch.no_grad():
+            error, allowed = measure()
+        failure = "" if error <= allowed else \
+            f"an error of {error:.3g} relative to the largest reference value (tolerance {allowed:.0e})"
+    except Exception as exception:
+        error, failure = math.inf, f"it raised {_first_line(exception)}"
+    return _record(key, error, failure)
+
+
 def _kept_out_of_checkpointing():
     """Saved-tensor hooks that keep tensors as they are, around the check's own computations (the fenced run, the
     gradient probe): inside a layer under non-reentrant gradient checkpointing they would otherwise be packed by the

@@ -9,8 +9,9 @@ the far keys are the triangle j <= i - a (near_far.cpp), plain causal attention 
 another head size than the values (Transformer-XL's and TAPE's kernel form; near_far.cpp with no far key, where SDPA
 would pad both to one size), and CAPE's MLP across the heads per pair (cape.cpp; about 3.2x causal SDPA's time at 2048
 tokens): docs/attention-paths.md, "Fused CPU kernels". Besides attention, TAPE's turn of queries and keys by its
-per-token features (turn.cpp: one pass each way where the eager form takes about ten). Which method each kernel serves
-is by_method.py's table.
+per-token features (turn.cpp: one pass each way where the eager form takes about ten), and the backward tiles of the
+learned distance-table attention (table_tile.cpp; engine/attention/table_attention.py). Which method each attention
+kernel serves is by_method.py's table.
 
 The source is compiled with `torch.utils.cpp_extension` (a C++ compiler and ninja, a dependency) the first time a
 process needs it, into torch's extension cache (later processes load it in about a second). Like any kernel outside
@@ -31,7 +32,7 @@ import torch
 
 KERNELS = Path(__file__).parent / "cpu_kernels"
 SOURCES = (KERNELS / "stick_breaking.cpp", KERNELS / "cope.cpp", KERNELS / "near_far.cpp", KERNELS / "cape.cpp",
-           KERNELS / "turn.cpp")
+           KERNELS / "turn.cpp", KERNELS / "table_tile.cpp")
 # Query rows and keys per tile: the tile's temporaries (a few float32 [rows, keys]) stay in a core's L2. Chosen on the
 # first stick-breaking kernel (forward and backward, 9 heads of 64, 2 threads): at 2048 tokens 64 x 256 to 128 x 512
 # within 2% of each other (1.19-1.21x causal SDPA), 32 x 128 1.38x; at 4096, 128 x 512 1.30x, 64 x 256 1.43x.
@@ -75,7 +76,11 @@ def load() -> None:
         # torch rebuilds when the sources or the flags change, not a header they include: the flags name them all.
         digest = hashlib.sha256(b"".join(path.read_bytes() for path in sorted(KERNELS.iterdir()))).hexdigest()[:16]
         try:
-            load_extension(name=f"hf_posenc_cpu_{capability.lower()}", sources=[str(source) for source in SOURCES],
+            # The digest in the name too: torch keeps one build directory per name, and processes of two source
+            # versions (two checkouts, two environments) sharing the cache would otherwise rebuild it over each
+            # other and load the other's library.
+            load_extension(name=f"hf_posenc_cpu_{capability.lower()}_{digest}",
+                           sources=[str(source) for source in SOURCES],
                            extra_cflags=[*COMPILER_FLAGS, *CAPABILITY_FLAGS.get(capability, ()),
                                          f"-DHF_POSENC_KERNELS={digest}"],
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
@@ -210,3 +215,20 @@ def turn_by_features(x: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
     compute = torch.float64 if x.dtype == features.dtype == torch.float64 else torch.float32
     x = x.to(compute)
     return TurnByFeatures.apply(x if x.stride(-1) == 1 else x.contiguous(), features.to(compute).contiguous())
+
+
+def table_backward_tiles(query_wide: torch.Tensor, key_wide: torch.Tensor, grad_wide: torch.Tensor,
+                         value_wide: torch.Tensor, padded: torch.Tensor, blocks: list, key_tile: int, scaling: float,
+                         table_grad: bool):
+    """table_tile.cpp on table_attention's widened operands ([B*H, q, D + 1] Q' and dO', [B*H, kv, D + 1] K' and V',
+    one float dtype) and padded table [H, P] -> the gradients of the scaled queries times `scaling` ([B*H, q, D]),
+    of the keys and values ([B*H, kv, D], per query head) and, where `table_grad`, of `padded` per batch row
+    ([B, H, P]; else None)."""
+    load()
+    spans = torch.tensor(blocks, dtype=torch.int64).reshape(-1, 4)
+    grads = torch.ops.hf_posenc_cpu.table_backward(
+        *(tensor.contiguous() for tensor in (query_wide, key_wide, grad_wide, value_wide, padded)), spans,
+        int(key_tile), float(scaling), bool(table_grad))
+    grad_query, grad_key, grad_value = grads[:3]
+    grad_padded = grads[3].view(-1, *padded.shape) if table_grad else None
+    return grad_query, grad_key, grad_value, grad_padded

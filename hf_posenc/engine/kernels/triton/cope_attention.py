@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .table_attention import INTERPRETED, _accumulation, _precision
+from .table_attention import INTERPRETED, _accumulation, _precision, _query_tile
 
 # Tiles: 64 x 64 on a GPU (FlashAttention-2's for head sizes <= 128); 16 under the interpreter (its smallest tl.dot),
 # so that the tests' tiny shapes still span several tiles.
@@ -74,19 +74,10 @@ def _scores(q, rows, row_ok, lowest, Kp, kv_base, cols, dims, T, scale, D: tl.co
 def _forward(Qp, Kp, Vp, Ep, RISEp, LOW, Op, LSE, LASTp, WINp, H, HK, T, P, scale, max_pos,
              D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BP: tl.constexpr,
              BM: tl.constexpr, BN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
-    m_block = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)  # int64 offsets: B*H*T*D may pass 2^31 elements
-    b = bh // H
-    h = bh % H
-    kv_base = (b * HK + h // (H // HK)) * T
-    rows = m_block * BM + tl.arange(0, BM)
-    dims = tl.arange(0, BD)
+    m_block, bh, b, h, kv_base, rows, dims, row_ok, tile, tile_ok, q, lowest = _query_tile(
+        Qp, LOW, H, HK, T, T, D, BD, BM)
     vdims = tl.arange(0, BDV)
     slots = tl.arange(0, BP)
-    row_ok = rows < T
-    q = tl.load(Qp + (bh * T + rows[:, None]) * D + dims[None, :], mask=row_ok[:, None] & (dims[None, :] < D),
-                other=0.0)
-    lowest = tl.load(LOW + b * T + rows, mask=row_ok, other=T)
     integer, rise = _integers(q, Ep, RISEp, dims, slots, D, P, ACC, PREC)
     m_i = tl.full([BM], float("-inf"), ACC)
     l_i = tl.zeros([BM], ACC)
@@ -132,22 +123,12 @@ def _forward(Qp, Kp, Vp, Ep, RISEp, LOW, Op, LSE, LASTp, WINp, H, HK, T, P, scal
 def _backward(Qp, Kp, Vp, Ep, RISEp, LOW, DOp, LSE, DELTA, LASTp, WINp, DQp, DKp, DVp, DIp, H, HK, T, P, scale,
               max_pos, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BP: tl.constexpr,
               BM: tl.constexpr, BN: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr):
-    m_block = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)  # int64 offsets: B*H*T*D may pass 2^31 elements
-    b = bh // H
-    h = bh % H
-    kv_base = (b * HK + h // (H // HK)) * T
-    rows = m_block * BM + tl.arange(0, BM)
-    dims = tl.arange(0, BD)
+    m_block, bh, b, h, kv_base, rows, dims, row_ok, tile, tile_ok, q, lowest = _query_tile(
+        Qp, LOW, H, HK, T, T, D, BD, BM)
     vdims = tl.arange(0, BDV)
     slots = tl.arange(0, BP)
-    row_ok = rows < T
-    tile = (bh * T + rows[:, None]) * D + dims[None, :]
-    tile_ok = row_ok[:, None] & (dims[None, :] < D)
-    q = tl.load(Qp + tile, mask=tile_ok, other=0.0)
     do = tl.load(DOp + (bh * T + rows[:, None]) * DV + vdims[None, :],
                  mask=row_ok[:, None] & (vdims[None, :] < DV), other=0.0)
-    lowest = tl.load(LOW + b * T + rows, mask=row_ok, other=T)
     lse = tl.load(LSE + bh * T + rows, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + bh * T + rows, mask=row_ok, other=0.0)
     last_clamped = tl.load(LASTp + bh * T + rows, mask=row_ok, other=-1)

@@ -50,9 +50,9 @@ def _logits(q, rows, row_ok, qpos, lowest, Kp, Tp, KPOS, VALID, kv_base, b, h, c
 
 
 @triton.jit
-def _query_tile(Qp, QPOS, LOW, H, HK, Q, KV, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr):
-    """What a query-tile program (the forward's, dQ's) starts from: its ids, the offsets of its [BM, BD] tile, the
-    queries, their positions and first allowed keys. Offsets in int64: B*H*T*D may pass 2^31 elements."""
+def _query_tile(Qp, LOW, H, HK, Q, KV, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr):
+    """What a query-tile program (the forward's, dQ's; CoPE's too) starts from: its ids, the offsets of its [BM, BD]
+    tile, the queries and their first allowed keys. Offsets in int64: B*H*T*D may pass 2^31 elements."""
     m_block = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
@@ -64,17 +64,17 @@ def _query_tile(Qp, QPOS, LOW, H, HK, Q, KV, D: tl.constexpr, BD: tl.constexpr, 
     tile = (bh * Q + rows[:, None]) * D + dims[None, :]
     tile_ok = row_ok[:, None] & (dims[None, :] < D)
     q = tl.load(Qp + tile, mask=tile_ok, other=0.0)
-    qpos = tl.load(QPOS + b * Q + rows, mask=row_ok, other=0)
     lowest = tl.load(LOW + b * Q + rows, mask=row_ok, other=KV)
-    return m_block, bh, b, h, kv_base, rows, dims, row_ok, tile, tile_ok, q, qpos, lowest
+    return m_block, bh, b, h, kv_base, rows, dims, row_ok, tile, tile_ok, q, lowest
 
 
 @triton.jit
 def _forward(Qp, Kp, Vp, Tp, QPOS, KPOS, VALID, LOW, Op, LSE, H, HK, Q, KV, N, offset, scale,
              D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
              ACC: tl.constexpr, PREC: tl.constexpr):
-    m_block, bh, b, h, kv_base, rows, dims, row_ok, tile, tile_ok, q, qpos, lowest = _query_tile(
-        Qp, QPOS, LOW, H, HK, Q, KV, D, BD, BM)
+    m_block, bh, b, h, kv_base, rows, dims, row_ok, tile, tile_ok, q, lowest = _query_tile(
+        Qp, LOW, H, HK, Q, KV, D, BD, BM)
+    qpos = tl.load(QPOS + b * Q + rows, mask=row_ok, other=0)
     m_i = tl.full([BM], float("-inf"), ACC)
     l_i = tl.zeros([BM], ACC)
     acc = tl.zeros([BM, BD], ACC)
@@ -105,8 +105,9 @@ def _forward(Qp, Kp, Vp, Tp, QPOS, KPOS, VALID, LOW, Op, LSE, H, HK, Q, KV, N, o
 def _backward_query(Qp, Kp, Vp, Tp, QPOS, KPOS, VALID, LOW, DOp, LSE, DELTA, DQp, H, HK, Q, KV, N, offset, scale,
                     D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     ACC: tl.constexpr, PREC: tl.constexpr):
-    m_block, bh, b, h, kv_base, rows, dims, row_ok, tile, tile_ok, q, qpos, lowest = _query_tile(
-        Qp, QPOS, LOW, H, HK, Q, KV, D, BD, BM)
+    m_block, bh, b, h, kv_base, rows, dims, row_ok, tile, tile_ok, q, lowest = _query_tile(
+        Qp, LOW, H, HK, Q, KV, D, BD, BM)
+    qpos = tl.load(QPOS + b * Q + rows, mask=row_ok, other=0)
     do = tl.load(DOp + tile, mask=tile_ok, other=0.0)
     lse = tl.load(LSE + bh * Q + rows, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + bh * Q + rows, mask=row_ok, other=0.0)

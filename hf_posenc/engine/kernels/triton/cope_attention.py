@@ -37,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .table_attention import INTERPRETED, _accumulation, _precision, _query_tile
+from .table_attention import (INTERPRETED, _accumulation, _online_softmax_result, _online_softmax_step,
+                              _precision, _query_tile)
 
 # Tiles: 64 x 64 on a GPU (FlashAttention-2's for head sizes <= 128); 16 under the interpreter (its smallest tl.dot),
 # so that the tests' tiny shapes still span several tiles.
@@ -99,22 +100,13 @@ def _forward(Qp, Kp, Vp, Ep, RISEp, LOW, Op, LSE, LASTp, WINp, H, HK, T, P, scal
         position = tl.minimum(position, max_pos).to(ACC)
         floor = tl.minimum(position.to(tl.int32), P - 1)  # p >= 0: truncation is the floor
         s = z + tl.gather(integer, floor, 1) + (position - floor.to(ACC)) * tl.gather(rise, floor, 1)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key allowed yet
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(Vp + (kv_base + cols[:, None]) * DV + vdims[None, :],
                     mask=(cols[:, None] < T) & (vdims[None, :] < DV), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=ACC, input_precision=PREC)
-        m_i = m_new
-    defined = l_i > 0
-    out = acc / tl.where(defined, l_i, 1.0)[:, None]
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, tl.where(allowed, s, float("-inf")), v, ACC, PREC)
+    out, lse = _online_softmax_result(m_i, l_i, acc)
     tl.store(Op + (bh * T + rows[:, None]) * DV + vdims[None, :], out.to(Op.dtype.element_ty),
              mask=row_ok[:, None] & (vdims[None, :] < DV))
-    tl.store(LSE + bh * T + rows, tl.where(defined, m_i + tl.log(tl.where(defined, l_i, 1.0)), float("inf")),
-             mask=row_ok)
+    tl.store(LSE + bh * T + rows, lse, mask=row_ok)
     tl.store(LASTp + bh * T + rows, last_clamped, mask=row_ok)
     tl.store(WINp + bh * T + rows, window, mask=row_ok)
 

@@ -69,6 +69,27 @@ def _query_tile(Qp, LOW, H, HK, Q, KV, D: tl.constexpr, BD: tl.constexpr, BM: tl
 
 
 @triton.jit
+def _online_softmax_step(m_i, l_i, acc, s, v, ACC: tl.constexpr, PREC: tl.constexpr):
+    """One key tile of FlashAttention-2's forward (s: the tile's logits, -inf where not allowed; v: its values):
+    each row's running maximum m_i, sum of exponentials l_i and unnormalised output acc, updated."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key allowed yet
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=ACC, input_precision=PREC)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _online_softmax_result(m_i, l_i, acc):
+    """(output, logsumexp) of the rows after their last key tile; a row with no allowed key (a padding query) gives
+    0 and a logsumexp of +inf, so that it gets no gradient."""
+    defined = l_i > 0
+    out = acc / tl.where(defined, l_i, 1.0)[:, None]
+    return out, tl.where(defined, m_i + tl.log(tl.where(defined, l_i, 1.0)), float("inf"))
+
+
+@triton.jit
 def _forward(Qp, Kp, Vp, Tp, QPOS, KPOS, VALID, LOW, Op, LSE, H, HK, Q, KV, N, offset, scale,
              D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
              ACC: tl.constexpr, PREC: tl.constexpr):
@@ -84,21 +105,12 @@ def _forward(Qp, Kp, Vp, Tp, QPOS, KPOS, VALID, LOW, Op, LSE, H, HK, Q, KV, N, o
         cols = n0 + tl.arange(0, BN)
         s, allowed, k, kpos = _logits(q, rows, row_ok, qpos, lowest, Kp, Tp, KPOS, VALID, kv_base, b, h, cols,
                                       dims, KV, N, offset, scale, D, ACC, PREC)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key allowed yet
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(Vp + (kv_base + cols[:, None]) * D + dims[None, :],
                     mask=(cols[:, None] < KV) & (dims[None, :] < D), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=ACC, input_precision=PREC)
-        m_i = m_new
-    defined = l_i > 0  # a row with no allowed key (a padding query) gives 0 and no gradient
-    out = acc / tl.where(defined, l_i, 1.0)[:, None]
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, tl.where(allowed, s, float("-inf")), v, ACC, PREC)
+    out, lse = _online_softmax_result(m_i, l_i, acc)
     tl.store(Op + tile, out.to(Op.dtype.element_ty), mask=tile_ok)
-    tl.store(LSE + bh * Q + rows, tl.where(defined, m_i + tl.log(tl.where(defined, l_i, 1.0)), float("inf")),
-             mask=row_ok)
+    tl.store(LSE + bh * Q + rows, lse, mask=row_ok)
 
 
 @triton.jit

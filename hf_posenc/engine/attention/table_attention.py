@@ -296,7 +296,8 @@ def torch_tiles(query_wide, key_wide, grad_wide, value_wide, padded, blocks, pla
     `padded` ([1, H, P], or None without `table_grad`)."""
     count, q, wide = query_wide.shape
     heads, kv = padded.shape[0], key_wide.shape[1]
-    scaled_query, grad_output, key = (tensor[..., :-1].contiguous() for tensor in (query_wide, grad_wide, key_wide))
+    # Views without the widening column: the products read them with a row stride of D + 1, no copy.
+    scaled_query, grad_output, key = (tensor[..., :-1] for tensor in (query_wide, grad_wide, key_wide))
     grad_query = query_wide.new_empty(count, q, wide - 1)
     grad_key = key_wide.new_zeros(count, kv, wide - 1)
     grad_value = value_wide.new_zeros(count, kv, value_wide.shape[-1] - 1)
@@ -357,7 +358,7 @@ def fused_tiles_serve(compute: torch.dtype) -> bool:
     are on, and at the first such backward in this process its gradients matched torch_tiles' on a small problem
     (check_fused_tiles; recorded as kernel checks are: `hf_posenc.attention.kernel_status()`, a KernelCheckWarning
     on a failure, a failed build included, after which torch ops serve)."""
-    return fused_kernels_enabled() and verified(FUSED_KERNEL, torch.device("cpu"), (str(compute),),
+    return fused_kernels_enabled() and verified(FUSED_KERNEL, torch.device("cpu"), compute,
                                                 lambda: check_fused_tiles(compute))
 
 

@@ -194,12 +194,12 @@ def serve(call: KernelCall) -> torch.Tensor | None:
     return output
 
 
-def verified(kernel: str, device: torch.device, kind: tuple, measure: Callable[[], tuple[float, float]]) -> bool:
-    """Whether `kernel` may serve calls of `kind` on `device`, for a kernel that no KernelCall fits (a part of a
+def verified(kernel: str, device: torch.device, dtype: torch.dtype, measure: Callable[[], tuple[float, float]]) -> bool:
+    """Whether `kernel` may serve calls in `dtype` on `device`, for a kernel that no KernelCall fits (a part of a
     backward): checked by `measure()` (its error against the reference and the tolerance) at the first such call,
     an exception a failure, and recorded as `serve`'s checks are; False from then on where the kernel was refused."""
     device = device_name(device)
-    key = (kernel, device, kind)
+    key = (kernel, device, (str(dtype),))
     with _lock:
         if (kernel, device) in _refused:
             return False
@@ -208,8 +208,7 @@ def verified(kernel: str, device: torch.device, kind: tuple, measure: Callable[[
     try:
         with _kept_out_of_checkpointing(), torch.no_grad():
             error, allowed = measure()
-        failure = "" if error <= allowed else \
-            f"an error of {error:.3g} relative to the largest reference value (tolerance {allowed:.0e})"
+        failure = _failure(error, "", allowed, dtype)
     except Exception as exception:
         error, failure = math.inf, f"it raised {_first_line(exception)}"
     return _record(key, error, failure)

@@ -69,9 +69,10 @@ def test_standalone_code_is_the_library_code_with_a_versioned_header(contract_ch
     # 6,821 with the table backward's plan measured on the machine, issue 56; 7,320 with FIRE's bias form, issue 56,
     # and the fla-backed Triton path's glue, issue 53; 7,727 with the Triton distance-table kernel, issue 53, imported
     # only where a Triton path is chosen; 8,366 with CoPE's and CAPE's Triton kernels, issue 53, likewise; 8,506 with
-    # the fused CPU table backward's glue and its first-use check, issue 56, idle there since no C++ source ships): a
-    # guard that notices the shipped code growing; raise it with the reason when a change must ship more
-    assert sum(len(p.read_text().splitlines()) for p in directory.glob("*.py")) < 8550
+    # the fused CPU table backward's glue and its first-use check, issue 56, idle there since no C++ source ships;
+    # 8,687 with FIRE's fused form kernel's glue and check, issue 56, idle there likewise): a guard that notices the
+    # shipped code growing; raise it with the reason when a change must ship more
+    assert sum(len(p.read_text().splitlines()) for p in directory.glob("*.py")) < 8750
 
 
 def test_export_command_writes_what_save_pretrained_standalone_writes(contract_checkpoints, tmp_path):

@@ -13,6 +13,7 @@ import torch
 import hf_posenc
 from hf_posenc import attention
 from hf_posenc.engine.attention import bias_path, form_attention
+from hf_posenc.engine.kernels import by_method
 from hf_posenc.engine.state import PositionState
 from test_attention import CASES, FakeAttention
 from tiny_models import random_ids, tiny_model
@@ -55,9 +56,22 @@ def reference_attention(params, state, query, key, value, mask, scaling):
     return (scores.softmax(-1) @ value).transpose(1, 2)
 
 
+def spy_on_kernel(monkeypatch):
+    """The calls of FIRE's fused backward (engine/kernels/cpu_kernels/table_tile.cpp), counted."""
+    calls = []
+    original = by_method.fire_backward_tiles
+    monkeypatch.setattr(by_method, "fire_backward_tiles", lambda *args: calls.append(1) or original(*args))
+    return calls
+
+
+@pytest.mark.parametrize("kernels", ["fused", "torch ops"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)], ids=["MHA", "GQA"])
 @pytest.mark.parametrize("case", ["prefill", "chunk after cache", "static cache", "left padded"])
-def test_gradients_equal_the_float64_formula(case, heads, kv_heads, monkeypatch):
+def test_gradients_equal_the_float64_formula(case, heads, kv_heads, kernels, monkeypatch):
+    """By the fused kernel where it serves (causality by slots all the mask: not with left padding) and by the
+    torch-op tiles (HF_POSENC_CPU_KERNELS=0, and the padded batch)."""
+    monkeypatch.setenv("HF_POSENC_CPU_KERNELS", "1" if kernels == "fused" else "0")
+    fused_calls = spy_on_kernel(monkeypatch)
     monkeypatch.setattr(bias_path, "FORM_BLOCK_ROWS", 8)  # several query blocks
     monkeypatch.setattr(form_attention, "KEY_TILE", 5)  # several key tiles per block in the backward
     monkeypatch.setattr(form_attention, "FORWARD_KEY_CHUNK", 7)  # and pieces of each bias in the forward
@@ -86,6 +100,7 @@ def test_gradients_equal_the_float64_formula(case, heads, kv_heads, monkeypatch)
     assert served, "the bias-form path did not serve"
     parameters = [getattr(fire, name) for name in FIRE_PARAMETERS]
     grads = torch.autograd.grad(out, [query, key, value, *parameters], grad_out)
+    assert bool(fused_calls) == (kernels == "fused" and not pad)
 
     params = {name: getattr(fire, name).detach().double().requires_grad_() for name in FIRE_PARAMETERS}
     inputs = [t.detach().double().requires_grad_() for t in (query, key, value)]
@@ -131,6 +146,7 @@ def test_the_backward_makes_no_denormal_gradients(monkeypatch):
     smallest normal probability made every masked entry of dS denormal."""
     from hf_posenc.methods.fire import FireBiasForm
 
+    monkeypatch.setenv("HF_POSENC_CPU_KERNELS", "0")  # the torch-op tiles (the fused kernel's: test_fused_fire.py)
     seen = []
     original = FireBiasForm.accumulate
     monkeypatch.setattr(FireBiasForm, "accumulate", lambda self, saved, grad: seen.append(grad.clone())

@@ -183,6 +183,7 @@ class FireBiasForm(BiasForm):
     (one search per row and knot), and the segment of each pair from the run ends, so all agree."""
 
     def __init__(self, fire: Fire, layer_idx: int, query_positions: torch.Tensor, key_positions: torch.Tensor):
+        self.fire, self.layer_idx = fire, layer_idx
         self.log_c, self.log_threshold = fire.log_c[layer_idx], fire.log_threshold[layer_idx]
         knots, slope, intercept = fire.piecewise_linear(layer_idx)
         self.tensors = (slope, intercept, self.log_c, self.log_threshold)
@@ -198,6 +199,10 @@ class FireBiasForm(BiasForm):
         # dn/dL of max(L, i): 1 below the threshold, half at a tie, 0 past it
         self.threshold_share = ((self.threshold > self.query_positions).float()
                                 + 0.5 * (self.threshold == self.query_positions).float())
+
+    def part(self, rows: slice, columns: slice) -> "FireBiasForm":
+        """The form of query rows `rows` and keys `columns` alone (a kernel check's small problem)."""
+        return FireBiasForm(self.fire, self.layer_idx, self.query_positions[:, rows], self.key_positions[:, columns])
 
     def tile(self, rows, columns):
         distance = (self.query_positions[:, rows, None] - self.key_positions[:, None, columns]).clamp_min_(0)
@@ -250,13 +255,24 @@ class FireBiasForm(BiasForm):
             count, batch, heads, r, -1)
         runs = at_ends[..., :-1] - at_ends[..., 1:]  # [quantity, B, H, r, S]: sums over each segment's run
         per_segment = runs[:2].sum(3)  # over the rows
-        self.grad_intercept[:batch] += per_segment[0]
-        self.grad_slope[:batch] += per_segment[1]
         # sums over each row of g u and g cd / (1 + cd), g = sum_h dS_h slope[s, h] = dloss/du
         row_sums = torch.einsum("qbhrs,hs->qbr", runs[1:], self.slope.to(runs.dtype))
-        self.row_gu[:batch, rows] += row_sums[0]
-        if need_c:
-            self.row_ga[:batch, rows] += row_sums[1]
+        self.add_sums(per_segment[0], per_segment[1], row_sums[0], row_sums[1] if need_c else None, rows)
+
+    def add_sums(self, dS, dS_u, gu, ga, rows=slice(None)):
+        """Adds a backward's sums (from `accumulate`, or a fused kernel that made them itself): per batch row, head
+        and segment those of dS and dS u [B, H, S], per batch row and query row in `rows` those of g u and g cd / (1 +
+        cd) [B, r] (g = dloss/du; ga None where c takes no gradient). Positions shared by the batch keep one row:
+        the sums over the batch go there."""
+        if dS.shape[0] > self.grad_slope.shape[0]:
+            dS, dS_u, gu = dS.sum(0, keepdim=True), dS_u.sum(0, keepdim=True), gu.sum(0, keepdim=True)
+            ga = ga.sum(0, keepdim=True) if ga is not None else None
+        batch = dS.shape[0]
+        self.grad_intercept[:batch] += dS
+        self.grad_slope[:batch] += dS_u
+        self.row_gu[:batch, rows] += gu
+        if ga is not None:
+            self.row_ga[:batch, rows] += ga
 
     def gradients(self):
         slope, intercept, log_c, log_threshold = self.tensors

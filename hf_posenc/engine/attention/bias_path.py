@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from ...methods.base import AttentionBiasMethod, RotaryMethod
-from ..kernels.by_method import serves_triton_table
+from ..kernels.by_method import form_kernel, serves_triton_table
 from ..kernels.check import PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, table_attention_reference
 from ..kernels.check import serve as serve_checked
+from ..kernels.fused_cpu import fused_kernels_enabled
 from ..kernels.triton import table_kernel
 from .call import AttentionCall
 from .geometry import (block_mask, block_rows, causal_square, combined_mask, distance_table, max_query_position,
@@ -114,11 +115,13 @@ def blocked_attention(call: AttentionCall, rotate_blocks: bool = False):
         return output.transpose(1, 2).contiguous(), None
 
     if (table is None and not eager and dropout == 0.0 and not rotate_blocks and form_attention_applies(query)
-            and isinstance(method, AttentionBiasMethod) and needs_grad(method, query, key, value)):
+            and isinstance(method, AttentionBiasMethod)
+            and (needs_grad(method, query, key, value) or fused_form_applies(call))):
         form = method.bias_form(layer_idx, query_positions, key_positions, position_span(call))
         if form is not None:
             # A learned bias with no table (FIRE past its threshold): its gradient goes to the method's parameters
-            # without a per-pair tensor in the graph (form_attention.py).
+            # without a per-pair tensor in the graph, and the method's fused kernel makes each block's bias in one
+            # pass where it applies, with gradients or without (form_attention.py).
             return form_bias_attention(call, form), None
 
     outputs, weights = [], []
@@ -184,9 +187,18 @@ def form_bias_attention(call: AttentionCall, form) -> torch.Tensor:
 
     blocks = [(rows, slice(0, max(1, min(kv, query_offset + rows.stop))))
               for rows in query_blocks(query_positions, FORM_BLOCK_ROWS)]
-    output = FormBiasAttention.apply(call.query, call.key, call.value, form, blocks, mask, call.scaling,
+    fused = ((form_kernel(method), query_slots.to(torch.int64).contiguous(), key_slots.to(torch.int64).contiguous())
+             if fused_form_applies(call) else None)
+    output = FormBiasAttention.apply(call.query, call.key, call.value, form, blocks, mask, call.scaling, fused,
                                      *form.tensors)
     return output.transpose(1, 2).contiguous()
+
+
+def fused_form_applies(call: AttentionCall) -> bool:
+    """Whether the method's fused kernel for its bias form may serve the call (form_attention.py): it has one, the
+    fused CPU kernels are on, and causality by slots is all the mask (no mask given, no key mask of the method's)."""
+    return (form_kernel(call.method) is not None and fused_kernels_enabled() and call.attention_mask is None
+            and not call.method.masks_keys)
 
 
 def traced_attention(call: AttentionCall):

@@ -11,7 +11,13 @@ time (the standard attention backward, FlashAttention, Dao et al. 2022), the bia
 bias's gradient dS of a tile goes to `BiasForm.accumulate`, which reduces it at once to sums per parameter (FIRE:
 per segment of its piecewise-linear MLP and head). Memory: a block's bias and a few tiles, never O(L^2).
 
-tests/test_fire_attention.py checks output and gradients against the float64 formula, materialised.
+On the CPU a method's fused kernel (by_method.py `FormKernel`; FIRE's in engine/kernels/cpu_kernels/table_tile.cpp)
+serves where causality by slots is all the mask (no padding mask, no key mask of the method's): the forward's bias
+of a block in one pass, and the whole backward as the distance table's (table_attention.py), each tile's bias and
+the form's sums made in the loops between its five products. It serves once it matched these torch-op tiles on a
+small problem of the call's own form (`fused_form_serves`, recorded in `kernel_status()`).
+
+tests/test_fire_attention.py checks output and gradients against the float64 formula, materialised, by both.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .table_attention import _widen
+from ..kernels.check import tolerance, verified
+from ..kernels.fused_cpu import fused_kernels_enabled
+from .table_attention import widened_operands
 
 
 # Probabilities below e^-60 (1e-26: far below float32's resolution of the sums they enter) are made exactly 0. Left
@@ -41,28 +49,29 @@ def form_attention_applies(query: torch.Tensor) -> bool:
 
 class FormBiasAttention(torch.autograd.Function):
     """query [B, H, q, D]; key, value [B, H_kv, kv, D] in slot order; form: the method's BiasForm for the call;
-    blocks: (query rows, key columns) slices per block; mask(rows, columns, bias, dtype): the block's full mask
-    (causality, padding) with `bias` [B or 1, H, r, k] in it (may be written in place); *tensors: form.tensors, so
-    that autograd reaches them. Returns the output [B, H, q, D]."""
+    blocks: (query rows, key columns) slices per block, the columns from 0; mask(rows, columns, bias, dtype): the
+    block's full mask (causality, padding) with `bias` [B or 1, H, r, k] in it (may be written in place); fused:
+    (the method's FormKernel, query slots [q], key slots [kv]) where causality by slots is all the mask and the
+    kernel may serve, else None; *tensors: form.tensors, so that autograd reaches them. Returns the output
+    [B, H, q, D]."""
 
     @staticmethod
-    def forward(ctx, query, key, value, form, blocks, mask, scaling, *tensors):
+    def forward(ctx, query, key, value, form, blocks, mask, scaling, fused, *tensors):
+        compute = torch.promote_types(query.dtype, torch.float32)
+        if fused is not None and not fused_form_serves(fused, form, blocks, scaling, compute):
+            fused = None
         outputs, lses, storage = [], [], None
         for rows, columns in blocks:
-            # The block's bias, FORWARD_KEY_CHUNK keys at a time into one buffer reused by every block: made whole,
-            # each block allocated (and the system zeroed) a few hundred MiB of per-pair temporaries at 8192 tokens.
-            chunks = [form.tile(rows, slice(first, min(columns.stop, first + FORWARD_KEY_CHUNK)))[0]
-                      for first in range(0, min(columns.stop, FORWARD_KEY_CHUNK), FORWARD_KEY_CHUNK)]
-            shape = (*chunks[0].shape[:-1], columns.stop)
-            if storage is None:
-                storage = chunks[0].new_empty(shape[0] * shape[1] * shape[2] * blocks[-1][1].stop)
-            bias = storage[:math.prod(shape)].view(shape)
-            bias[..., :chunks[0].shape[-1]] = chunks[0]
-            del chunks
-            for first in range(FORWARD_KEY_CHUNK, columns.stop, FORWARD_KEY_CHUNK):
-                tile = slice(first, min(columns.stop, first + FORWARD_KEY_CHUNK))
-                bias[..., tile] = form.tile(rows, tile)[0]
-            block_mask = mask(rows, columns, bias, query.dtype)
+            if fused is not None:
+                kernel, query_slots, key_slots = fused
+                if storage is None:  # sized for the largest block: its bias is at most [B, H, rows, keys]
+                    most_rows = max(block_rows.stop - block_rows.start for block_rows, _ in blocks)
+                    storage = query.new_empty(query.shape[0] * query.shape[1] * most_rows * blocks[-1][1].stop,
+                                              dtype=compute)
+                block_mask = kernel.bias(form, query_slots, key_slots, rows, columns.stop, compute, storage)
+            else:
+                bias, storage = torch_block_bias(form, rows, columns, storage, blocks[-1][1].stop)
+                block_mask = mask(rows, columns, bias, query.dtype)
             output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 query[:, :, rows], key[:, :, columns], value[:, :, columns], attn_mask=block_mask, scale=scaling)
             outputs.append(output)
@@ -70,7 +79,7 @@ class FormBiasAttention(torch.autograd.Function):
         output = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
         lse = torch.cat(lses, dim=-1) if len(lses) > 1 else lses[0]
         ctx.save_for_backward(query, key, value, output, lse)
-        ctx.form, ctx.blocks, ctx.mask, ctx.scaling = form, blocks, mask, scaling
+        ctx.form, ctx.blocks, ctx.mask, ctx.scaling, ctx.fused = form, blocks, mask, scaling, fused
         return output
 
     @staticmethod
@@ -81,49 +90,129 @@ class FormBiasAttention(torch.autograd.Function):
         kv, groups = key.shape[2], query.shape[1] // key.shape[1]
         dtypes = query.dtype, key.dtype, value.dtype
         compute = torch.promote_types(query.dtype, torch.float32)
-        grad_output = grad_output.to(compute)
-        key, value = key.to(compute), value.to(compute)
-        if groups > 1:
-            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-        scaled_query = query.to(compute) * scaling
-        delta = (grad_output * output.to(compute)).sum(-1)
-        # Widened operands as in table_attention.py: Q' K'^T = scale Q K^T - lse, dO' V'^T = dO V^T - delta.
-        query_wide, key_wide = _widen(scaled_query, -lse.to(compute)), _widen(key, 1.0)
-        grad_wide, value_wide = _widen(grad_output, -delta), _widen(value, 1.0)
-        scaled_query, grad_output, key = scaled_query.flatten(0, 1), grad_output.flatten(0, 1), key.flatten(0, 1)
-        grad_query = torch.empty_like(scaled_query)
-        width = KEY_TILE
-        tiles = -(-kv // width)
-        # dK and dV by key tile, each tile's [B*H, width, D] contiguous: baddbmm_ into a strided slice of a
-        # [B*H, kv, D] tensor falls apart into one addmm_ per batch x head, some of them 100x slower (issue 56).
-        grad_key = key.new_zeros(tiles, batch * heads, min(width, kv), dim)
-        grad_value = key.new_zeros(tiles, batch * heads, min(width, kv), value.shape[-1])
-        form.start_backward(compute, [needed for needed in ctx.needs_input_grad[7:]])
-        for rows, columns in ctx.blocks:
-            block_grad_query = grad_query.new_zeros(batch * heads, rows.stop - rows.start, dim)
-            for first in range(0, columns.stop, width):
-                tile = slice(first, min(columns.stop, first + width))
-                tile_grad_key, tile_grad_value = (grad[first // width, :, :tile.stop - first]
-                                                  for grad in (grad_key, grad_value))
-                bias, saved = form.tile(rows, tile)
-                mask = ctx.mask(rows, tile, bias, compute)
-                mask = mask.expand(batch, heads, *mask.shape[2:]).reshape(batch * heads, *mask.shape[2:])
-                probs = torch.baddbmm(mask, query_wide[:, rows], key_wide[:, tile].transpose(1, 2))
-                del mask
-                probs = F.threshold_(probs, LOG_PROBABILITY_FLOOR, -math.inf).exp_()
-                tile_grad_value.baddbmm_(probs.transpose(1, 2), grad_output[:, rows])
-                grad_scores = torch.bmm(grad_wide[:, rows], value_wide[:, tile].transpose(1, 2)).mul_(probs)
-                del probs
-                block_grad_query.baddbmm_(grad_scores, key[:, tile])
-                tile_grad_key.baddbmm_(grad_scores.transpose(1, 2), scaled_query[:, rows])
-                form.accumulate(saved, grad_scores.view(batch, heads, *grad_scores.shape[1:]))
-            torch.mul(block_grad_query, scaling, out=grad_query[:, rows])
+        operands = widened_operands(query, key, value, output, lse, grad_output, scaling, compute)
+        needed = list(ctx.needs_input_grad[8:])
+        form.start_backward(compute, needed)
+        if ctx.fused is not None and value.shape[-1] == dim:
+            kernel, query_slots, key_slots = ctx.fused
+            spans = [(rows.start, rows.stop - rows.start, columns.stop) for rows, columns in ctx.blocks]
+            grad_query, grad_key, grad_value = kernel.backward(form, query_slots, key_slots, *operands, spans, KEY_TILE,
+                                                               scaling, needed)
+        else:
+            grad_query, grad_key, grad_value = torch_form_tiles(form, ctx.mask, ctx.blocks, *operands, batch,
+                                                                KEY_TILE, scaling)
         grad_query = grad_query.view(batch, heads, q, dim)
-        # [tiles, B*H, width, D] -> [B*H, kv, D]
-        grad_key, grad_value = (grad.transpose(0, 1).reshape(batch * heads, -1, grad.shape[-1])[:, :kv]
-                                for grad in (grad_key, grad_value))
         grad_key, grad_value = (grad.reshape(batch, heads // groups, groups, kv, -1).sum(2) if groups > 1
                                 else grad.reshape(batch, heads, kv, -1) for grad in (grad_key, grad_value))
         grads = [grad.to(dtype) for grad, dtype in zip((grad_query, grad_key, grad_value), dtypes)]
         grads = [grad if needed else None for grad, needed in zip(grads, ctx.needs_input_grad)]
-        return (*grads, None, None, None, None, *form.gradients())
+        return (*grads, None, None, None, None, None, *form.gradients())
+
+
+def torch_block_bias(form, rows: slice, columns: slice, storage: torch.Tensor | None, most_keys: int):
+    """The bias of a block by the form's torch-op tiles, FORWARD_KEY_CHUNK keys at a time, into `storage` (a flat
+    buffer for blocks of `most_keys` keys at most, reused by every block; None: made here) -> (bias, storage). Made whole, each block allocated (and the system zeroed) a few hundred MiB of per-pair temporaries at
+    8192 tokens."""
+    chunks = [form.tile(rows, slice(first, min(columns.stop, first + FORWARD_KEY_CHUNK)))[0]
+              for first in range(0, min(columns.stop, FORWARD_KEY_CHUNK), FORWARD_KEY_CHUNK)]
+    shape = (*chunks[0].shape[:-1], columns.stop)
+    if storage is None:
+        storage = chunks[0].new_empty(math.prod(shape[:-1]) * most_keys)
+    bias = storage[:math.prod(shape)].view(shape)
+    bias[..., :chunks[0].shape[-1]] = chunks[0]
+    del chunks
+    for first in range(FORWARD_KEY_CHUNK, columns.stop, FORWARD_KEY_CHUNK):
+        tile = slice(first, min(columns.stop, first + FORWARD_KEY_CHUNK))
+        bias[..., tile] = form.tile(rows, tile)[0]
+    return bias, storage
+
+
+def torch_form_tiles(form, mask, blocks, query_wide, key_wide, grad_wide, value_wide, batch, width, scaling):
+    """The backward's tiles by torch ops, `width` keys each (the reference of a method's fused kernel): the widened
+    operands -> the gradients of the queries ([B*H, q, D]), of the keys and values per query head ([B*H, kv, D]);
+    each tile's dS goes to `form.accumulate`."""
+    count, q, wide = query_wide.shape
+    heads, kv = count // batch, key_wide.shape[1]
+    # Views without the widening column: the products read them with a row stride of D + 1, no copy.
+    scaled_query, grad_output, key = (tensor[..., :-1] for tensor in (query_wide, grad_wide, key_wide))
+    grad_query = query_wide.new_empty(count, q, wide - 1)
+    tiles = -(-kv // width)
+    # dK and dV by key tile, each tile's [B*H, width, D] contiguous: baddbmm_ into a strided slice of a
+    # [B*H, kv, D] tensor falls apart into one addmm_ per batch x head, some of them 100x slower (issue 56).
+    grad_key = key_wide.new_zeros(tiles, count, min(width, kv), wide - 1)
+    grad_value = key_wide.new_zeros(tiles, count, min(width, kv), value_wide.shape[-1] - 1)
+    for rows, columns in blocks:
+        block_grad_query = grad_query.new_zeros(count, rows.stop - rows.start, wide - 1)
+        for first in range(0, columns.stop, width):
+            tile = slice(first, min(columns.stop, first + width))
+            tile_grad_key, tile_grad_value = (grad[first // width, :, :tile.stop - first]
+                                              for grad in (grad_key, grad_value))
+            bias, saved = form.tile(rows, tile)
+            tile_mask = mask(rows, tile, bias, query_wide.dtype)
+            tile_mask = tile_mask.expand(batch, heads, *tile_mask.shape[2:]).reshape(count, *tile_mask.shape[2:])
+            probs = torch.baddbmm(tile_mask, query_wide[:, rows], key_wide[:, tile].transpose(1, 2))
+            del tile_mask
+            probs = F.threshold_(probs, LOG_PROBABILITY_FLOOR, -math.inf).exp_()
+            tile_grad_value.baddbmm_(probs.transpose(1, 2), grad_output[:, rows])
+            grad_scores = torch.bmm(grad_wide[:, rows], value_wide[:, tile].transpose(1, 2)).mul_(probs)
+            del probs
+            block_grad_query.baddbmm_(grad_scores, key[:, tile])
+            tile_grad_key.baddbmm_(grad_scores.transpose(1, 2), scaled_query[:, rows])
+            form.accumulate(saved, grad_scores.view(batch, heads, *grad_scores.shape[1:]))
+        torch.mul(block_grad_query, scaling, out=grad_query[:, rows])
+    # [tiles, B*H, width, D] -> [B*H, kv, D]
+    grad_key, grad_value = (grad.transpose(0, 1).reshape(count, -1, grad.shape[-1])[:, :kv]
+                            for grad in (grad_key, grad_value))
+    return grad_query, grad_key, grad_value
+
+
+def fused_form_serves(fused, form, blocks, scaling: float, compute: torch.dtype) -> bool:
+    """Whether the method's fused kernel (fused: (FormKernel, query slots, key slots)) serves a call in `compute`:
+    the fused CPU kernels are on, and at the first such call in this process its bias and gradients matched the
+    torch-op tiles' on a small problem of this call's form (check_fused_form; recorded as kernel checks are:
+    `hf_posenc.attention.kernel_status()`, a KernelCheckWarning on a failure, after which torch ops serve)."""
+    kernel = fused[0]
+    return fused_kernels_enabled() and verified(kernel.name, torch.device("cpu"), compute,
+                                                lambda: check_fused_form(fused, form, blocks, scaling, compute))
+
+
+def check_fused_form(fused, form, blocks, scaling: float, compute: torch.dtype) -> tuple[float, float]:
+    """The fused kernel's largest error against the torch-op tiles, relative to each result's largest value, over
+    the masked bias, the gradients of queries, keys and values and those of the form's parameters, on the last (at
+    most) 24 query rows of the call over its keys up to the last block's, 2 batch rows where the positions have
+    them, 8-wide heads, key tiles of 8; and the tolerance."""
+    kernel, query_slots, key_slots = fused
+    last, keys = blocks[-1][0].stop, blocks[-1][1].stop
+    rows = slice(max(0, last - 24), last)
+    part = form.part(rows, slice(0, keys))
+    query_slots, key_slots = query_slots[rows].contiguous(), key_slots[:keys].contiguous()
+    part_rows = slice(0, rows.stop - rows.start)
+    low = torch.finfo(compute).min
+
+    def mask(tile_rows, columns, bias, dtype):
+        allowed = key_slots[None, columns] <= query_slots[tile_rows, None]
+        return bias.to(dtype).masked_fill(~allowed, low)
+
+    bias = kernel.bias(part, query_slots, key_slots, part_rows, keys, compute)
+    want_bias = mask(part_rows, slice(0, keys), part.tile(part_rows, slice(0, keys))[0], compute)
+    heads = bias.shape[1]
+    batch = 2 if bias.shape[0] == 1 else bias.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(batch, heads, part_rows.stop, 8, generator=generator, dtype=compute)
+    key, value = (torch.randn(batch, heads, keys, 8, generator=generator, dtype=compute) for _ in range(2))
+    output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, attn_mask=want_bias,
+                                                                            scale=scaling)
+    grad = torch.randn(output.shape, generator=generator, dtype=compute)
+    operands = widened_operands(query, key, value, output, lse, grad, scaling, compute)
+    needed = [True] * len(part.tensors)
+    part.start_backward(compute, needed)
+    got = kernel.backward(part, query_slots, key_slots, *operands, [(0, part_rows.stop, keys)], 8, scaling, needed)
+    got = (bias, *got, *part.gradients())
+    part.start_backward(compute, needed)
+    want = torch_form_tiles(part, mask, [(part_rows, slice(0, keys))], *operands, batch, 8, scaling)
+    want = (want_bias, *want, *part.gradients())
+    finite = want_bias > low  # the masked entries: the lowest float in both
+    error = ((bias - want_bias).abs()[finite].max() / want_bias[finite].abs().max()).item()
+    for a, b in zip(got[1:], want[1:]):
+        error = max(error, ((a - b).abs().max() / b.abs().max().clamp_min(torch.finfo(compute).tiny)).item())
+    return error, 2 * tolerance(compute)

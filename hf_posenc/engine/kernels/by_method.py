@@ -18,7 +18,8 @@ import torch
 
 from ...methods.base import DotProductForm
 from .check import PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, serve as serve_checked
-from .fused_cpu import cape_causal, cope_causal, stick_breaking_causal, turn_by_features
+from .fused_cpu import (cape_causal, cope_causal, fire_backward_tiles, fire_block_bias, stick_breaking_causal,
+                        turn_by_features)
 from .triton import triton_installed
 from .triton.fla_content import FLA_DTYPES, fla_installed, forgetting_attention, stick_breaking_attention
 
@@ -63,6 +64,22 @@ class TritonKernel:
 
 
 @dataclass(frozen=True)
+class FormKernel:
+    """A fused CPU kernel for a method's BiasForm (engine/attention/form_attention.py) where causality by slots is all
+    the mask, checked against the form's torch-op tiles (`tile`, `accumulate`) on the call's own form."""
+
+    name: str  # as kernel_status() records its check
+    # (form, query slots [q], key slots [kv], rows, keys, dtype, storage=None) -> the masked bias of query `rows`
+    # and keys [0, keys) [B or 1, H, rows, keys] in `dtype` (float32 or float64), in the front of `storage` (a
+    # flat buffer, reused by a call's blocks) where given and large enough
+    bias: Callable[..., torch.Tensor]
+    # (form, query slots, key slots, Q', K', dO', V' (the widened operands), blocks [(first, rows, keys)], key_tile,
+    # scaling, needed) -> the gradients of queries [B*H, q, D], keys and values per query head [B*H, kv, D]; the
+    # form's sums added (BiasForm.add_sums)
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
 class MethodKernels:
     causal: CausalKernel | None = None
     triton: TritonKernel | None = None
@@ -74,6 +91,7 @@ class MethodKernels:
     # The Triton distance-table kernel (kernels/triton/table_attention.py) may serve the method's calls where its
     # `bias_table` gives a table: the bias depends on the distance alone. Reference: the blocked path.
     triton_table: bool = False
+    form: FormKernel | None = None
 
 
 # --- stick-breaking, CoPE, CAPE: a causal square in one call ---------------------------------------------------------
@@ -149,6 +167,36 @@ def cope_triton(method, layer_idx, query, key, value, gates, scaling, cu_seqlens
                           cu_seqlens)
 
 
+# --- FIRE past its threshold: its bias form by table_tile.cpp --------------------------------------------------------
+
+def _fire_inputs(form, query_slots, key_slots, dtype):
+    """FireBiasForm's positions, normaliser psi(max(L, i)), knots, slope and intercept in `dtype`, with the slots."""
+    as_dtype = (form.query_positions, form.key_positions, form.normaliser, form.knots, form.slope, form.intercept)
+    query_positions, key_positions, normaliser, knots, slope, intercept = (tensor.to(dtype).contiguous()
+                                                                           for tensor in as_dtype)
+    return query_positions, key_positions, normaliser, query_slots, key_slots, knots, slope, intercept, float(form.c)
+
+
+def fire_form_bias(form, query_slots, key_slots, rows, keys, dtype, storage=None):
+    return fire_block_bias(*_fire_inputs(form, query_slots, key_slots, dtype), rows, keys, storage)
+
+
+def fire_form_backward(form, query_slots, key_slots, query_wide, key_wide, grad_wide, value_wide, blocks, key_tile,
+                       scaling, needed):
+    """fused_cpu.fire_backward_tiles on the form's inputs, its sums added to the form ([B*H, ...] -> [B, H, ...])."""
+    count = query_wide.shape[0]
+    heads = form.slope.shape[0]
+    form_grad, c_grad = any(needed), bool(needed[2])
+    grad_query, grad_key, grad_value, dS, dS_u, gu, ga = fire_backward_tiles(
+        query_wide, key_wide, grad_wide, value_wide, *_fire_inputs(form, query_slots, key_slots, query_wide.dtype),
+        blocks, key_tile, scaling, form_grad, c_grad)
+    if form_grad:
+        batch = count // heads
+        form.add_sums(dS.view(batch, heads, -1), dS_u.view(batch, heads, -1), gu.view(batch, heads, -1).sum(1),
+                      ga.view(batch, heads, -1).sum(1) if c_grad else None)
+    return grad_query, grad_key, grad_value
+
+
 # --- TAPE: queries and keys turned by their features ----------------------------------------------------------------
 
 def tape_heads(method, layer_idx, query, key, query_state, key_state, query_positions, key_positions):
@@ -199,7 +247,9 @@ KERNELS: dict[str, MethodKernels] = {
     "tape": MethodKernels(heads=tape_heads),
     "self-extend": MethodKernels(near_far=True),
     "rerope": MethodKernels(near_far=True),
-    **{name: MethodKernels(triton_table=True) for name in ("alibi", "sandwich", "t5", "kerple", "fire")},
+    **{name: MethodKernels(triton_table=True) for name in ("alibi", "sandwich", "t5", "kerple")},
+    "fire": MethodKernels(triton_table=True, form=FormKernel("fused cpu (FIRE past its threshold)", fire_form_bias,
+                                                             fire_form_backward)),
 }
 NO_KERNELS = MethodKernels()
 
@@ -223,6 +273,10 @@ def serves_near_far(method) -> bool:
 
 def serves_triton_table(method) -> bool:
     return kernels_for(method).triton_table
+
+
+def form_kernel(method) -> FormKernel | None:
+    return kernels_for(method).form
 
 
 def kernel_heads(method, layer_idx, query, key, query_state, key_state, query_positions, key_positions,

@@ -30,24 +30,33 @@ def masked(bias, query_slots, key_slots):
     return bias.masked_fill(~allowed, torch.finfo(bias.dtype).min)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 2e-6), (torch.float64, 1e-6)])
 @pytest.mark.parametrize("shared", [True, False], ids=["positions shared", "positions per row"])
-def test_the_fused_bias_equals_the_torch_op_tiles(dtype, shared):
-    """Queries on both sides of the threshold, rows of a batch at other positions, a block after a cache (keys past
-    the block's queries masked)."""
-    positions = torch.arange(40)[None] if shared else torch.stack([torch.arange(40), torch.arange(40) + 9])
-    form = fire_form(12.5, positions[:, 10:], positions)
-    query_slots, key_slots = torch.arange(10, 40), torch.arange(40)
-    rows = slice(4, 19)
-    got = FIRE_KERNEL.bias(form, query_slots, key_slots, rows, 33, dtype)
-    want = masked(form.tile(rows, slice(0, 33))[0].to(dtype), query_slots[rows], key_slots[:33])
-    assert got.shape == want.shape == (1 if shared else 2, 4, 15, 33)
-    finite = want > torch.finfo(dtype).min
-    assert torch.equal(got > torch.finfo(dtype).min, finite)  # the same entries masked
-    assert (got - want)[finite].abs().max() <= 1e-6 * want[finite].abs().max()
-    storage = torch.full((10_000,), math.nan, dtype=dtype)  # written into a given buffer's front
-    again = FIRE_KERNEL.bias(form, query_slots, key_slots, rows, 33, dtype, storage)
-    assert again.data_ptr() == storage.data_ptr() and torch.equal(again, got)
+def test_the_fused_forward_equals_the_torch_op_tiles(dtype, tolerance, shared, monkeypatch):
+    """Output and logsumexp: queries on both sides of the threshold after a cache of 10 (keys past each query
+    masked), rows of a batch at other positions, grouped-query heads, more rows and keys than one tile of the
+    kernel's (fused_cpu.TILE_ROWS x TILE_KEYS, made small here). (In float64 the torch-op tiles make the bias in
+    float32, the kernel in float64: see below.)"""
+    batch, heads, kv_heads, q, kv, scaling = 2, 4, 2, 30, 40, 0.3
+    positions = torch.arange(kv)[None] if shared else torch.stack([torch.arange(kv), torch.arange(kv) + 9])
+    form = fire_form(22.5, positions[:, kv - q:], positions)
+    query_slots, key_slots = torch.arange(kv - q, kv), torch.arange(kv)
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(batch, heads, q, 8, generator=generator, dtype=dtype)
+    key, value = (torch.randn(batch, kv_heads, kv, 8, generator=generator, dtype=dtype) for _ in range(2))
+    blocks = [(slice(first, min(q, first + 11)), slice(0, kv - q + min(q, first + 11))) for first in range(0, q, 11)]
+
+    def mask(rows, columns, bias, dtype):
+        return masked(bias.to(dtype), query_slots[rows], key_slots[columns])
+
+    want = form_attention.torch_form_forward(query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1),
+                                             form, blocks, mask, scaling)
+    monkeypatch.setattr(fused_cpu, "TILE_ROWS", 7)
+    monkeypatch.setattr(fused_cpu, "TILE_KEYS", 9)
+    got = FIRE_KERNEL.forward(form, query_slots, key_slots, query, key, value, scaling)
+    for name, a, b in zip(("output", "logsumexp"), got, want):
+        assert a.shape == b.shape, name
+        assert (a - b).abs().max() <= tolerance * b.abs().max(), name
 
 
 def backward(kernel_or_torch, form, operands, blocks, batch, scaling, query_slots, key_slots, tile):
@@ -94,13 +103,13 @@ def test_the_fused_backward_equals_the_torch_op_tiles(dtype, tolerance, shared):
 
 
 @pytest.mark.parametrize("case", ["prefill", "chunk after cache", "decode one token"])
-def test_inference_past_the_threshold_takes_the_fused_bias(case, monkeypatch):
-    """Without gradients too, the fused kernel makes each block's bias (in place of the per-block torch ops of
-    Fire.block_bias), with the paper's output, here where no mask is given."""
+def test_inference_past_the_threshold_takes_the_fused_kernel(case, monkeypatch):
+    """Without gradients too, the fused kernel serves (in place of the per-block torch ops of Fire.block_bias), with
+    the paper's output, here where no mask is given."""
     monkeypatch.setattr(bias_path, "FORM_BLOCK_ROWS", 8)
     calls = []
-    original = by_method.fire_block_bias
-    monkeypatch.setattr(by_method, "fire_block_bias", lambda *args: calls.append(1) or original(*args))
+    original = by_method.fire_attention_forward
+    monkeypatch.setattr(by_method, "fire_attention_forward", lambda *args: calls.append(1) or original(*args))
     batch, q, kv, offset, _ = CASES[case]
     fire = fire_module(threshold=offset + q // 2 - 0.5)  # queries past it (all of them for one token)
     state = PositionState(fire, backend="sdpa")
@@ -116,7 +125,7 @@ def test_inference_past_the_threshold_takes_the_fused_bias(case, monkeypatch):
 
 
 def test_a_fused_form_kernel_that_fails_its_check_never_serves(monkeypatch):
-    """A fused kernel whose bias is wrong is refused at its first call, with one KernelCheckWarning, and the torch
+    """A fused kernel whose forward is wrong is refused at its first call, with one KernelCheckWarning, and the torch
     ops serve that call and the later ones: the output and gradients are theirs exactly."""
     def run():
         fire = fire_module(threshold=6.5)
@@ -131,8 +140,11 @@ def test_a_fused_form_kernel_that_fails_its_check_never_serves(monkeypatch):
     monkeypatch.setenv("HF_POSENC_CPU_KERNELS", "0")
     expected = run()
     monkeypatch.setenv("HF_POSENC_CPU_KERNELS", "1")
-    wrong = by_method.FormKernel(FIRE_KERNEL.name, lambda *args: 1.01 * FIRE_KERNEL.bias(*args[:6]),
-                                 FIRE_KERNEL.backward)
+    def wrong_forward(*args):
+        output, lse = FIRE_KERNEL.forward(*args)
+        return 1.01 * output, lse
+
+    wrong = by_method.FormKernel(FIRE_KERNEL.name, wrong_forward, FIRE_KERNEL.backward)
     monkeypatch.setitem(by_method.KERNELS, "fire", by_method.MethodKernels(triton_table=True, form=wrong))
     attention.reset_kernel_status()
     try:
@@ -150,10 +162,10 @@ def test_a_fused_form_kernel_that_fails_its_check_never_serves(monkeypatch):
 def test_key_positions_that_fall_are_refused_by_the_kernel():
     """Each segment is a run of keys only where key positions rise along a row: the kernel refuses others (the form
     never hands it such: Fire.bias_form returns None for positions that restart)."""
-    fused_cpu.load()
     positions = torch.tensor([[0.0, 1.0, 3.0, 2.0]])
     slots = torch.arange(4)
     knots, slope = torch.tensor([0.5]), torch.ones(2, 2)
+    query = torch.randn(1, 2, 4, 8)
     with pytest.raises(RuntimeError, match="must not fall"):
-        fused_cpu.fire_block_bias(positions, positions, torch.ones(1, 4), slots, slots, knots, slope, slope, 1.0,
-                                  slice(0, 4), 4)
+        fused_cpu.fire_attention_forward(query, query, query, positions, positions, torch.ones(1, 4), slots, slots,
+                                         knots, slope, slope, 1.0, 0.3)

@@ -12,8 +12,9 @@ bias's gradient dS of a tile goes to `BiasForm.accumulate`, which reduces it at 
 per segment of its piecewise-linear MLP and head). Memory: a block's bias and a few tiles, never O(L^2).
 
 On the CPU a method's fused kernel (by_method.py `FormKernel`; FIRE's in engine/kernels/cpu_kernels/table_tile.cpp)
-serves where causality by slots is all the mask (no padding mask, no key mask of the method's): the forward's bias
-of a block in one pass, and the whole backward as the distance table's (table_attention.py), each tile's bias and
+serves where causality by slots is all the mask (no padding mask, no key mask of the method's): the forward
+flash-style, each tile's bias made in cache (where the torch ops write each block's [B, H, rows, keys] bias to memory
+for SDPA to read back), and the whole backward as the distance table's (table_attention.py), each tile's bias and
 the form's sums made in the loops between its five products. It serves once it matched these torch-op tiles on a
 small problem of the call's own form (`fused_form_serves`, recorded in `kernel_status()`).
 
@@ -60,24 +61,11 @@ class FormBiasAttention(torch.autograd.Function):
         compute = torch.promote_types(query.dtype, torch.float32)
         if fused is not None and not fused_form_serves(fused, form, blocks, scaling, compute):
             fused = None
-        outputs, lses, storage = [], [], None
-        for rows, columns in blocks:
-            if fused is not None:
-                kernel, query_slots, key_slots = fused
-                if storage is None:  # sized for the largest block: its bias is at most [B, H, rows, keys]
-                    most_rows = max(block_rows.stop - block_rows.start for block_rows, _ in blocks)
-                    storage = query.new_empty(query.shape[0] * query.shape[1] * most_rows * blocks[-1][1].stop,
-                                              dtype=compute)
-                block_mask = kernel.bias(form, query_slots, key_slots, rows, columns.stop, compute, storage)
-            else:
-                bias, storage = torch_block_bias(form, rows, columns, storage, blocks[-1][1].stop)
-                block_mask = mask(rows, columns, bias, query.dtype)
-            output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                query[:, :, rows], key[:, :, columns], value[:, :, columns], attn_mask=block_mask, scale=scaling)
-            outputs.append(output)
-            lses.append(lse)
-        output = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
-        lse = torch.cat(lses, dim=-1) if len(lses) > 1 else lses[0]
+        if fused is not None:
+            kernel, query_slots, key_slots = fused
+            output, lse = kernel.forward(form, query_slots, key_slots, query, key, value, scaling)
+        else:
+            output, lse = torch_form_forward(query, key, value, form, blocks, mask, scaling)
         ctx.save_for_backward(query, key, value, output, lse)
         ctx.form, ctx.blocks, ctx.mask, ctx.scaling, ctx.fused = form, blocks, mask, scaling, fused
         return output
@@ -109,10 +97,26 @@ class FormBiasAttention(torch.autograd.Function):
         return (*grads, None, None, None, None, None, *form.gradients())
 
 
+def torch_form_forward(query, key, value, form, blocks, mask, scaling):
+    """The forward by the form's torch-op tiles: each block's bias and mask made whole, then aten's CPU flash kernel
+    -> output [B, H, q, D] and each row's logsumexp [B, H, q]."""
+    outputs, lses, storage = [], [], None
+    for rows, columns in blocks:
+        bias, storage = torch_block_bias(form, rows, columns, storage, blocks[-1][1].stop)
+        block_mask = mask(rows, columns, bias, query.dtype)
+        output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query[:, :, rows], key[:, :, columns], value[:, :, columns], attn_mask=block_mask, scale=scaling)
+        outputs.append(output)
+        lses.append(lse)
+    output = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
+    return output, torch.cat(lses, dim=-1) if len(lses) > 1 else lses[0]
+
+
 def torch_block_bias(form, rows: slice, columns: slice, storage: torch.Tensor | None, most_keys: int):
     """The bias of a block by the form's torch-op tiles, FORWARD_KEY_CHUNK keys at a time, into `storage` (a flat
-    buffer for blocks of `most_keys` keys at most, reused by every block; None: made here) -> (bias, storage). Made whole, each block allocated (and the system zeroed) a few hundred MiB of per-pair temporaries at
-    8192 tokens."""
+    buffer for blocks of `most_keys` keys at most, reused by every block; None: made here) -> (bias, storage).
+    Made whole, each block allocated (and the system zeroed) a few hundred MiB of per-pair temporaries at 8192
+    tokens."""
     chunks = [form.tile(rows, slice(first, min(columns.stop, first + FORWARD_KEY_CHUNK)))[0]
               for first in range(0, min(columns.stop, FORWARD_KEY_CHUNK), FORWARD_KEY_CHUNK)]
     shape = (*chunks[0].shape[:-1], columns.stop)
@@ -178,9 +182,9 @@ def fused_form_serves(fused, form, blocks, scaling: float, compute: torch.dtype)
 
 def check_fused_form(fused, form, blocks, scaling: float, compute: torch.dtype) -> tuple[float, float]:
     """The fused kernel's largest error against the torch-op tiles, relative to each result's largest value, over
-    the masked bias, the gradients of queries, keys and values and those of the form's parameters, on the last (at
-    most) 24 query rows of the call over its keys up to the last block's, 2 batch rows where the positions have
-    them, 8-wide heads, key tiles of 8; and the tolerance."""
+    the output and logsumexp of the forward, the gradients of queries, keys and values and those of the form's
+    parameters, on the last (at most) 24 query rows of the call over its keys up to the last block's, 2 batch rows
+    where the positions have one, 8-wide heads, backward key tiles of 8; and the tolerance."""
     kernel, query_slots, key_slots = fused
     last, keys = blocks[-1][0].stop, blocks[-1][1].stop
     rows = slice(max(0, last - 24), last)
@@ -193,26 +197,23 @@ def check_fused_form(fused, form, blocks, scaling: float, compute: torch.dtype) 
         allowed = key_slots[None, columns] <= query_slots[tile_rows, None]
         return bias.to(dtype).masked_fill(~allowed, low)
 
-    bias = kernel.bias(part, query_slots, key_slots, part_rows, keys, compute)
-    want_bias = mask(part_rows, slice(0, keys), part.tile(part_rows, slice(0, keys))[0], compute)
+    bias = mask(part_rows, slice(0, keys), part.tile(part_rows, slice(0, keys))[0], compute)
     heads = bias.shape[1]
     batch = 2 if bias.shape[0] == 1 else bias.shape[0]
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(batch, heads, part_rows.stop, 8, generator=generator, dtype=compute)
     key, value = (torch.randn(batch, heads, keys, 8, generator=generator, dtype=compute) for _ in range(2))
-    output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, attn_mask=want_bias,
+    output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, attn_mask=bias,
                                                                             scale=scaling)
+    got_output, got_lse = kernel.forward(part, query_slots, key_slots, query, key, value, scaling)
     grad = torch.randn(output.shape, generator=generator, dtype=compute)
     operands = widened_operands(query, key, value, output, lse, grad, scaling, compute)
     needed = [True] * len(part.tensors)
     part.start_backward(compute, needed)
     got = kernel.backward(part, query_slots, key_slots, *operands, [(0, part_rows.stop, keys)], 8, scaling, needed)
-    got = (bias, *got, *part.gradients())
+    got = (got_output, got_lse, *got, *part.gradients())
     part.start_backward(compute, needed)
     want = torch_form_tiles(part, mask, [(part_rows, slice(0, keys))], *operands, batch, 8, scaling)
-    want = (want_bias, *want, *part.gradients())
-    finite = want_bias > low  # the masked entries: the lowest float in both
-    error = ((bias - want_bias).abs()[finite].max() / want_bias[finite].abs().max()).item()
-    for a, b in zip(got[1:], want[1:]):
-        error = max(error, ((a - b).abs().max() / b.abs().max().clamp_min(torch.finfo(compute).tiny)).item())
-    return error, 2 * tolerance(compute)
+    want = (output, lse, *want, *part.gradients())
+    return max(((a - b).abs().max() / b.abs().max().clamp_min(torch.finfo(compute).tiny)).item()
+               for a, b in zip(got, want)), 2 * tolerance(compute)

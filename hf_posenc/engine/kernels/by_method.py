@@ -18,7 +18,7 @@ import torch
 
 from ...methods.base import DotProductForm
 from .check import PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, serve as serve_checked
-from .fused_cpu import (cape_causal, cope_causal, fire_backward_tiles, fire_block_bias, stick_breaking_causal,
+from .fused_cpu import (cape_causal, cope_causal, fire_attention_forward, fire_backward_tiles, stick_breaking_causal,
                         turn_by_features)
 from .triton import triton_installed
 from .triton.fla_content import FLA_DTYPES, fla_installed, forgetting_attention, stick_breaking_attention
@@ -65,14 +65,14 @@ class TritonKernel:
 
 @dataclass(frozen=True)
 class FormKernel:
-    """A fused CPU kernel for a method's BiasForm (engine/attention/form_attention.py) where causality by slots is all
-    the mask, checked against the form's torch-op tiles (`tile`, `accumulate`) on the call's own form."""
+    """A fused CPU kernel for a method's BiasForm (engine/attention/form_attention.py): forward and backward where
+    causality by slots is all the mask, checked against the form's torch-op tiles (`tile`, `accumulate`) on the
+    call's own form."""
 
     name: str  # as kernel_status() records its check
-    # (form, query slots [q], key slots [kv], rows, keys, dtype, storage=None) -> the masked bias of query `rows`
-    # and keys [0, keys) [B or 1, H, rows, keys] in `dtype` (float32 or float64), in the front of `storage` (a
-    # flat buffer, reused by a call's blocks) where given and large enough
-    bias: Callable[..., torch.Tensor]
+    # (form, query slots, key slots, query [B, H, q, D], key, value [B, H_kv, kv, D], scaling) -> the output
+    # [B, H, q, D] and each row's logsumexp [B, H, q], in the inputs' dtype (float32 or float64)
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # (form, query slots, key slots, Q', K', dO', V' (the widened operands), blocks [(first, rows, keys)], key_tile,
     # scaling, needed) -> the gradients of queries [B*H, q, D], keys and values per query head [B*H, kv, D]; the
     # form's sums added (BiasForm.add_sums)
@@ -177,8 +177,8 @@ def _fire_inputs(form, query_slots, key_slots, dtype):
     return query_positions, key_positions, normaliser, query_slots, key_slots, knots, slope, intercept, float(form.c)
 
 
-def fire_form_bias(form, query_slots, key_slots, rows, keys, dtype, storage=None):
-    return fire_block_bias(*_fire_inputs(form, query_slots, key_slots, dtype), rows, keys, storage)
+def fire_form_forward(form, query_slots, key_slots, query, key, value, scaling):
+    return fire_attention_forward(query, key, value, *_fire_inputs(form, query_slots, key_slots, query.dtype), scaling)
 
 
 def fire_form_backward(form, query_slots, key_slots, query_wide, key_wide, grad_wide, value_wide, blocks, key_tile,
@@ -248,7 +248,7 @@ KERNELS: dict[str, MethodKernels] = {
     "self-extend": MethodKernels(near_far=True),
     "rerope": MethodKernels(near_far=True),
     **{name: MethodKernels(triton_table=True) for name in ("alibi", "sandwich", "t5", "kerple")},
-    "fire": MethodKernels(triton_table=True, form=FormKernel("fused cpu (FIRE past its threshold)", fire_form_bias,
+    "fire": MethodKernels(triton_table=True, form=FormKernel("fused cpu (FIRE past its threshold)", fire_form_forward,
                                                              fire_form_backward)),
 }
 NO_KERNELS = MethodKernels()

@@ -234,33 +234,12 @@ def table_backward_tiles(query_wide: torch.Tensor, key_wide: torch.Tensor, grad_
     return grad_query, grad_key, grad_value, grad_padded
 
 
-def fire_block_bias(query_positions: torch.Tensor, key_positions: torch.Tensor, normaliser: torch.Tensor,
-                    query_slots: torch.Tensor, key_slots: torch.Tensor, knots: torch.Tensor, slope: torch.Tensor,
-                    intercept: torch.Tensor, c: float, rows: slice, keys: int,
-                    storage: torch.Tensor | None = None) -> torch.Tensor:
-    """FIRE's bias past its threshold (methods/fire.py FireBiasForm) by table_tile.cpp: positions [B or 1, q] and
-    [B or 1, kv] (rising along each row) and each query's psi(max(L, i)) [B or 1, q], slots [q] and [kv], the MLP's
-    sorted knots [W] and per-segment slope and intercept [H, W + 1], all in one float dtype but the int64 slots ->
-    the bias of query `rows` and keys [0, keys) [B or 1, H, rows, keys], the lowest float where a key's slot is after
-    the query's; written into the front of `storage` (a flat buffer of that dtype) where it is given and large
-    enough: fresh memory for every block cost as much as computing it (page faults)."""
-    load()
-    shape = (max(query_positions.shape[0], key_positions.shape[0]), slope.shape[0], rows.stop - rows.start, keys)
-    size = shape[0] * shape[1] * shape[2] * shape[3]
-    if storage is None or storage.numel() < size or storage.dtype != slope.dtype:
-        storage = slope.new_empty(size)
-    out = storage[:size].view(shape)
-    torch.ops.hf_posenc_cpu.fire_bias(query_positions, key_positions, normaliser, query_slots, key_slots, knots,
-                                      slope, intercept, rows.start, shape[2], int(keys), float(c), out)
-    return out
-
-
 def fire_backward_tiles(query_wide: torch.Tensor, key_wide: torch.Tensor, grad_wide: torch.Tensor,
                         value_wide: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
                         normaliser: torch.Tensor, query_slots: torch.Tensor, key_slots: torch.Tensor,
                         knots: torch.Tensor, slope: torch.Tensor, intercept: torch.Tensor, c: float, blocks: list,
                         key_tile: int, scaling: float, form_grad: bool, c_grad: bool):
-    """table_tile.cpp's backward with FIRE's bias (fire_block_bias's inputs) on form_attention's widened operands
+    """table_tile.cpp's backward with FIRE's bias (fire_attention_forward's inputs) on form_attention's widened operands
     ([B*H, q, D + 1] Q' and dO', [B*H, kv, D + 1] K' and V') and blocks (first row, rows, keys from 0) -> the
     gradients of the queries ([B*H, q, D], times `scaling`), keys and values per query head ([B*H, kv, D]) and, where
     `form_grad`, per batch x head the sums of dS and dS u per segment [B*H, W + 1] and per query row those of g u and
@@ -272,3 +251,23 @@ def fire_backward_tiles(query_wide: torch.Tensor, key_wide: torch.Tensor, grad_w
                                              key_positions, normaliser, query_slots, key_slots, knots, slope,
                                              intercept)),
         spans, int(key_tile), float(scaling), float(c), bool(form_grad), bool(c_grad))
+
+
+def fire_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_positions: torch.Tensor,
+                           key_positions: torch.Tensor, normaliser: torch.Tensor, query_slots: torch.Tensor,
+                           key_slots: torch.Tensor, knots: torch.Tensor, slope: torch.Tensor, intercept: torch.Tensor,
+                           c: float, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """FIRE's attention past its threshold (methods/fire.py FireBiasForm) by table_tile.cpp, its bias computed per tile
+    in cache: query [B, H, q, D], key [B, H_kv, kv, D], value [B, H_kv, kv, E] (H_kv divides H), positions [B or 1, q]
+    and [B or 1, kv] (rising along each row), each query's psi(max(L, i)) [B or 1, q], slots [q] and [kv] (int64,
+    rising; a key is masked for a query whose slot is before its own), the MLP's sorted knots [W] and per-segment
+    slope and intercept [H, W + 1], all in one float dtype but the slots -> output [B, H, q, E] and each row's
+    logsumexp [B, H, q]."""
+    load()
+    batch, heads, q = query.shape[:3]
+    rows = [tensor.reshape(-1, *tensor.shape[2:]).contiguous() for tensor in (query, key, value)]
+    output, lse = torch.ops.hf_posenc_cpu.fire_forward(
+        *rows, *(tensor.contiguous() for tensor in (query_positions, key_positions, normaliser, query_slots,
+                                                     key_slots, knots, slope, intercept)),
+        TILE_ROWS, TILE_KEYS, float(scaling), float(c))
+    return output.view(batch, heads, q, -1), lse.view(batch, heads, q)

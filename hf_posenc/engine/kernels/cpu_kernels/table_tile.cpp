@@ -236,22 +236,38 @@ inline int64_t most_rows(const at::Tensor& blocks) {
   return most;
 }
 
+// The zeroed gradients of queries, keys and values a backward writes ([N, q, D], [N, kv, D], [N, kv, D]), the Operands
+// over them and the widened inputs, and the scratch sizes of its tiles (rows, keys).
 template <typename T>
-std::vector<at::Tensor> backward_impl(const at::Tensor& query, const at::Tensor& key, const at::Tensor& grad,
-                                      const at::Tensor& value, const at::Tensor& padded, const at::Tensor& blocks,
-                                      int64_t tile_width, double scaling, bool table_grad) {
+struct BackwardOutputs {
+  at::Tensor grad_query, grad_key, grad_value;
+  Operands<T> operands;
+  int64_t rows, tile;
+};
+
+template <typename T>
+BackwardOutputs<T> backward_outputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& grad,
+                                    const at::Tensor& value, const at::Tensor& blocks, int64_t tile_width) {
   const int64_t count = query.size(0), q = query.size(1), kv = key.size(1), dim = query.size(2) - 1;
-  const int64_t heads = padded.size(0), width = padded.size(1);
   auto options = query.options();
   auto grad_query = at::zeros({count, q, dim}, options);
   auto grad_key = at::zeros({count, kv, dim}, options);
   auto grad_value = at::zeros({count, kv, dim}, options);
-  auto grad_padded = table_grad ? at::zeros({count, width}, options) : at::Tensor();
   Operands<T> o{query.data_ptr<T>(), key.data_ptr<T>(), grad.data_ptr<T>(), value.data_ptr<T>(),
                 grad_query.data_ptr<T>(), grad_key.data_ptr<T>(), grad_value.data_ptr<T>(), q, kv, dim};
+  return {grad_query, grad_key, grad_value, o, most_rows(blocks), std::max<int64_t>(1, tile_width)};
+}
+
+template <typename T>
+std::vector<at::Tensor> backward_impl(const at::Tensor& query, const at::Tensor& key, const at::Tensor& grad,
+                                      const at::Tensor& value, const at::Tensor& padded, const at::Tensor& blocks,
+                                      int64_t tile_width, double scaling, bool table_grad) {
+  const int64_t count = query.size(0), heads = padded.size(0), width = padded.size(1);
+  auto out = backward_outputs<T>(query, key, grad, value, blocks, tile_width);
+  auto grad_padded = table_grad ? at::zeros({count, width}, query.options()) : at::Tensor();
+  const Operands<T>& o = out.operands;
   const int64_t* block_rows = blocks.data_ptr<int64_t>();
-  const int64_t block_count = blocks.size(0), rows = most_rows(blocks);
-  const int64_t tile = std::max<int64_t>(1, tile_width);
+  const int64_t block_count = blocks.size(0), rows = out.rows, tile = out.tile;
   // Every batch x head writes its own gradients (a key or value head shared by a group is summed by the caller).
   at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> probs(rows * tile), grads(rows * tile);
@@ -261,8 +277,8 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& query, const at::Tensor&
       head_backward<T>(o, n, block_rows, block_count, tile, T(scaling), bias, probs, grads);
     }
   });
-  if (!table_grad) return {grad_query, grad_key, grad_value};
-  return {grad_query, grad_key, grad_value, grad_padded};
+  if (!table_grad) return {out.grad_query, out.grad_key, out.grad_value};
+  return {out.grad_query, out.grad_key, out.grad_value, grad_padded};
 }
 
 std::vector<at::Tensor> table_backward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& grad,
@@ -300,21 +316,17 @@ template <typename T>
 std::vector<at::Tensor> fire_backward_impl(const at::Tensor& query, const at::Tensor& key, const at::Tensor& grad,
                                            const at::Tensor& value, const FireInputs& f, const at::Tensor& blocks,
                                            int64_t tile_width, double scaling, double c, bool form_grad, bool c_grad) {
-  const int64_t count = query.size(0), q = query.size(1), kv = key.size(1), dim = query.size(2) - 1;
+  const int64_t count = query.size(0), q = query.size(1), kv = key.size(1);
   const int64_t heads = f.slope.size(0), width = f.knots.size(0);
   const int64_t query_rows = f.query_positions.size(0), key_rows = f.key_positions.size(0);
+  auto out = backward_outputs<T>(query, key, grad, value, blocks, tile_width);
   auto options = query.options();
-  auto grad_query = at::zeros({count, q, dim}, options);
-  auto grad_key = at::zeros({count, kv, dim}, options);
-  auto grad_value = at::zeros({count, kv, dim}, options);
   const int64_t sums = form_grad ? count : 0;
   auto grad_intercept = at::zeros({sums, width + 1}, options), grad_slope = at::zeros({sums, width + 1}, options);
   auto row_gu = at::zeros({sums, q}, options), row_ga = at::zeros({sums, q}, options);
-  Operands<T> o{query.data_ptr<T>(), key.data_ptr<T>(), grad.data_ptr<T>(), value.data_ptr<T>(),
-                grad_query.data_ptr<T>(), grad_key.data_ptr<T>(), grad_value.data_ptr<T>(), q, kv, dim};
+  const Operands<T>& o = out.operands;
   const int64_t* block_rows = blocks.data_ptr<int64_t>();
-  const int64_t block_count = blocks.size(0), rows = most_rows(blocks);
-  const int64_t tile = std::max<int64_t>(1, tile_width);
+  const int64_t block_count = blocks.size(0), rows = out.rows, tile = out.tile;
   at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> probs(rows * tile), grads(rows * tile), u(rows * tile);
     std::vector<int32_t> bounds(rows * (width + 2));
@@ -333,7 +345,7 @@ std::vector<at::Tensor> fire_backward_impl(const at::Tensor& query, const at::Te
       head_backward<T>(o, n, block_rows, block_count, tile, T(scaling), bias, probs, grads);
     }
   });
-  return {grad_query, grad_key, grad_value, grad_intercept, grad_slope, row_gu, row_ga};
+  return {out.grad_query, out.grad_key, out.grad_value, grad_intercept, grad_slope, row_gu, row_ga};
 }
 
 void check_fire_inputs(const char* name, const FireInputs& f, const at::ScalarType dtype, int64_t q, int64_t kv) {

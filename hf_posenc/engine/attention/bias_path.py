@@ -15,14 +15,13 @@ from ...methods.base import AttentionBiasMethod, RotaryMethod
 from ..kernels.by_method import form_kernel, serves_triton_table
 from ..kernels.check import PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, table_attention_reference
 from ..kernels.check import serve as serve_checked
-from ..kernels.fused_cpu import fused_kernels_enabled
 from ..kernels.triton import table_kernel
 from .call import AttentionCall
 from .geometry import (block_mask, block_rows, causal_square, combined_mask, distance_table, max_query_position,
                        needs_grad, padded_table, position_span, power_of_two_bucket, query_blocks,
                        rotates_as_one_block, toeplitz_view)
 from .paths import chosen_path, count_path
-from .form_attention import FormBiasAttention, form_attention_applies
+from .form_attention import FormBiasAttention, form_attention_applies, fused_form_applies
 from .table_attention import TableBiasAttention
 
 VIEW_BLOCK_ROWS = 256  # query rows per block when the bias is a view: fewer wastes the masked keys less, more calls
@@ -192,13 +191,6 @@ def form_bias_attention(call: AttentionCall, form) -> torch.Tensor:
     output = FormBiasAttention.apply(call.query, call.key, call.value, form, blocks, mask, call.scaling, fused,
                                      *form.tensors)
     return output.transpose(1, 2).contiguous()
-
-
-def fused_form_applies(call: AttentionCall) -> bool:
-    """Whether the method's fused kernel for its bias form may serve the call (form_attention.py): it has one, the
-    fused CPU kernels are on, and causality by slots is all the mask (no mask given, no key mask of the method's)."""
-    return (form_kernel(call.method) is not None and fused_kernels_enabled() and call.attention_mask is None
-            and not call.method.masks_keys)
 
 
 def traced_attention(call: AttentionCall):

@@ -28,6 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..kernels.by_method import form_kernel
 from ..kernels.check import tolerance, verified
 from ..kernels.fused_cpu import fused_kernels_enabled
 from .table_attention import widened_operands
@@ -40,6 +41,13 @@ from .table_attention import widened_operands
 LOG_PROBABILITY_FLOOR = -60.0
 FORWARD_KEY_CHUNK = 1024  # keys per piece of a block's bias in the forward
 KEY_TILE = 256  # keys per backward tile: its temporaries ([B*H, rows, KEY_TILE] each) stay in cache
+
+
+def fused_form_applies(call) -> bool:
+    """Whether the method's fused kernel for its bias form may serve the AttentionCall: it has one, the fused CPU
+    kernels are on, and causality by slots is all the mask (no mask given, no key mask of the method's)."""
+    return (form_kernel(call.method) is not None and fused_kernels_enabled() and call.attention_mask is None
+            and not call.method.masks_keys)
 
 
 def form_attention_applies(query: torch.Tensor) -> bool:

@@ -129,6 +129,27 @@ def test_the_teachers_logits_are_the_unpatched_models_bit_for_bit(frozen_base):
         assert torch.equal(cut, model(long_ids[:, :64], position_ids=restarts[:, :64], use_cache=False).logits)
 
 
+@pytest.mark.parametrize("frozen_base", [True, False], ids=["unpatched view", "frozen copy"])
+def test_the_teacher_of_a_patched_checkpoint_is_the_model_without_its_patch(tmp_path, frozen_base):
+    """`finetune --model DIR --distill-from original` on a patched checkpoint: the teacher is the checkpoint's model
+    with its patch taken off. (It was once a copy of the patched model itself: a KL near 0 from the first step.)"""
+    model = tiny_model("llama")
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        original = model(ids).logits
+    hf_posenc.patch_model(model, "t5", per_layer=True)
+    model.save_pretrained(tmp_path)
+    loaded = hf_posenc.from_pretrained(tmp_path)
+    with torch.no_grad():
+        patched = loaded(ids).logits
+    assert (patched - original).abs().max() > 1e-3  # the patch changes the model
+    teacher = Teacher.original(loaded, frozen_base=frozen_base)
+    assert (teacher.logits(loaded, input_ids=ids) - original).abs().max() <= 1e-6
+    with torch.no_grad():  # the student keeps its patch and its loaded table
+        assert torch.equal(loaded(ids).logits, patched)
+    assert hf_posenc.get_posenc_config(loaded).method == "t5"
+
+
 def test_the_memory_estimate_counts_the_teacher():
     from hf_posenc.tools.estimates import estimate_training_bytes
 

@@ -59,14 +59,16 @@ class Teacher:
 
     @classmethod
     def original(cls, model, frozen_base: bool) -> "Teacher":
-        """For the unpatched `model` (call before patching): the view when the base weights stay frozen, else a
-        frozen copy."""
+        """For `model` before this run patches it: the view when the base weights stay frozen, else a frozen copy.
+        A model loaded from a patched checkpoint (`--model DIR`) is copied with its patch taken off: the teacher is
+        the model without its positional patch, never the patched student itself."""
         from hf_posenc.registry import get_family
 
-        window = get_family(model.config).trained_window(model)
-        if frozen_base:
-            return cls("unpatched view", None, window)
-        teacher = copy.deepcopy(model).eval()
+        with unpatched(model) as original:
+            window = get_family(original.config).trained_window(original)
+            if frozen_base:
+                return cls("unpatched view", None, window)
+            teacher = copy.deepcopy(original).eval()
         teacher.requires_grad_(False)
         return cls("frozen copy", teacher, window)
 

@@ -99,7 +99,9 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
         restarts = False
 
     posenc = get_posenc_config(model)
+    bias_fit = fit_bias(args, model, teacher, data, accelerator.is_main_process) if resume is None else None
     training = prepare_training(args, accelerator, model, data, teacher)
+    training.bias_fit = bias_fit
     training.teacher = teacher.to(accelerator.device) if teacher is not None else None
     training.restarts = restarts
     if trackers:
@@ -117,6 +119,26 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
         # It also destroys the process group, without which a rank can abort at exit under DDP.
         accelerator.end_training()
     return summary
+
+
+def fit_bias(args: argparse.Namespace, model, teacher, data, verbose: bool):
+    """--fit-bias-steps: the bias fitted to the teacher's attention before any training (bias_fit.py), on every
+    process alike (the same blocks), before accelerate wraps the model; None without it."""
+    if not args.fit_bias_steps:
+        return None
+    from ..progress import progress as progress_bar
+    from .bias_fit import fit_positional_bias
+
+    bar = progress_bar(total=args.fit_bias_steps, desc="fit bias", unit="step", enabled=verbose and not args.no_progress)
+    try:
+        fit = fit_positional_bias(model, teacher, data.train_blocks[:args.fit_bias_blocks], args.fit_bias_steps,
+                                  args.fit_bias_lr, progress=lambda step: bar.update(1))
+    finally:
+        bar.close()
+    if verbose:
+        print(f"fit bias: KL to the teacher's attention {fit.kl_before:.4f} -> {fit.kl_after:.4f} in {fit.steps} "
+              f"steps ({fit.seconds:.0f} s)", flush=True)
+    return fit
 
 
 def _beside(output_dir: Path, suffix: str) -> Path:

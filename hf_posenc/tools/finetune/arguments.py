@@ -110,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "that layer (relative MSE, averaged over the changed layers), the rest distil end to end; "
                         "blocks are cut to the teacher's window for it. Needs --distill-from and --train-only "
                         "positional, qk, qkvo or lora")
+    g.add_argument("--fit-bias-steps", type=int, default=0,
+                   help="before training, N Adam steps that fit the patch's bias parameters alone to the "
+                        "--distill-from teacher's attention weights, layer by layer on the teacher's own inputs "
+                        "(KL over the first --fit-bias-blocks training blocks): a start near the original for "
+                        "t5:per_layer=true, fire, kerple, sandwich or trainable alibi. Needs --distill-from")
+    g.add_argument("--fit-bias-blocks", type=int, default=4,
+                   help="training blocks the bias fit reads (memory: 8 x blocks x heads x length^2 bytes per layer)")
+    g.add_argument("--fit-bias-lr", type=float, default=0.05, help="Adam's learning rate in the bias fit")
     return p
 
 
@@ -117,6 +125,16 @@ def settings(**overrides) -> argparse.Namespace:
     """The settings of a fine-tune: the command's defaults with ``overrides`` (e.g. ``method="kerple"``,
     ``text_file=[path]``, ``max_steps=60``), for ``run_finetune``."""
     return settings_from(build_parser(), **overrides)
+
+
+def check_bias_fit(args: argparse.Namespace) -> None:
+    """--fit-bias-steps: a stage before training, towards a teacher's attention."""
+    check_number("--fit-bias-steps", args.fit_bias_steps, 0)
+    check_number("--fit-bias-blocks", args.fit_bias_blocks, 1)
+    check_number("--fit-bias-lr", args.fit_bias_lr, 0, above=True)
+    if args.fit_bias_steps and args.distill_from is None:
+        raise PosEncError(f"--fit-bias-steps {args.fit_bias_steps} fits the bias to a teacher's attention: add "
+                          "--distill-from original (or a checkpoint folder)")
 
 
 def check_transfer(args: argparse.Namespace) -> None:
@@ -177,6 +195,7 @@ def check_args(args: argparse.Namespace) -> MethodRequest | None:
         raise UsageError(f"--distill-from {args.distill_from}: give 'original' (the model before the patch) or an "
                          "existing checkpoint folder")
     check_transfer(args)
+    check_bias_fit(args)
     check_encoding(args.encoding)
     extra_options = parse_options(args.method_option)
     if extra_options and not args.method:

@@ -147,14 +147,10 @@ def teacher_targets(teacher, student, inputs: dict[str, Any], layers: list[int])
         return capture_targets(original, inputs, layers)
 
 
-def layer_losses(student, inputs: dict[str, Any], targets: LayerTargets) -> torch.Tensor:
-    """float32 [len(targets.outputs)], in layer order: each target layer's ||A'(x) - A(x)||^2 / ||A(x)||^2, the
-    patched attention fed the teacher's input x of that layer (with gradients, through the patched attention only)."""
-    import torch
-
-    modules = attention_modules(student)
-    layers = sorted(targets.outputs)
-    produced: dict[int, torch.Tensor] = {}
+@contextlib.contextmanager
+def fed_teacher_inputs(modules: list[nn.Module], targets: LayerTargets, keep_output=None):
+    """Inside the block, each attention module of `targets.inputs` is called with the teacher's residual-stream
+    inputs in place of its own; `keep_output(index, module, args, kwargs, output)` sees every module's output."""
 
     def feed_teacher_input(index, module, args, kwargs):
         if index not in targets.inputs:
@@ -164,11 +160,24 @@ def layer_losses(student, inputs: dict[str, Any], targets: LayerTargets) -> torc
         kwargs = {key: swapped.get(key, value) for key, value in kwargs.items()}
         return args, kwargs
 
+    with _hooks(modules, feed_teacher_input, keep_output or (lambda *_: None)):
+        yield
+
+
+def layer_losses(student, inputs: dict[str, Any], targets: LayerTargets) -> torch.Tensor:
+    """float32 [len(targets.outputs)], in layer order: each target layer's ||A'(x) - A(x)||^2 / ||A(x)||^2, the
+    patched attention fed the teacher's input x of that layer (with gradients, through the patched attention only)."""
+    import torch
+
+    modules = attention_modules(student)
+    layers = sorted(targets.outputs)
+    produced: dict[int, torch.Tensor] = {}
+
     def keep_output(index, module, args, kwargs, output):
         if index in targets.outputs:
             produced[index] = _added(output, _residual_stream(module, args, kwargs)[1])
 
-    with _hooks(modules, feed_teacher_input, keep_output):
+    with fed_teacher_inputs(modules, targets, keep_output):
         student(**inputs)
     missing = [index for index in layers if index not in produced]
     if missing:

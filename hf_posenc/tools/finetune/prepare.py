@@ -34,6 +34,7 @@ class Training:
     teacher: Any = None  # teacher.Teacher under --distill-from
     restarts: bool = False  # position ids restart at each document (--document-restarts, where the model takes them)
     compiled_step: dict | None = None  # the check of a compiled step (accelerate's --dynamo_backend), once made
+    bias_fit: Any = None  # bias_fit.BiasFit under --fit-bias-steps (None when resumed: the checkpoint holds it)
 
 
 def make_accelerator(args: argparse.Namespace, trackers: list[str], logging_dir: Path):

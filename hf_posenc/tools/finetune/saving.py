@@ -48,6 +48,11 @@ def run_summary(args: argparse.Namespace, training: Training, progress: Progress
             "steps": args.transfer_steps, "end_to_end_steps": args.max_steps - args.transfer_steps,
             "loss": "relative MSE of each changed layer's attention output, averaged",
             "blocks_cut_to_teacher_window": training.teacher.window},
+        "bias_fit": None if not args.fit_bias_steps else {
+            "steps": args.fit_bias_steps, "blocks": args.fit_bias_blocks, "lr": args.fit_bias_lr,
+            "kl_before": None if training.bias_fit is None else training.bias_fit.kl_before,
+            "kl_after": None if training.bias_fit is None else training.bias_fit.kl_after,
+            "loss": "KL of each changed layer's attention weights to the teacher's, on the teacher's inputs"},
         "effective_batch_blocks": args.batch_size * args.gradient_accumulation_steps * world,
         "tokens_per_step": tokens_per_step,
         "steps_done": progress.step,

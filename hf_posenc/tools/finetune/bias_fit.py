@@ -28,16 +28,21 @@ from .attention_transfer import attention_modules, capture_targets, changed_laye
 if TYPE_CHECKING:
     import torch
 
+# The content logit of a masked key: finite (a teacher weight of 0 times it is 0, where -inf would give nan) and far
+# below any bias a method makes.
+MASKED = -1e30
+
 
 @dataclass
 class CapturedAttention:
     """Per changed layer (in `layers` order): the teacher's probabilities and the patched attention's content logits
-    (-inf where a key is masked), each [rows, heads, length, length]; `positions` [1, length] the blocks' own."""
+    (MASKED where a key is masked), each [rows, heads, length, length]; `positions` [1, length] the blocks' own."""
 
     layers: list[int]
     teacher: list[torch.Tensor]
     content: list[torch.Tensor]
     positions: torch.Tensor
+    entropy: list[float]  # each layer's mean teacher entropy: the KL is the cross-entropy less it
 
 
 @dataclass
@@ -113,12 +118,15 @@ def capture_attention(student, teacher, blocks: torch.Tensor) -> CapturedAttenti
     length = inputs["input_ids"].shape[1]
     positions = torch.arange(length)[None]
     causal = positions[0][:, None] >= positions[0][None, :]
-    content = []
+    tiny = torch.finfo(torch.float32).tiny
+    content, entropy = [], []
     with torch.no_grad():
-        for index, weights in zip(layers, patched):
+        for index, weights, teacher_weights in zip(layers, patched, probabilities):
             bias = method.bias(index, positions, positions).float()
-            content.append(torch.where(causal, weights.log() - bias, -torch.inf))
-    return CapturedAttention(layers, probabilities, content, positions)
+            # a weight that underflowed to 0 reads as log(tiny), finite, so that no term of the KL is infinite
+            content.append(torch.where(causal, weights.clamp_min(tiny).log() - bias, MASKED))
+            entropy.append(float(-(teacher_weights * teacher_weights.clamp_min(tiny).log()).sum(-1).mean()))
+    return CapturedAttention(layers, probabilities, content, positions, entropy)
 
 
 def bias_fit_kl(method, captured: CapturedAttention) -> torch.Tensor:
@@ -127,12 +135,11 @@ def bias_fit_kl(method, captured: CapturedAttention) -> torch.Tensor:
     import torch
 
     kls = []
-    for index, teacher, content in zip(captured.layers, captured.teacher, captured.content):
+    for index, teacher, content, entropy in zip(captured.layers, captured.teacher, captured.content,
+                                                 captured.entropy):
         bias = method.bias(index, captured.positions, captured.positions).float()
-        log_q = (content + bias).log_softmax(-1)
-        held = teacher > 0
-        terms = torch.where(held, teacher * (teacher.clamp_min(torch.finfo(torch.float32).tiny).log() - log_q), 0.0)
-        kls.append(terms.sum(-1).mean())
+        cross = -(teacher * (content + bias).log_softmax(-1)).sum(-1).mean()  # masked keys: teacher 0, log q finite
+        kls.append(cross - entropy)
     return torch.stack(kls)
 
 

@@ -49,7 +49,8 @@ def hand_weights(attention, x: torch.Tensor, rotation=None, bias=None) -> torch.
     return torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
 
 
-def test_the_kl_is_the_hand_computation_from_each_layers_original_input():
+@pytest.mark.parametrize("queries", [None, 7], ids=["every query", "the last 7 queries"])
+def test_the_kl_is_the_hand_computation_from_each_layers_original_input(queries):
     original = peaked_llama()
     ids = random_ids(2, 20)
     inputs = captured_inputs(original, ids)
@@ -57,8 +58,9 @@ def test_the_kl_is_the_hand_computation_from_each_layers_original_input():
     teacher = Teacher.original(original, frozen_base=False)
     hf_posenc.patch_model(original, "t5", per_layer=True, num_buckets=8, max_distance=16)
     module = hf_posenc.get_positional_module(original)
-    captured = capture_attention(original, teacher, ids)
+    captured = capture_attention(original, teacher, ids, queries)
     kl = bias_fit_kl(module, captured)
+    rows = slice(20 - (queries or 20), 20)
     assert kl.shape == (2,) and captured.layers == [0, 1]
     distance = (torch.arange(20)[:, None] - torch.arange(20)[None, :]).clamp_min(0)
     buckets = causal_buckets(distance, 8, 16)
@@ -66,6 +68,7 @@ def test_the_kl_is_the_hand_computation_from_each_layers_original_input():
         target = hand_weights(attention, x, rotation)
         table = module.weight[layer].double()  # [buckets, heads]
         patched = hand_weights(attention, x, bias=table[buckets].permute(2, 0, 1))
+        target, patched = target[:, :, rows], patched[:, :, rows]
         held = target > 0
         expected = torch.where(held, target * (target.log() - patched.log()), 0.0).sum(-1).mean()
         assert abs(kl[layer].item() - expected.item()) <= 1e-4 * expected.item() + 1e-7
@@ -145,18 +148,25 @@ def test_the_command_fits_then_trains_and_records_it(tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["--model", str(model_dir), "--method", "t5:per_layer=true", "--text-file", str(BOOK), "--max-length", "32",
             "--max-steps", "2", "--distill-from", "original", "--distill-alpha", "1", "--train-only", "qkvo",
-            "--fit-bias-steps", "4", "--fit-bias-blocks", "2", "--output-dir", str(out), "--no-progress"]
+            "--fit-bias-steps", "4", "--fit-bias-blocks", "2", "--fit-bias-length", "64", "--fit-bias-queries", "16",
+            "--output-dir", str(out), "--no-progress"]
     assert run_cli("finetune", argv) == 0
     assert "fit bias: KL to the teacher's attention" in capsys.readouterr().out
     record = json.loads((out / "training_args.json").read_text())["bias_fit"]
     assert record["steps"] == 4 and record["blocks"] == 2 and record["kl_after"] <= record["kl_before"]
+    assert record["length"] == 64 and record["queries"] == 16
     assert json.loads((out / "training_args.json").read_text())["fit_bias_steps"] == 4
 
 
-def test_the_command_refuses_a_fit_without_a_teacher(tmp_path, capsys):
+@pytest.mark.parametrize("options,message", [
+    ([], "add --distill-from original"),
+    (["--distill-from", "original", "--fit-bias-length", "48"], "must be a multiple of --max-length 32"),
+    (["--distill-from", "original", "--fit-bias-queries", "0"], "--fit-bias-queries must be")])
+def test_the_command_refuses_a_bad_fit_and_writes_nothing(tmp_path, capsys, options, message):
     model_dir = save_tiny_model(tmp_path / "tiny")
     argv = ["--model", str(model_dir), "--method", "kerple", "--text-file", str(BOOK), "--max-length", "32",
-            "--max-steps", "2", "--fit-bias-steps", "4", "--output-dir", str(tmp_path / "out"), "--no-progress"]
+            "--max-steps", "2", "--fit-bias-steps", "4", *options, "--output-dir", str(tmp_path / "out"),
+            "--no-progress"]
     assert run_cli("finetune", argv) == 2
-    assert "add --distill-from original" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()

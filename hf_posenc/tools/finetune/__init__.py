@@ -127,12 +127,19 @@ def fit_bias(args: argparse.Namespace, model, teacher, data, verbose: bool):
     if not args.fit_bias_steps:
         return None
     from ..progress import progress as progress_bar
+    from ..text import DataError
     from .bias_fit import fit_positional_bias
 
+    joined = (args.fit_bias_length or args.max_length) // args.max_length
+    blocks = data.train_blocks[:args.fit_bias_blocks * joined]
+    if blocks.shape[0] < joined:
+        raise DataError(f"--fit-bias-length {args.fit_bias_length}: the training text has {data.train_blocks.shape[0]} "
+                        f"blocks of {args.max_length} tokens, fewer than the {joined} one fit block joins")
+    blocks = blocks[:blocks.shape[0] // joined * joined].reshape(-1, joined * args.max_length)
     bar = progress_bar(total=args.fit_bias_steps, desc="fit bias", unit="step", enabled=verbose and not args.no_progress)
     try:
-        fit = fit_positional_bias(model, teacher, data.train_blocks[:args.fit_bias_blocks], args.fit_bias_steps,
-                                  args.fit_bias_lr, progress=lambda step: bar.update(1))
+        fit = fit_positional_bias(model, teacher, blocks, args.fit_bias_steps, args.fit_bias_lr,
+                                  progress=lambda step: bar.update(1), queries=args.fit_bias_queries)
     finally:
         bar.close()
     if verbose:

@@ -116,7 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(KL over the first --fit-bias-blocks training blocks): a start near the original for "
                         "t5:per_layer=true, fire, kerple, sandwich or trainable alibi. Needs --distill-from")
     g.add_argument("--fit-bias-blocks", type=int, default=4,
-                   help="training blocks the bias fit reads (memory: 8 x blocks x heads x length^2 bytes per layer)")
+                   help="blocks the bias fit reads (memory: 8 x blocks x heads x queries x length bytes per layer)")
+    g.add_argument("--fit-bias-length", type=int, default=None,
+                   help="tokens per block of the bias fit, a multiple of --max-length (consecutive training blocks "
+                        "joined: the text is packed without gaps); default --max-length")
+    g.add_argument("--fit-bias-queries", type=int, default=None,
+                   help="the fit reads the last N queries of each block, those that see the most keys (default all)")
     g.add_argument("--fit-bias-lr", type=float, default=0.05, help="Adam's learning rate in the bias fit")
     return p
 
@@ -132,6 +137,12 @@ def check_bias_fit(args: argparse.Namespace) -> None:
     check_number("--fit-bias-steps", args.fit_bias_steps, 0)
     check_number("--fit-bias-blocks", args.fit_bias_blocks, 1)
     check_number("--fit-bias-lr", args.fit_bias_lr, 0, above=True)
+    if args.fit_bias_length is not None and (args.fit_bias_length < args.max_length or
+                                             args.fit_bias_length % args.max_length):
+        raise UsageError(f"--fit-bias-length {args.fit_bias_length} must be a multiple of --max-length "
+                         f"{args.max_length}: its blocks are consecutive training blocks joined")
+    if args.fit_bias_queries is not None:
+        check_number("--fit-bias-queries", args.fit_bias_queries, 1)
     if args.fit_bias_steps and args.distill_from is None:
         raise PosEncError(f"--fit-bias-steps {args.fit_bias_steps} fits the bias to a teacher's attention: add "
                           "--distill-from original (or a checkpoint folder)")

@@ -11,7 +11,7 @@ the patched layer's attention against the original's on the original's input, as
 et al. 2024) compares them, but on the attention weights and with the projections held: a step is a softmax over the
 captured logits, not a forward of the model. A per-layer bias (``t5:per_layer=true``, ``fire``) learns each layer's
 recency profile, the part of RoPE's effect that a function of i - j can hold (docs/finetuning-and-evaluation.md,
-"Full swap"). Memory: two float32 [rows, heads, length, length] tensors per changed layer.
+"Full swap"). Memory: two float32 [rows, heads, queries, length] tensors per changed layer.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...errors import PosEncError
-from .attention_transfer import attention_modules, capture_targets, changed_layers, fed_teacher_inputs
+from .attention_transfer import _hooks, attention_modules, capture_targets, changed_layers, fed_teacher_inputs
 
 if TYPE_CHECKING:
     import torch
@@ -36,12 +36,13 @@ MASKED = -1e30
 @dataclass
 class CapturedAttention:
     """Per changed layer (in `layers` order): the teacher's probabilities and the patched attention's content logits
-    (MASKED where a key is masked), each [rows, heads, length, length]; `positions` [1, length] the blocks' own."""
+    (MASKED where a key is masked), each [rows, heads, queries, length], for the blocks' last queries."""
 
     layers: list[int]
     teacher: list[torch.Tensor]
     content: list[torch.Tensor]
-    positions: torch.Tensor
+    query_positions: torch.Tensor  # [1, queries]: the blocks' last queries, those that see the most keys
+    key_positions: torch.Tensor  # [1, length]
     entropy: list[float]  # each layer's mean teacher entropy: the KL is the cross-entropy less it
 
 
@@ -88,17 +89,38 @@ def _eager(model):
         inner.set_attn_implementation(before)
 
 
-def _attentions(model, inputs, layers: list[int]) -> list[torch.Tensor]:
+def _attentions(model, inputs, layers: list[int], queries: int, targets=None) -> list[torch.Tensor]:
+    """Each of `layers`' attention weights of the last `queries` rows [rows, heads, queries, length], read from its
+    module's output under eager attention as the layer runs (no layer's whole weights kept); `targets`: each layer
+    fed the teacher's input."""
     import torch
 
-    with torch.no_grad(), _eager(model):
-        weights = model(**inputs, output_attentions=True, use_cache=False).attentions
-    return [weights[index].float() for index in layers]
+    wanted, kept = set(layers), {}
+
+    def keep(index, module, args, kwargs, output):
+        if index not in wanted:
+            return
+        weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+        if not isinstance(weights, torch.Tensor):
+            raise PosEncError(f"{type(module).__name__} gave no attention weights under eager attention: the bias fit "
+                              "cannot read this model's attention")
+        kept[index] = weights[..., -queries:, :].float().clone()
+
+    modules = attention_modules(model)
+    hooks = fed_teacher_inputs(modules, targets, keep) if targets is not None else _hooks(modules, _nothing, keep)
+    with torch.no_grad(), _eager(model), hooks:
+        model(**inputs, use_cache=False)
+    return [kept[index] for index in layers]
 
 
-def capture_attention(student, teacher, blocks: torch.Tensor) -> CapturedAttention:
+def _nothing(*_):
+    return None
+
+
+def capture_attention(student, teacher, blocks: torch.Tensor, queries: int | None = None) -> CapturedAttention:
     """The teacher's attention weights and the patched `student`'s content logits on `blocks` [rows, length] (cut
-    to the teacher's window), for every layer the patch changes."""
+    to the teacher's window), for every layer the patch changes; `queries`: the last so many rows of each block
+    (default all), which bounds the memory of long blocks."""
     import torch
 
     from .teacher import unpatched
@@ -106,27 +128,28 @@ def capture_attention(student, teacher, blocks: torch.Tensor) -> CapturedAttenti
     method = fitted_method(student)
     inputs = teacher.within_window({"input_ids": blocks})
     layers = changed_layers(student)
+    length = inputs["input_ids"].shape[1]
+    queries = length if queries is None else min(queries, length)
     if teacher.model is not None:
         targets = capture_targets(teacher.model, inputs, layers)
-        probabilities = _attentions(teacher.model, inputs, layers)
+        probabilities = _attentions(teacher.model, inputs, layers, queries)
     else:
         with unpatched(student) as original:
             targets = capture_targets(original, inputs, layers)
-            probabilities = _attentions(original, inputs, layers)
-    with fed_teacher_inputs(attention_modules(student), targets):
-        patched = _attentions(student, inputs, layers)
-    length = inputs["input_ids"].shape[1]
-    positions = torch.arange(length)[None]
-    causal = positions[0][:, None] >= positions[0][None, :]
+            probabilities = _attentions(original, inputs, layers, queries)
+    patched = _attentions(student, inputs, layers, queries, targets)
+    key_positions = torch.arange(length)[None]
+    query_positions = key_positions[:, length - queries:]
+    causal = query_positions[0][:, None] >= key_positions[0][None, :]
     tiny = torch.finfo(torch.float32).tiny
     content, entropy = [], []
     with torch.no_grad():
         for index, weights, teacher_weights in zip(layers, patched, probabilities):
-            bias = method.bias(index, positions, positions).float()
+            bias = method.bias(index, query_positions, key_positions).float()
             # a weight that underflowed to 0 reads as log(tiny), finite, so that no term of the KL is infinite
             content.append(torch.where(causal, weights.clamp_min(tiny).log() - bias, MASKED))
             entropy.append(float(-(teacher_weights * teacher_weights.clamp_min(tiny).log()).sum(-1).mean()))
-    return CapturedAttention(layers, probabilities, content, positions, entropy)
+    return CapturedAttention(layers, probabilities, content, query_positions, key_positions, entropy)
 
 
 def bias_fit_kl(method, captured: CapturedAttention) -> torch.Tensor:
@@ -137,21 +160,22 @@ def bias_fit_kl(method, captured: CapturedAttention) -> torch.Tensor:
     kls = []
     for index, teacher, content, entropy in zip(captured.layers, captured.teacher, captured.content,
                                                  captured.entropy):
-        bias = method.bias(index, captured.positions, captured.positions).float()
+        bias = method.bias(index, captured.query_positions, captured.key_positions).float()
         cross = -(teacher * (content + bias).log_softmax(-1)).sum(-1).mean()  # masked keys: teacher 0, log q finite
         kls.append(cross - entropy)
     return torch.stack(kls)
 
 
 def fit_positional_bias(student, teacher, blocks: torch.Tensor, steps: int, lr: float = 0.05,
-                        progress=None) -> BiasFit:
-    """Fit the patch's bias parameters to the teacher's attention on `blocks` by `steps` Adam steps (the projections
-    and everything else untouched); returns the KL before and after. `progress(step)` is called after each step."""
+                        progress=None, queries: int | None = None) -> BiasFit:
+    """Fit the patch's bias parameters to the teacher's attention on `blocks` (their last `queries` rows) by `steps`
+    Adam steps (the projections and everything else untouched); returns the KL before and after. `progress(step)` is
+    called after each step."""
     import torch
 
     started = time.perf_counter()
     method = fitted_method(student)
-    captured = capture_attention(student, teacher, blocks)
+    captured = capture_attention(student, teacher, blocks, queries)
     parameters = list(method.parameters())
     wanted = [parameter.requires_grad for parameter in parameters]
     start = [parameter.detach().clone() for parameter in parameters]  # put back if the fit fails

@@ -32,7 +32,8 @@ RESUME_SETTINGS = ("model", "dtype", "train_only", "lora_r", "lora_alpha", "lora
                    "batch_size", "gradient_accumulation_steps", "eval_blocks", "seed", "max_steps", "lr",
                    "positional_lr", "weight_decay", "lr_scheduler", "warmup_steps", "pose_target_length",
                    "pose_chunks", "document_restarts", "distill_from", "distill_temperature", "distill_alpha",
-                   "transfer_steps", "fit_bias_steps", "fit_bias_blocks", "fit_bias_lr")
+                   "transfer_steps", "fit_bias_steps", "fit_bias_blocks", "fit_bias_lr", "fit_bias_length",
+                   "fit_bias_queries")
 
 
 @dataclass

@@ -50,6 +50,7 @@ def run_summary(args: argparse.Namespace, training: Training, progress: Progress
             "blocks_cut_to_teacher_window": training.teacher.window},
         "bias_fit": None if not args.fit_bias_steps else {
             "steps": args.fit_bias_steps, "blocks": args.fit_bias_blocks, "lr": args.fit_bias_lr,
+            "length": args.fit_bias_length or args.max_length, "queries": args.fit_bias_queries,
             "kl_before": None if training.bias_fit is None else training.bias_fit.kl_before,
             "kl_after": None if training.bias_fit is None else training.bias_fit.kl_after,
             "loss": "KL of each changed layer's attention weights to the teacher's, on the teacher's inputs"},

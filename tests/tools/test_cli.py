@@ -99,6 +99,29 @@ def test_main_job_full_and_distillation_options(capsys):
     with pytest.raises(SystemExit):
         parse(["--quick", "--full"])
     assert "not allowed with argument" in capsys.readouterr().err
+    assert (default.swap, default.lr, default.train_only, default.fit_bias) == (main_job.DEFAULT_SWAP, 1e-4, "all", {})
+
+
+def test_main_job_full_swap_runs_the_full_swap_recipe(capsys):
+    parse = main_job.build_parser().parse_args
+    swap = main_job.apply_defaults(parse(["--full-swap"]))
+    assert main_job.MethodRequest.parse(swap.swap).label == "t5:per_layer=true,num_buckets=64,max_distance=2048"
+    assert (swap.train_steps, swap.train_length, swap.lr, swap.train_only) == (160, 512, 5e-4, "qkvo")
+    assert swap.fit_bias == {"fit_bias_steps": 30, "fit_bias_blocks": 1, "fit_bias_length": 2048,
+                             "fit_bias_queries": 512, "fit_bias_lr": 0.2}
+    assert swap.lengths == [512, 2048, 8192, 16384]
+    # every setting it hands the fine-tune is one of finetune's own
+    assert set(main_job.finetune.settings(**swap.fit_bias, train_only=swap.train_only).__dict__) >= set(swap.fit_bias)
+    unfitted = main_job.apply_defaults(parse(["--full-swap"]))
+    unfitted.fit_bias = {}
+    assert main_job.estimate_seconds(swap) > main_job.estimate_seconds(unfitted)  # the fit counts
+    chosen = main_job.apply_defaults(parse(["--full-swap", "--swap", "kerple", "--lr", "1e-3"]))
+    assert (chosen.swap, chosen.lr, chosen.train_only) == ("kerple", 1e-3, "qkvo")
+    with pytest.raises(main_job.UsageError, match="leave --distill-alpha above 0"):
+        main_job.apply_defaults(parse(["--full-swap", "--distill-alpha", "0"]))
+    with pytest.raises(SystemExit):
+        parse(["--full", "--full-swap"])
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 def test_export_subcommand_and_its_alias(tmp_path, capsys, monkeypatch):

@@ -189,3 +189,20 @@ def test_a_resumed_fit_run_equals_the_uninterrupted_one(tmp_path):
     assert digest(tmp_path / "resumed") == digest(tmp_path / "straight")
     resumed = json.loads((tmp_path / "resumed" / "training_args.json").read_text())["bias_fit"]
     assert resumed["steps"] == 3 and resumed["kl_before"] is None  # not fitted again
+
+
+def test_two_processes_fit_and_train_the_same_weights(tmp_path):
+    """Each process fits on the same blocks before accelerate wraps the model: the same bias everywhere."""
+    from tool_helpers import launch
+
+    model_dir = save_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "ft"
+    done = launch("finetune", ["--model", str(model_dir), "--method", "t5:per_layer=true", "--text-file", str(BOOK),
+                               "--text-fraction", "0:0.1", "--max-length", "32", "--max-steps", "2", "--lr", "1e-3",
+                               "--distill-from", "original", "--train-only", "qkvo", "--fit-bias-steps", "3",
+                               "--output-dir", str(out), "--no-progress", "--threads", "1"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "training_args.json").read_text())
+    assert summary["num_processes"] == 2 and summary["bias_fit"]["kl_after"] <= summary["bias_fit"]["kl_before"]
+    digests = summary["weights_sha256_per_process"]
+    assert len(digests) == 2 and digests[0] == digests[1]

@@ -99,7 +99,7 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
         restarts = False
 
     posenc = get_posenc_config(model)
-    bias_fit = fit_bias(args, model, teacher, data, accelerator.is_main_process) if resume is None else None
+    bias_fit = fit_bias(args, accelerator, model, teacher, data) if resume is None else None
     training = prepare_training(args, accelerator, model, data, teacher)
     training.bias_fit = bias_fit
     training.teacher = teacher.to(accelerator.device) if teacher is not None else None
@@ -121,15 +121,21 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
     return summary
 
 
-def fit_bias(args: argparse.Namespace, model, teacher, data, verbose: bool):
+def fit_bias(args: argparse.Namespace, accelerator, model, teacher, data):
     """--fit-bias-steps: the bias fitted to the teacher's attention before any training (bias_fit.py), on every
-    process alike (the same blocks), before accelerate wraps the model; None without it."""
+    process alike (the same blocks), before accelerate wraps the model; None without it. On the process's device
+    where the engine keeps whole models there (none, DDP); a sharding engine's model stays where it was loaded."""
     if not args.fit_bias_steps:
         return None
     from ..progress import progress as progress_bar
     from ..text import DataError
     from .bias_fit import fit_positional_bias
+    from .prepare import engine_of
 
+    verbose = accelerator.is_main_process
+    if engine_of(accelerator) in ("none", "ddp"):
+        model.to(accelerator.device)
+        teacher.to(accelerator.device)
     joined = (args.fit_bias_length or args.max_length) // args.max_length
     blocks = data.train_blocks[:args.fit_bias_blocks * joined]
     if blocks.shape[0] < joined:
@@ -138,7 +144,8 @@ def fit_bias(args: argparse.Namespace, model, teacher, data, verbose: bool):
     blocks = blocks[:blocks.shape[0] // joined * joined].reshape(-1, joined * args.max_length)
     bar = progress_bar(total=args.fit_bias_steps, desc="fit bias", unit="step", enabled=verbose and not args.no_progress)
     try:
-        fit = fit_positional_bias(model, teacher, blocks, args.fit_bias_steps, args.fit_bias_lr,
+        device = next(model.parameters()).device
+        fit = fit_positional_bias(model, teacher, blocks.to(device), args.fit_bias_steps, args.fit_bias_lr,
                                   progress=lambda step: bar.update(1), queries=args.fit_bias_queries)
     finally:
         bar.close()

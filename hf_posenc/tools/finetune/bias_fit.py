@@ -138,7 +138,7 @@ def capture_attention(student, teacher, blocks: torch.Tensor, queries: int | Non
             targets = capture_targets(original, inputs, layers)
             probabilities = _attentions(original, inputs, layers, queries)
     patched = _attentions(student, inputs, layers, queries, targets)
-    key_positions = torch.arange(length)[None]
+    key_positions = torch.arange(length, device=blocks.device)[None]
     query_positions = key_positions[:, length - queries:]
     causal = query_positions[0][:, None] >= key_positions[0][None, :]
     tiny = torch.finfo(torch.float32).tiny

@@ -89,10 +89,10 @@ def _eager(model):
         inner.set_attn_implementation(before)
 
 
-def _attentions(model, inputs, layers: list[int], queries: int, targets=None) -> list[torch.Tensor]:
-    """Each of `layers`' attention weights of the last `queries` rows [rows, heads, queries, length], read from its
-    module's output under eager attention as the layer runs (no layer's whole weights kept); `targets`: each layer
-    fed the teacher's input."""
+@contextlib.contextmanager
+def _kept_weights(model, layers: list[int], queries: int):
+    """Inside the block, under eager attention, each of `layers`' attention weights of the last `queries` rows
+    [rows, heads, queries, length] is kept as the layer runs (no layer's whole weights kept); yields the dict."""
     import torch
 
     wanted, kept = set(layers), {}
@@ -106,38 +106,33 @@ def _attentions(model, inputs, layers: list[int], queries: int, targets=None) ->
                               "cannot read this model's attention")
         kept[index] = weights[..., -queries:, :].float().clone()
 
-    modules = attention_modules(model)
-    hooks = fed_teacher_inputs(modules, targets, keep) if targets is not None else _hooks(modules, _nothing, keep)
-    with torch.no_grad(), _eager(model), hooks:
-        model(**inputs, use_cache=False)
-    return [kept[index] for index in layers]
-
-
-def _nothing(*_):
-    return None
+    with _eager(model), _hooks(attention_modules(model), lambda *_: None, keep):
+        yield kept
 
 
 def capture_attention(student, teacher, blocks: torch.Tensor, queries: int | None = None) -> CapturedAttention:
     """The teacher's attention weights and the patched `student`'s content logits on `blocks` [rows, length] (cut
     to the teacher's window), for every layer the patch changes; `queries`: the last so many rows of each block
-    (default all), which bounds the memory of long blocks."""
+    (default all), which bounds the memory of long blocks. One forward of each: the teacher's also gives each layer's
+    input, which the student's layers are fed."""
     import torch
 
     from .teacher import unpatched
 
     method = fitted_method(student)
-    inputs = teacher.within_window({"input_ids": blocks})
+    inputs = {**teacher.within_window({"input_ids": blocks}), "use_cache": False}
     layers = changed_layers(student)
     length = inputs["input_ids"].shape[1]
     queries = length if queries is None else min(queries, length)
-    if teacher.model is not None:
-        targets = capture_targets(teacher.model, inputs, layers)
-        probabilities = _attentions(teacher.model, inputs, layers, queries)
-    else:
-        with unpatched(student) as original:
+    with contextlib.ExitStack() as stack:
+        original = teacher.model if teacher.model is not None else stack.enter_context(unpatched(student))
+        with _kept_weights(original, layers, queries) as kept:
             targets = capture_targets(original, inputs, layers)
-            probabilities = _attentions(original, inputs, layers, queries)
-    patched = _attentions(student, inputs, layers, queries, targets)
+    probabilities = [kept[index] for index in layers]
+    with torch.no_grad(), _kept_weights(student, layers, queries) as kept, \
+            fed_teacher_inputs(attention_modules(student), targets):
+        student(**inputs)
+    patched = [kept[index] for index in layers]
     key_positions = torch.arange(length, device=blocks.device)[None]
     query_positions = key_positions[:, length - queries:]
     causal = query_positions[0][:, None] >= key_positions[0][None, :]

@@ -140,7 +140,8 @@ def fit_bias(args: argparse.Namespace, accelerator, model, teacher, data):
     blocks = data.train_blocks[:args.fit_bias_blocks * joined]
     if blocks.shape[0] < joined:
         raise DataError(f"--fit-bias-length {args.fit_bias_length}: the training text has {data.train_blocks.shape[0]} "
-                        f"blocks of {args.max_length} tokens, fewer than the {joined} one fit block joins")
+                        f"blocks of {args.max_length} tokens, fewer than the {joined} one fit block joins; lower "
+                        "--fit-bias-length or add text")
     blocks = blocks[:blocks.shape[0] // joined * joined].reshape(-1, joined * args.max_length)
     bar = progress_bar(total=args.fit_bias_steps, desc="fit bias", unit="step", enabled=verbose and not args.no_progress)
     try:

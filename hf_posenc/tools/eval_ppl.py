@@ -16,6 +16,10 @@ exp(total NLL / tokens scored) over all documents.
 Outputs in ``--output-dir``: ``perplexity.csv`` (a row per model/method, a column per length, YaRN's layout),
 ``perplexity.json`` (every number and the settings) and ``perplexity.png`` (perplexity on a log axis vs length, a
 line per model, a star at the length its weights and positions were trained at; none for an untrained swap).
+
+A ``--model`` may be a fine-tune's resumable checkpoint (``OUTPUT-checkpoints/step-N``, ``finetune --save-every``):
+its run's model and method with the weights it saved. Given two or more points of a run (its checkpoints, its
+output folder), ``training_curve.csv`` and ``training_curve.png`` add perplexity against the tokens trained on.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from . import tables
 from .tables import row_label
 from .estimates import announce_run_time, check_memory, estimate_forward_bytes, model_forward_seconds
 from ..registry import get_family
-from .models import SMOLLM2, load_model, model_name
+from .finetune.checkpoints import IncompleteCheckpoint, read_state
+from .models import SMOLLM2, is_training_checkpoint, load_model, model_name
 from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir_on_main, write_json
 from .perplexity import perplexity_at_length, window_plan
 from .progress import progress as progress_bar
@@ -69,6 +74,7 @@ class EvalRun:
     settings: dict[str, Any]
     results: list[LengthResult] = field(default_factory=list)
     training_lengths: dict[str, int | None] = field(default_factory=dict)  # row label -> length trained at
+    training_points: tables.TrainingPoints = field(default_factory=dict)  # row label -> step, tokens trained on
 
     def table(self) -> tables.PerplexityTable:
         out: tables.PerplexityTable = {}
@@ -80,6 +86,7 @@ class EvalRun:
         """Add the rows of another run (of the same lengths and text) to this one."""
         self.results += other.results
         self.training_lengths.update(other.training_lengths)
+        self.training_points.update(other.training_points)
 
     def rename_model(self, old: str, new: str) -> None:
         for r in self.results:
@@ -92,6 +99,7 @@ class EvalRun:
 
     def to_json(self) -> dict:
         return {"settings": self.settings, "training_lengths": self.training_lengths,
+                "training_points": self.training_points,
                 "table": {label: {str(n): v for n, v in row.items()} for label, row in self.table().items()},
                 "results": [asdict(r) for r in self.results]}
 
@@ -108,14 +116,34 @@ def keeps_trained_positions(model, request: MethodRequest) -> bool:
 
 
 def training_length(model, model_dir: str | None = None) -> int | None:
-    """The context the weights were trained at: ``max_length`` of a fine-tune (``training_args.json``), else the
-    model's original window."""
-    if model_dir is not None and (Path(model_dir) / "training_args.json").is_file():
+    """The context the weights were trained at: ``max_length`` of a fine-tune (``training_args.json``, or a
+    training checkpoint's settings), else the model's original window."""
+    if model_dir is not None:
         try:
-            return int(json.loads((Path(model_dir) / "training_args.json").read_text())["max_length"])
+            if is_training_checkpoint(model_dir):
+                return int(read_state(Path(model_dir))["settings"]["max_length"])
+            if (Path(model_dir) / "training_args.json").is_file():
+                return int(json.loads((Path(model_dir) / "training_args.json").read_text())["max_length"])
         except (KeyError, ValueError, TypeError):
             pass
     return get_family(model.config).trained_window(model)
+
+
+def training_point(model_spec: str) -> dict[str, int] | None:
+    """Where in its run a fine-tune's folder stands: the step and the tokens trained on by then, from a training
+    checkpoint's state or an output folder's ``loss_log.json`` (None: not a fine-tune's folder)."""
+    path = Path(model_spec).expanduser()
+    try:
+        if is_training_checkpoint(model_spec):
+            state = read_state(path)
+            log = state["log"]
+        elif (path / "loss_log.json").is_file():
+            log = json.loads((path / "loss_log.json").read_text())
+        else:
+            return None
+        return {"step": int(log[-1]["step"]), "tokens": int(log[-1]["tokens"])} if log else None
+    except (KeyError, ValueError, TypeError, IndexError, IncompleteCheckpoint):
+        return None
 
 
 # --- settings -------------------------------------------------------------------------------------------------
@@ -123,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hf-posenc eval-ppl", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", action="append", default=None,
                    help="local checkpoint, Hub id, .gguf file, or 'smollm2' (the bundled SmolLM2-135M-Instruct, "
-                        "de-quantised from Q4_1); repeatable (default: smollm2)")
+                        "de-quantised from Q4_1), or a fine-tune's resumable checkpoint (OUTPUT-checkpoints/step-N); "
+                        "repeatable (default: smollm2)")
     p.add_argument("--tokenizer", default=None, help="tokenizer to use instead of the model's own")
     p.add_argument("--method", action="append", default=None,
                    help="'none' (the model as loaded) or NAME[:KEY=VALUE,...], e.g. yarn:factor=4; repeatable "
@@ -310,6 +339,8 @@ def _evaluate_model(args: argparse.Namespace, run: EvalRun, model, model_spec: s
             request.apply(model)
         label = row_label(name, request.label, replaced)
         trained = keeps_trained_positions(model, request) and not replaced
+        if not request.patches and training_point(model_spec) is not None:
+            run.training_points[label] = training_point(model_spec)
         run.training_lengths[label] = (args.training_length or training_length(
             model, model_spec if Path(model_spec).is_dir() else None)) if trained else None
         bar = progress_bar(total=_windows_of_this_process(args, token_docs, lengths, accelerator), desc=label,
@@ -343,6 +374,10 @@ def write_outputs(directory: Path, run: EvalRun, lengths: list[int], title: str 
     write_json(directory / "perplexity.json", run.to_json())
     tables.plot_perplexity(directory / "perplexity.png", lengths,
                                {title or "perplexity vs context length": (run.table(), run.training_lengths)})
+    if len(run.training_points) > 1:  # points of a run (its checkpoints, its end): the curve against tokens
+        tables.write_training_curve_csv(directory / "training_curve.csv", lengths, run.table(), run.training_points)
+        tables.plot_training_curve(directory / "training_curve.png", lengths, run.table(), run.training_points,
+                                   title)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -360,4 +395,5 @@ def run(args: argparse.Namespace) -> None:
             print()
             print(tables.perplexity_markdown(result.table(), lengths))
     if main_process:
-        print(f"wrote {args.output_dir}/perplexity.csv, perplexity.json, perplexity.png")
+        curve = ", training_curve.csv, training_curve.png" if len(result.training_points) > 1 else ""
+        print(f"wrote {args.output_dir}/perplexity.csv, perplexity.json, perplexity.png{curve}")

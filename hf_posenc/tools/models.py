@@ -53,6 +53,8 @@ def load_model(spec: str, dtype: torch.dtype | None = None, tokenizer: str | Non
         model, tok = load_smollm2(dtype=dtype, verbose=verbose)
     elif spec.lower().endswith(".gguf"):
         model, tok = load_gguf(spec, dtype)
+    elif is_training_checkpoint(spec):
+        model, tok = _load_training_checkpoint(Path(spec).expanduser(), dtype, tokenizer, verbose)
     else:
         model, tok = _load_checkpoint(spec, dtype), None
     if tok is None or tokenizer:
@@ -66,8 +68,65 @@ def load_model(spec: str, dtype: torch.dtype | None = None, tokenizer: str | Non
 
 
 def model_name(spec: str) -> str:
-    """The row name of ``--model spec``: a local folder's or file's name, else the spec itself (a Hub id, smollm2)."""
-    return Path(spec).name if Path(spec).exists() else spec
+    """The row name of ``--model spec``: a local folder's or file's name (a training checkpoint's with its run's:
+    ``run-checkpoints/step-40``), else the spec itself (a Hub id, smollm2)."""
+    path = Path(spec).expanduser()
+    if is_training_checkpoint(spec):
+        return f"{path.resolve().parent.name}/{path.name}"
+    return path.name if path.exists() else spec
+
+
+def is_training_checkpoint(spec: str) -> bool:
+    """Whether ``spec`` is a resumable checkpoint of ``finetune --save-every`` (``OUTPUT-checkpoints/step-N``)."""
+    from .finetune.checkpoints import STATE_FILE
+
+    path = Path(spec).expanduser()
+    return path.is_dir() and (path / STATE_FILE).is_file() and not (path / "config.json").is_file()
+
+
+def _load_training_checkpoint(path: Path, dtype, tokenizer: str | None, verbose: bool):
+    """``(model, tokenizer)`` of a resumable checkpoint: the run's ``--model`` with its ``--method`` (as the checkpoint
+    records them) and the weights it saved, so that points inside one training run are evaluated as they stand (a
+    curve of perplexity against training tokens) without resuming it."""
+    from safetensors.torch import load_file
+
+    from .finetune.checkpoints import IncompleteCheckpoint, read_state
+    from .runtime import MethodRequest
+
+    try:
+        state = read_state(path)
+    except IncompleteCheckpoint as why:
+        raise UsageError(f"--model {path}: a training checkpoint that is not complete ({why}); evaluate another "
+                         "step-N folder") from None
+    run = state.get("settings") or {}
+    where = f"--model {path} (a training checkpoint)"
+    if "model" not in run:
+        raise UsageError(f"{where} records no settings (saved by an older version): resume the run from it "
+                         "(finetune --resume-from) and evaluate the folder it writes")
+    if run.get("train_only") == "lora":
+        raise UsageError(f"{where} holds LoRA adapters inside the model's layers: evaluate the run's output folder, "
+                         "written when it ends, or resume from it (finetune --resume-from) with --max-steps at this "
+                         "step")
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        found = ", ".join(sorted(p.name for p in path.iterdir())) or "nothing"
+        raise UsageError(f"{where} has no model.safetensors (it holds {found}: a DeepSpeed or FSDP run's sharded "
+                         "state): evaluate the run's output folder")
+    try:
+        model, tok = load_model(str(run["model"]), dtype, tokenizer, verbose)
+    except UsageError as why:
+        raise UsageError(f"{where}: its run's --model {run['model']!r} does not load here ({why})") from None
+    if run.get("method"):
+        MethodRequest.from_settings(run["method"]).apply(model)
+    saved = load_file(str(weights))
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
+    if missing or unexpected:
+        raise UsageError(f"{where}: its weights do not fit the model its settings rebuild (missing "
+                         f"{missing[:3] or 'none'}, not used {unexpected[:3] or 'none'}); evaluate the run's output "
+                         "folder")
+    model.load_state_dict(saved)
+    return model, tok
 
 
 def loader(spec: str, dtype: torch.dtype | None, tokenizer: str | None, device):

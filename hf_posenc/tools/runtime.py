@@ -208,6 +208,16 @@ class MethodRequest:
         items = re.split(r",(?=\s*[A-Za-z_][A-Za-z0-9_]*\s*=)", rest) if rest.strip() else []
         return cls(name.strip().lower(), parse_options(items), label=text.strip())
 
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> "MethodRequest":
+        """The request whose ``settings()`` these are (as a run records them: a method's every option, or a hybrid's
+        parts)."""
+        options = {key: value for key, value in settings.items() if key != "method"}
+        if settings.get("method") == "hybrid" and "parts" in options:
+            parts = [cls.from_settings(part) for part in options["parts"]]
+            return cls("hybrid", label="+".join(part.label for part in parts), parts=parts)
+        return cls(str(settings.get("method")), options)
+
     @property
     def patches(self) -> bool:
         return self.name != UNPATCHED

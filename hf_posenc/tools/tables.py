@@ -130,6 +130,49 @@ def perplexity_figure(lengths: list[int], panels: dict[str, tuple[PerplexityTabl
     return fig
 
 
+TrainingPoints = dict[str, dict[str, int]]  # row label -> {"step": N, "tokens": tokens trained on by then}
+
+
+def write_training_curve_csv(path: Path, lengths: list[int], table: PerplexityTable, points: TrainingPoints) -> None:
+    """A row per point of a training run (its checkpoints and its end), fewest tokens first: step, tokens seen, and
+    the perplexity at each length."""
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["model", "step", "tokens", *lengths])
+        for label, point in sorted(points.items(), key=lambda item: item[1]["tokens"]):
+            row = table.get(label, {})
+            writer.writerow([label, point["step"], point["tokens"],
+                             *("" if row.get(n) is None else f"{row[n]:.4f}" for n in lengths)])
+
+
+def plot_training_curve(path: Path, lengths: list[int], table: PerplexityTable, points: TrainingPoints,
+                        title: str = "") -> None:
+    """Perplexity (log axis) against the tokens a run had trained on at each of its points, a line per length."""
+    plt = _pyplot()
+    fig = training_curve_figure(lengths, table, points, title)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def training_curve_figure(lengths: list[int], table: PerplexityTable, points: TrainingPoints, title: str = ""):
+    plt = _pyplot()
+    ordered = sorted(points.items(), key=lambda item: item[1]["tokens"])
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for n in lengths:
+        xy = [(point["tokens"], table[label][n]) for label, point in ordered
+              if table.get(label, {}).get(n) is not None and math.isfinite(table[label][n])]
+        if xy:
+            ax.plot(*zip(*xy), marker="o", markersize=4, label=f"at {n} tokens of context")
+    ax.set_xlabel("tokens trained on")
+    ax.set_ylabel("perplexity, log scale (lower is better)")
+    plain_log_y_axis(ax)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title or "perplexity along one training run", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 def _null_formatter():
     from matplotlib.ticker import NullFormatter
 

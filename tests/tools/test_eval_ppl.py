@@ -233,3 +233,114 @@ def test_a_hybrid_of_two_methods_is_evaluated_as_patched_by_hand(tiny_dir):
     expected = perplexity_at_length(model, docs, 32, 32, max_windows=1, progress=False)[0]
     rows = {r.method: r.ppl for r in run.results}
     assert rows[hybrid] == pytest.approx(expected, rel=1e-5) and rows[hybrid] != pytest.approx(rows["none"])
+
+
+# --- a fine-tune's resumable checkpoints as models, and the curve along a run ------------------------------------
+def _finetune(tiny_dir, out, steps, *extra):
+    argv = ["--model", str(tiny_dir), "--method", "t5:per_layer=true", "--train-only", "all", "--text-file",
+            str(BOOK), "--text-fraction", "0:0.8", "--max-length", "64", "--lr", "3e-3", "--lr-scheduler",
+            "constant", "--warmup-steps", "0", "--max-steps", str(steps), "--output-dir", str(out), "--no-progress",
+            "--threads", "1", *extra]
+    assert run_cli("finetune", argv) == 0
+
+
+@pytest.fixture(scope="module")
+def three_steps(tiny_dir, tmp_path_factory):
+    """A 3-step run with a checkpoint after steps 1 and 2, and a 1-step run of the same settings (a constant rate:
+    its step 1 is the longer run's)."""
+    root = tmp_path_factory.mktemp("curve")
+    _finetune(tiny_dir, root / "run", 3, "--save-every", "1", "--save-total-limit", "5")
+    _finetune(tiny_dir, root / "one-step", 1)
+    return root
+
+
+def test_a_training_checkpoint_loads_as_its_run_stood_at_that_step(three_steps, tiny_dir):
+    """`--model RUN-checkpoints/step-1`: the run's model and method with the weights of step 1, the logits of a run
+    that stopped there (was: "has no config.json (not a transformers checkpoint)")."""
+    from hf_posenc import get_posenc_config
+    from hf_posenc.tools.models import model_name
+
+    step1 = three_steps / "run-checkpoints" / "step-1"
+    loaded, tokenizer = load_model(str(step1))
+    stopped, _ = load_model(str(three_steps / "one-step"))
+    ended, _ = load_model(str(three_steps / "run"))
+    ids = torch.randint(0, 200, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = loaded(ids).logits
+        assert torch.equal(logits, stopped(ids).logits)
+        assert not torch.allclose(logits, ended(ids).logits)  # step 3's weights are others
+    assert get_posenc_config(loaded).method == "t5" and get_posenc_config(loaded).per_layer
+    assert tokenizer is not None and model_name(str(step1)) == "run-checkpoints/step-1"
+
+
+def test_points_of_a_run_give_the_curve_against_tokens(three_steps, tmp_path):
+    from hf_posenc.tools import eval_ppl
+
+    run_dir = three_steps / "run"
+    models = [str(run_dir), *(str(three_steps / "run-checkpoints" / f"step-{n}") for n in (2, 1))]
+    out = tmp_path / "curve"
+    assert eval_ppl_main([*(a for m in models for a in ("--model", m)), "--lengths", "32,64", "--text-file",
+                          str(BOOK), "--text-fraction", "0.8:1", "--max-windows", "2", "--non-overlapping",
+                          "--output-dir", str(out), "--no-progress"]) == 0
+    saved = json.loads((out / "perplexity.json").read_text())
+    assert saved["training_points"] == {"run": {"step": 3, "tokens": 192},
+                                        "run-checkpoints/step-2": {"step": 2, "tokens": 128},
+                                        "run-checkpoints/step-1": {"step": 1, "tokens": 64}}
+    assert saved["training_lengths"]["run-checkpoints/step-1"] == 64  # the run's --max-length
+    rows = (out / "training_curve.csv").read_text().splitlines()
+    assert rows[0] == "model,step,tokens,32,64"
+    assert [row.split(",")[:3] for row in rows[1:]] == [["run-checkpoints/step-1", "1", "64"],
+                                                        ["run-checkpoints/step-2", "2", "128"], ["run", "3", "192"]]
+    for row in rows[1:]:
+        label, *_, at32, at64 = row.split(",")
+        assert float(at64) == pytest.approx(saved["table"][label]["64"], abs=1e-4)
+    assert (out / "training_curve.png").stat().st_size > 1000
+    one = eval_ppl.run_eval(eval_ppl.settings(model=[str(run_dir)], lengths=[32], max_windows=1,
+                                              text_file=[str(BOOK)], no_progress=True))
+    assert len(one.training_points) == 1  # one point is no curve: no training_curve files for it
+
+
+def test_curve_plot_has_a_line_per_length_against_tokens():
+    from hf_posenc.tools import tables
+
+    table = {"a": {512: 40.0, 2048: 50.0}, "b": {512: 30.0, 2048: 31.0}}
+    points = {"b": {"step": 40, "tokens": 20480}, "a": {"step": 20, "tokens": 10240}}
+    ax = tables.training_curve_figure([512, 2048], table, points).axes[0]
+    assert [list(line.get_xdata()) for line in ax.lines] == [[10240, 20480]] * 2
+    assert [list(line.get_ydata()) for line in ax.lines] == [[40.0, 30.0], [50.0, 31.0]]
+    assert ax.get_yscale() == "log" and ax.get_xlabel() == "tokens trained on"
+
+
+def test_training_checkpoints_that_cannot_be_evaluated_are_refused(three_steps, tmp_path, capsys):
+    import shutil
+
+    def refused(folder, message):
+        out = tmp_path / "out"
+        assert_failed_cleanly(eval_ppl_main(["--model", str(folder), "--lengths", "32", "--max-windows", "1",
+                                             "--text-file", str(BOOK), "--output-dir", str(out), "--no-progress"]),
+                              capsys, message, out)
+
+    cut = tmp_path / "cut-checkpoints" / "step-1"
+    shutil.copytree(three_steps / "run-checkpoints" / "step-1", cut)
+    with open(cut / "model.safetensors", "r+b") as handle:
+        handle.truncate(100)
+    refused(cut, "a training checkpoint that is not complete (its model.safetensors has 100 of its")
+    old = tmp_path / "old-checkpoints" / "step-1"
+    shutil.copytree(three_steps / "run-checkpoints" / "step-1", old)
+    state = json.loads((old / "trainer_state.json").read_text())
+    (old / "trainer_state.json").write_text(json.dumps({k: v for k, v in state.items() if k != "settings"}))
+    refused(old, "records no settings (saved by an older version): resume the run from it")
+    lora = tmp_path / "lora-checkpoints" / "step-1"
+    shutil.copytree(three_steps / "run-checkpoints" / "step-1", lora)
+    (lora / "trainer_state.json").write_text(json.dumps({**state, "settings": {**state["settings"],
+                                                                             "train_only": "lora"}}))
+    refused(lora, "holds LoRA adapters inside the model's layers: evaluate the run's output folder")
+
+
+@pytest.mark.parametrize("text", ["t5:per_layer=true,num_buckets=64", "yarn:factor=4",
+                                  "kerple:layers=last:2+yarn:factor=2,layers=rest"])
+def test_a_method_request_comes_back_from_its_recorded_settings(text):
+    from hf_posenc.tools.runtime import MethodRequest
+
+    recorded = MethodRequest.parse(text).settings()
+    assert MethodRequest.from_settings(json.loads(json.dumps(recorded))).settings() == recorded

@@ -151,11 +151,19 @@ def test_the_command_fits_then_trains_and_records_it(tmp_path, capsys):
             "--fit-bias-steps", "4", "--fit-bias-blocks", "2", "--fit-bias-length", "64", "--fit-bias-queries", "16",
             "--output-dir", str(out), "--no-progress"]
     assert run_cli("finetune", argv) == 0
-    assert "fit bias: KL to the teacher's attention" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "fit bias: KL to the teacher's attention" in printed.out and "did not lower the KL" not in printed.err
     record = json.loads((out / "training_args.json").read_text())["bias_fit"]
-    assert record["steps"] == 4 and record["blocks"] == 2 and record["kl_after"] <= record["kl_before"]
+    assert record["steps"] == 4 and record["blocks"] == 2 and record["kl_after"] < record["kl_before"]
     assert record["length"] == 64 and record["queries"] == 16
     assert json.loads((out / "training_args.json").read_text())["fit_bias_steps"] == 4
+    # A fit that never got below its start (here steps too small to move a float32 weight) keeps the start and says
+    # so: FIRE's ALiBi-like default on SmolLM2 read 30.65 -> 30.65 in 30 steps, silently.
+    stuck = [*argv[:-3], "--fit-bias-lr", "1e-30", "--output-dir", str(tmp_path / "stuck"), "--no-progress"]
+    assert run_cli("finetune", stuck) == 0
+    assert "warning: --fit-bias-steps 4 did not lower the KL from the method's start" in capsys.readouterr().err
+    record = json.loads((tmp_path / "stuck" / "training_args.json").read_text())["bias_fit"]
+    assert record["kl_after"] == record["kl_before"]
 
 
 @pytest.mark.parametrize("options,message", [

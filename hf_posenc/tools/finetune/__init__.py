@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -153,6 +154,11 @@ def fit_bias(args: argparse.Namespace, accelerator, model, teacher, data):
     if verbose:
         print(f"fit bias: KL to the teacher's attention {fit.kl_before:.4f} -> {fit.kl_after:.4f} in {fit.steps} "
               f"steps ({fit.seconds:.0f} s)", flush=True)
+        if not fit.kl_after < fit.kl_before:  # every step rose above the start, which the fit kept
+            print(f"warning: --fit-bias-steps {fit.steps} did not lower the KL from the method's start, so the bias "
+                  "starts as it would without the fit; try more steps, another --fit-bias-lr (now "
+                  f"{args.fit_bias_lr:g}), or a start nearer the original's attention (FIRE's ALiBi-like default "
+                  "rose for its first steps on SmolLM2 where fire:init=random fell)", file=sys.stderr, flush=True)
     return fit
 
 

@@ -53,14 +53,16 @@ DEFAULT_SWAP = "kerple:layers=last:4+yarn:factor=2,layers=rest"
 DEFAULT_DISTILL_ALPHA = 1.0
 DEFAULT_LR = 1e-4
 # --full-swap, every layer off RoPE: the best full-swap recipe measured (docs/finetuning-and-evaluation.md, "Full
-# swap"): a T5 table per layer fitted to the original's attention on 2048-token blocks (the fitted start alone reads
-# 97.9 at 512 and 85.5 at 2048 on the book, against NoPE's 205.8 and 224.3), then the attention's projections and the
-# table distilled from the original at 5e-4 over 160 x 512 tokens.
-FULL_SWAP = "t5:per_layer=true,num_buckets=64,max_distance=2048"
+# swap"): a T5 table per layer fitted to the original's attention on an 8192-token block (its last 128 queries), so
+# that the far buckets hold what the original does there and the swap stays flat to 16384 tokens (a 2048-token fit
+# left every distance past about 1,900 in one bucket: 75.7 at 16384 on the book against 40.1), then the attention's
+# projections and the table distilled from the original at 5e-4 over FULL_SWAP_STEPS x 512 tokens.
+FULL_SWAP = "t5:per_layer=true,num_buckets=64,max_distance=8192"
 FULL_SWAP_LR = 5e-4
-FULL_SWAP_FIT = {"fit_bias_steps": 30, "fit_bias_blocks": 1, "fit_bias_length": 2048, "fit_bias_queries": 512,
+FULL_SWAP_STEPS = 400
+FULL_SWAP_FIT = {"fit_bias_steps": 30, "fit_bias_blocks": 1, "fit_bias_length": 8192, "fit_bias_queries": 128,
                  "fit_bias_lr": 0.2}
-FIT_SECONDS_PER_STEP = 6.7  # the fit above: 30 steps in 201 s (1 thread, the other core busy)
+FIT_SECONDS_PER_STEP = 6.7  # a fit step on 2048 x 512 captured pairs per layer (8192 x 128 too): 30 in 201 s, 1 thread
 # What --help says the job shows and how to read its table (the figures: docs/finetuning-and-evaluation.md).
 READING = ("What it shows: a model whose RoPE is swapped for another positional method gets back close to the "
            "original after a short fine-tune. Its table has a row per model (the original; the original + YaRN, a "
@@ -81,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "perplexity at 512-16384 tokens (past SmolLM2's 8192-token window)")
     size.add_argument("--full-swap", action="store_true",
                       help=f"every layer off RoPE, the best full-swap recipe measured: {FULL_SWAP} fitted to the "
-                           "original's attention (finetune --fit-bias-steps), then 160 steps x 512 tokens distilled "
+                           f"original's attention (finetune --fit-bias-steps), then {FULL_SWAP_STEPS} steps x 512 "
+                           "tokens distilled "
                            f"training the attention's projections and the table (lr {FULL_SWAP_LR:g}); perplexity at "
                            "512-16384 tokens")
     p.add_argument("--swap", "--method", default=None,
@@ -132,7 +135,7 @@ def apply_defaults(args: argparse.Namespace) -> argparse.Namespace:
                          "--distill-alpha above 0")
     # --full: the teacher's forward makes a distilled step about 1.25x an LM-loss step; both fill about 30 minutes.
     full_steps = 400 if args.distill_alpha is None else 320
-    args.train_steps = args.train_steps or {"quick": 8, "default": 60, "full": full_steps, "full swap": 160}[size]
+    args.train_steps = args.train_steps or {"quick": 8, "default": 60, "full": full_steps, "full swap": FULL_SWAP_STEPS}[size]
     args.train_length = args.train_length or (256 if args.quick else 512)
     lengths = args.lengths or {"quick": "256,512,1024", "default": "256,512,1024,2048,4096",
                                "full": "512,2048,8192,16384", "full swap": "512,2048,8192,16384"}[size]

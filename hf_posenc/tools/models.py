@@ -120,12 +120,17 @@ def _load_training_checkpoint(path: Path, dtype, tokenizer: str | None, verbose:
         MethodRequest.from_settings(run["method"]).apply(model)
     saved = load_file(str(weights))
     own = model.state_dict()
-    missing, unexpected = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
+    sharing: dict[int, set[str]] = {}
+    for key, tensor in own.items():
+        sharing.setdefault(tensor.data_ptr(), set()).add(key)
+    # a tied weight (SmolLM2's lm_head is its embedding) is saved once, under one of its names
+    missing = sorted(key for key in set(own) - set(saved) if not sharing[own[key].data_ptr()] & set(saved))
+    unexpected = sorted(set(saved) - set(own))
     if missing or unexpected:
         raise UsageError(f"{where}: its weights do not fit the model its settings rebuild (missing "
                          f"{missing[:3] or 'none'}, not used {unexpected[:3] or 'none'}); evaluate the run's output "
                          "folder")
-    model.load_state_dict(saved)
+    model.load_state_dict(saved, strict=False)
     return model, tok
 
 

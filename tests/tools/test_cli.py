@@ -105,10 +105,10 @@ def test_main_job_full_and_distillation_options(capsys):
 def test_main_job_full_swap_runs_the_full_swap_recipe(capsys):
     parse = main_job.build_parser().parse_args
     swap = main_job.apply_defaults(parse(["--full-swap"]))
-    assert main_job.MethodRequest.parse(swap.swap).label == "t5:per_layer=true,num_buckets=64,max_distance=2048"
-    assert (swap.train_steps, swap.train_length, swap.lr, swap.train_only) == (160, 512, 5e-4, "qkvo")
-    assert swap.fit_bias == {"fit_bias_steps": 30, "fit_bias_blocks": 1, "fit_bias_length": 2048,
-                             "fit_bias_queries": 512, "fit_bias_lr": 0.2}
+    assert main_job.MethodRequest.parse(swap.swap).label == "t5:per_layer=true,num_buckets=64,max_distance=8192"
+    assert (swap.train_steps, swap.train_length, swap.lr, swap.train_only) == (400, 512, 5e-4, "qkvo")
+    assert swap.fit_bias == {"fit_bias_steps": 30, "fit_bias_blocks": 1, "fit_bias_length": 8192,
+                             "fit_bias_queries": 128, "fit_bias_lr": 0.2}
     assert swap.lengths == [512, 2048, 8192, 16384]
     # every setting it hands the fine-tune is one of finetune's own
     assert set(main_job.finetune.settings(**swap.fit_bias, train_only=swap.train_only).__dict__) >= set(swap.fit_bias)

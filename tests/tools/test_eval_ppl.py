@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from tool_helpers import BOOK, DATA, WIKI, assert_failed_cleanly, byte_tokenizer, launch, run_cli, save_tiny_model
 
 from hf_posenc.evaluate import perplexity_at_length
@@ -245,16 +246,18 @@ def _finetune(tiny_dir, out, steps, *extra):
 
 
 @pytest.fixture(scope="module")
-def three_steps(tiny_dir, tmp_path_factory):
+def three_steps(tmp_path_factory):
     """A 3-step run with a checkpoint after steps 1 and 2, and a 1-step run of the same settings (a constant rate:
-    its step 1 is the longer run's)."""
+    its step 1 is the longer run's). GPT-2 ties its output layer to its embedding, as SmolLM2 does: the checkpoint
+    holds that weight once."""
     root = tmp_path_factory.mktemp("curve")
-    _finetune(tiny_dir, root / "run", 3, "--save-every", "1", "--save-total-limit", "5")
-    _finetune(tiny_dir, root / "one-step", 1)
+    model_dir = save_tiny_model(root / "tiny-gpt2", "gpt2")
+    _finetune(model_dir, root / "run", 3, "--save-every", "1", "--save-total-limit", "5")
+    _finetune(model_dir, root / "one-step", 1)
     return root
 
 
-def test_a_training_checkpoint_loads_as_its_run_stood_at_that_step(three_steps, tiny_dir):
+def test_a_training_checkpoint_loads_as_its_run_stood_at_that_step(three_steps):
     """`--model RUN-checkpoints/step-1`: the run's model and method with the weights of step 1, the logits of a run
     that stopped there (was: "has no config.json (not a transformers checkpoint)")."""
     from hf_posenc import get_posenc_config
@@ -270,6 +273,8 @@ def test_a_training_checkpoint_loads_as_its_run_stood_at_that_step(three_steps, 
         assert torch.equal(logits, stopped(ids).logits)
         assert not torch.allclose(logits, ended(ids).logits)  # step 3's weights are others
     assert get_posenc_config(loaded).method == "t5" and get_posenc_config(loaded).per_layer
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()  # still tied
+    assert "lm_head.weight" not in load_file(step1 / "model.safetensors")  # saved once
     assert tokenizer is not None and model_name(str(step1)) == "run-checkpoints/step-1"
 
 

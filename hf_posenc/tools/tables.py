@@ -164,6 +164,7 @@ def training_curve_figure(lengths: list[int], table: PerplexityTable, points: Tr
         if xy:
             ax.plot(*zip(*xy), marker="o", markersize=4, label=f"at {n} tokens of context")
     ax.set_xlabel("tokens trained on")
+    ax.xaxis.set_major_formatter(_thousands_formatter())
     ax.set_ylabel("perplexity, log scale (lower is better)")
     plain_log_y_axis(ax)
     ax.grid(alpha=0.3)
@@ -171,6 +172,12 @@ def training_curve_figure(lengths: list[int], table: PerplexityTable, points: Tr
     ax.set_title(title or "perplexity along one training run", fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def _thousands_formatter():
+    from matplotlib.ticker import FuncFormatter
+
+    return FuncFormatter(lambda value, _: f"{value:,.0f}")
 
 
 def _null_formatter():

@@ -39,7 +39,7 @@ from . import tables
 from .tables import row_label
 from .estimates import announce_run_time, check_memory, estimate_forward_bytes, model_forward_seconds
 from ..registry import get_family
-from .finetune.checkpoints import IncompleteCheckpoint, read_state
+from .training_state import IncompleteCheckpoint, read_state
 from .models import SMOLLM2, is_training_checkpoint, load_model, model_name
 from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir_on_main, write_json
 from .perplexity import perplexity_at_length, window_plan

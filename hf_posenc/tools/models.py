@@ -78,7 +78,7 @@ def model_name(spec: str) -> str:
 
 def is_training_checkpoint(spec: str) -> bool:
     """Whether ``spec`` is a resumable checkpoint of ``finetune --save-every`` (``OUTPUT-checkpoints/step-N``)."""
-    from .finetune.checkpoints import STATE_FILE
+    from .training_state import STATE_FILE
 
     path = Path(spec).expanduser()
     return path.is_dir() and (path / STATE_FILE).is_file() and not (path / "config.json").is_file()
@@ -90,7 +90,7 @@ def _load_training_checkpoint(path: Path, dtype, tokenizer: str | None, verbose:
     curve of perplexity against training tokens) without resuming it."""
     from safetensors.torch import load_file
 
-    from .finetune.checkpoints import IncompleteCheckpoint, read_state
+    from .training_state import IncompleteCheckpoint, read_state
     from .runtime import MethodRequest
 
     try:

@@ -22,9 +22,8 @@ from typing import Any, Callable
 
 from ..outputs import PARTIAL, error_text, fsync_dir, mark_work_dir, unmark_work_dir, write_json
 from ..runtime import MethodRequest, UsageError
+from ..training_state import STATE_FILE, IncompleteCheckpoint, read_state
 
-STATE_FILE = "trainer_state.json"
-_PROGRESS_KEYS = ("step", "epoch", "batches_in_epoch", "log")
 # What a resumed run must share with the run that saved the checkpoint: the model, what trains, the data, the schedule.
 # (--method is compared as the method and options it resolves to, whichever way it was spelled.)
 RESUME_SETTINGS = ("model", "dtype", "train_only", "lora_r", "lora_alpha", "lora_dropout", "text_file", "encoding",
@@ -43,30 +42,6 @@ class Progress:
     epoch: int = 0
     batches_in_epoch: int = 0  # batches of the current epoch already trained (skipped when resuming)
     log: list[dict] = field(default_factory=list)
-
-
-class IncompleteCheckpoint(UsageError):
-    """A checkpoint folder whose state file is missing or cut short, or whose files are not all there."""
-
-
-def read_state(folder: Path) -> dict[str, Any]:
-    """The saved state of the checkpoint ``folder`` (step, epoch, batches_in_epoch, log, settings), once it is known to
-    be complete; IncompleteCheckpoint says what is wrong with it otherwise."""
-    state_file = folder / STATE_FILE
-    if not state_file.is_file():
-        raise IncompleteCheckpoint(f"no {STATE_FILE} in {folder}")
-    try:
-        state = json.loads(state_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        raise IncompleteCheckpoint(f"its {STATE_FILE} is cut short or unreadable ({error_text(error)})") from None
-    if not isinstance(state, dict) or any(key not in state for key in _PROGRESS_KEYS):
-        raise IncompleteCheckpoint(f"its {STATE_FILE} lacks the training progress ({', '.join(_PROGRESS_KEYS)})")
-    for name, size in (state.get("files") or {}).items():  # checkpoints of older versions list none
-        path = folder / name
-        if not path.is_file() or path.stat().st_size != size:
-            found = f"has {path.stat().st_size} of its {size} bytes" if path.is_file() else "is missing"
-            raise IncompleteCheckpoint(f"its {name} {found}")
-    return state
 
 
 def checkpoints(directory: Path) -> list[tuple[int, Path]]:

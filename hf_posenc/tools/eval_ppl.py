@@ -19,7 +19,8 @@ line per model, a star at the length its weights and positions were trained at; 
 
 A ``--model`` may be a fine-tune's resumable checkpoint (``OUTPUT-checkpoints/step-N``, ``finetune --save-every``):
 its run's model and method with the weights it saved. Given two or more points of a run (its checkpoints, its
-output folder), ``training_curve.csv`` and ``training_curve.png`` add perplexity against the tokens trained on.
+output folder), ``training_curve.csv`` and ``training_curve.png`` add perplexity against the tokens trained on (a
+line per run and length).
 """
 
 from __future__ import annotations
@@ -129,20 +130,24 @@ def training_length(model, model_dir: str | None = None) -> int | None:
     return get_family(model.config).trained_window(model)
 
 
-def training_point(model_spec: str) -> dict[str, int] | None:
-    """Where in its run a fine-tune's folder stands: the step and the tokens trained on by then, from a training
-    checkpoint's state or an output folder's ``loss_log.json`` (None: not a fine-tune's folder)."""
-    path = Path(model_spec).expanduser()
+def training_point(model_spec: str) -> dict[str, Any] | None:
+    """Where in its run a fine-tune's folder stands: the step, the tokens trained on by then and the run (its
+    checkpoint folder's name less ``-checkpoints``), from a training checkpoint's state or an output folder's
+    ``loss_log.json`` (None: not a fine-tune's folder)."""
+    path = Path(model_spec).expanduser().resolve()
     try:
         if is_training_checkpoint(model_spec):
-            state = read_state(path)
-            log = state["log"]
+            log, checkpoint_dir = read_state(path)["log"], path.parent
         elif (path / "loss_log.json").is_file():
             log = json.loads((path / "loss_log.json").read_text())
+            chosen = json.loads((path / "training_args.json").read_text()).get("checkpoint_dir")
+            checkpoint_dir = Path(chosen).resolve() if chosen else path.with_name(path.name + "-checkpoints")
         else:
             return None
-        return {"step": int(log[-1]["step"]), "tokens": int(log[-1]["tokens"])} if log else None
-    except (KeyError, ValueError, TypeError, IndexError, IncompleteCheckpoint):
+        run = checkpoint_dir.name.removesuffix("-checkpoints") or checkpoint_dir.name
+        return {"step": int(log[-1]["step"]), "tokens": int(log[-1]["tokens"]), "run": run,
+                "checkpoint_dir": str(checkpoint_dir)} if log else None
+    except (OSError, KeyError, ValueError, TypeError, IndexError, IncompleteCheckpoint):
         return None
 
 
@@ -374,7 +379,7 @@ def write_outputs(directory: Path, run: EvalRun, lengths: list[int], title: str 
     write_json(directory / "perplexity.json", run.to_json())
     tables.plot_perplexity(directory / "perplexity.png", lengths,
                                {title or "perplexity vs context length": (run.table(), run.training_lengths)})
-    if len(run.training_points) > 1:  # points of a run (its checkpoints, its end): the curve against tokens
+    if tables.has_training_curve(run.training_points):  # points of a run (its checkpoints, its end)
         tables.write_training_curve_csv(directory / "training_curve.csv", lengths, run.table(), run.training_points)
         tables.plot_training_curve(directory / "training_curve.png", lengths, run.table(), run.training_points,
                                    title)
@@ -395,5 +400,6 @@ def run(args: argparse.Namespace) -> None:
             print()
             print(tables.perplexity_markdown(result.table(), lengths))
     if main_process:
-        curve = ", training_curve.csv, training_curve.png" if len(result.training_points) > 1 else ""
+        curve = ", training_curve.csv, training_curve.png" if tables.has_training_curve(result.training_points) \
+            else ""
         print(f"wrote {args.output_dir}/perplexity.csv, perplexity.json, perplexity.png{curve}")

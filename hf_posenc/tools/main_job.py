@@ -135,7 +135,8 @@ def apply_defaults(args: argparse.Namespace) -> argparse.Namespace:
                          "--distill-alpha above 0")
     # --full: the teacher's forward makes a distilled step about 1.25x an LM-loss step; both fill about 30 minutes.
     full_steps = 400 if args.distill_alpha is None else 320
-    args.train_steps = args.train_steps or {"quick": 8, "default": 60, "full": full_steps, "full swap": FULL_SWAP_STEPS}[size]
+    args.train_steps = args.train_steps or {"quick": 8, "default": 60, "full": full_steps,
+                                            "full swap": FULL_SWAP_STEPS}[size]
     args.train_length = args.train_length or (256 if args.quick else 512)
     lengths = args.lengths or {"quick": "256,512,1024", "default": "256,512,1024,2048,4096",
                                "full": "512,2048,8192,16384", "full swap": "512,2048,8192,16384"}[size]

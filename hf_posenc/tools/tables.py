@@ -130,24 +130,40 @@ def perplexity_figure(lengths: list[int], panels: dict[str, tuple[PerplexityTabl
     return fig
 
 
-TrainingPoints = dict[str, dict[str, int]]  # row label -> {"step": N, "tokens": tokens trained on by then}
+# row label -> {"step": N, "tokens": tokens trained on by then, "run": its run's name, "checkpoint_dir": the run's}
+TrainingPoints = dict[str, dict]
+
+
+def _runs(points: TrainingPoints) -> dict[str, list[tuple[str, dict]]]:
+    """The points grouped by run (its checkpoint folder), each run's fewest tokens first."""
+    runs: dict[str, list[tuple[str, dict]]] = {}
+    for label, point in points.items():
+        runs.setdefault(point.get("checkpoint_dir", point.get("run", "")), []).append((label, point))
+    return {key: sorted(members, key=lambda item: item[1]["tokens"]) for key, members in runs.items()}
+
+
+def has_training_curve(points: TrainingPoints) -> bool:
+    """Whether some run has two points or more (a curve to draw)."""
+    return any(len(members) > 1 for members in _runs(points).values())
 
 
 def write_training_curve_csv(path: Path, lengths: list[int], table: PerplexityTable, points: TrainingPoints) -> None:
-    """A row per point of a training run (its checkpoints and its end), fewest tokens first: step, tokens seen, and
-    the perplexity at each length."""
+    """A row per point of a training run (its checkpoints and its end), run by run, fewest tokens first: step, tokens
+    trained on, and the perplexity at each length."""
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(["model", "step", "tokens", *lengths])
-        for label, point in sorted(points.items(), key=lambda item: item[1]["tokens"]):
-            row = table.get(label, {})
-            writer.writerow([label, point["step"], point["tokens"],
-                             *("" if row.get(n) is None else f"{row[n]:.4f}" for n in lengths)])
+        writer.writerow(["run", "model", "step", "tokens", *lengths])
+        for members in _runs(points).values():
+            for label, point in members:
+                row = table.get(label, {})
+                writer.writerow([point.get("run", ""), label, point["step"], point["tokens"],
+                                 *("" if row.get(n) is None else f"{row[n]:.4f}" for n in lengths)])
 
 
 def plot_training_curve(path: Path, lengths: list[int], table: PerplexityTable, points: TrainingPoints,
                         title: str = "") -> None:
-    """Perplexity (log axis) against the tokens a run had trained on at each of its points, a line per length."""
+    """Perplexity (log axis) against the tokens a run had trained on at each of its points, a line per run and
+    length."""
     plt = _pyplot()
     fig = training_curve_figure(lengths, table, points, title)
     fig.savefig(path, dpi=100)
@@ -156,13 +172,15 @@ def plot_training_curve(path: Path, lengths: list[int], table: PerplexityTable, 
 
 def training_curve_figure(lengths: list[int], table: PerplexityTable, points: TrainingPoints, title: str = ""):
     plt = _pyplot()
-    ordered = sorted(points.items(), key=lambda item: item[1]["tokens"])
+    runs = [members for members in _runs(points).values() if len(members) > 1]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for n in lengths:
-        xy = [(point["tokens"], table[label][n]) for label, point in ordered
-              if table.get(label, {}).get(n) is not None and math.isfinite(table[label][n])]
-        if xy:
-            ax.plot(*zip(*xy), marker="o", markersize=4, label=f"at {n} tokens of context")
+    for members in runs:
+        for n in lengths:
+            xy = [(point["tokens"], table[label][n]) for label, point in members
+                  if table.get(label, {}).get(n) is not None and math.isfinite(table[label][n])]
+            if xy:
+                name = f"{members[0][1].get('run', '')}, " if len(runs) > 1 else ""
+                ax.plot(*zip(*xy), marker="o", markersize=4, label=f"{name}at {n} tokens of context")
     ax.set_xlabel("tokens trained on")
     ax.xaxis.set_major_formatter(_thousands_formatter())
     ax.set_ylabel("perplexity, log scale (lower is better)")

@@ -279,41 +279,57 @@ def test_a_training_checkpoint_loads_as_its_run_stood_at_that_step(three_steps):
 
 
 def test_points_of_a_run_give_the_curve_against_tokens(three_steps, tmp_path):
-    from hf_posenc.tools import eval_ppl
+    from hf_posenc.tools import eval_ppl, tables
 
     run_dir = three_steps / "run"
-    models = [str(run_dir), *(str(three_steps / "run-checkpoints" / f"step-{n}") for n in (2, 1))]
+    models = [str(run_dir), *(str(three_steps / "run-checkpoints" / f"step-{n}") for n in (2, 1)),
+              str(three_steps / "one-step")]  # another run, of one point
     out = tmp_path / "curve"
     assert eval_ppl_main([*(a for m in models for a in ("--model", m)), "--lengths", "32,64", "--text-file",
                           str(BOOK), "--text-fraction", "0.8:1", "--max-windows", "2", "--non-overlapping",
                           "--output-dir", str(out), "--no-progress"]) == 0
     saved = json.loads((out / "perplexity.json").read_text())
-    assert saved["training_points"] == {"run": {"step": 3, "tokens": 192},
-                                        "run-checkpoints/step-2": {"step": 2, "tokens": 128},
-                                        "run-checkpoints/step-1": {"step": 1, "tokens": 64}}
+    assert {label: (p["step"], p["tokens"], p["run"]) for label, p in saved["training_points"].items()} == {
+        "run": (3, 192, "run"), "run-checkpoints/step-2": (2, 128, "run"), "run-checkpoints/step-1": (1, 64, "run"),
+        "one-step": (1, 64, "one-step")}
     assert saved["training_lengths"]["run-checkpoints/step-1"] == 64  # the run's --max-length
     rows = (out / "training_curve.csv").read_text().splitlines()
-    assert rows[0] == "model,step,tokens,32,64"
-    assert [row.split(",")[:3] for row in rows[1:]] == [["run-checkpoints/step-1", "1", "64"],
-                                                        ["run-checkpoints/step-2", "2", "128"], ["run", "3", "192"]]
+    assert rows[0] == "run,model,step,tokens,32,64"
+    assert [row.split(",")[:4] for row in rows[1:]] == [
+        ["run", "run-checkpoints/step-1", "1", "64"], ["run", "run-checkpoints/step-2", "2", "128"],
+        ["run", "run", "3", "192"], ["one-step", "one-step", "1", "64"]]
     for row in rows[1:]:
-        label, *_, at32, at64 = row.split(",")
+        label, *_, at32, at64 = row.split(",")[1:]
         assert float(at64) == pytest.approx(saved["table"][label]["64"], abs=1e-4)
     assert (out / "training_curve.png").stat().st_size > 1000
-    one = eval_ppl.run_eval(eval_ppl.settings(model=[str(run_dir)], lengths=[32], max_windows=1,
-                                              text_file=[str(BOOK)], no_progress=True))
-    assert len(one.training_points) == 1  # one point is no curve: no training_curve files for it
+    table = {label: {int(n): v for n, v in row.items()} for label, row in saved["table"].items()}
+    ax = tables.training_curve_figure([32, 64], table, saved["training_points"]).axes[0]
+    assert [list(line.get_xdata()) for line in ax.lines] == [[64, 128, 192]] * 2  # the one-point run is no line
+    one = eval_ppl.run_eval(eval_ppl.settings(model=[str(run_dir), str(three_steps / "one-step")], lengths=[32],
+                                              max_windows=1, text_file=[str(BOOK)], no_progress=True))
+    assert len(one.training_points) == 2 and not tables.has_training_curve(one.training_points)  # two runs, a point each
 
 
-def test_curve_plot_has_a_line_per_length_against_tokens():
+def test_curve_plot_has_a_line_per_run_and_length_against_tokens():
     from hf_posenc.tools import tables
 
-    table = {"a": {512: 40.0, 2048: 50.0}, "b": {512: 30.0, 2048: 31.0}}
-    points = {"b": {"step": 40, "tokens": 20480}, "a": {"step": 20, "tokens": 10240}}
+    table = {"a": {512: 40.0, 2048: 50.0}, "b": {512: 30.0, 2048: 31.0}, "c": {512: 60.0, 2048: 70.0},
+             "d": {512: 55.0, 2048: 65.0}}
+    points = {"b": {"step": 40, "tokens": 20480, "run": "x", "checkpoint_dir": "/r/x-checkpoints"},
+              "a": {"step": 20, "tokens": 10240, "run": "x", "checkpoint_dir": "/r/x-checkpoints"}}
     ax = tables.training_curve_figure([512, 2048], table, points).axes[0]
     assert [list(line.get_xdata()) for line in ax.lines] == [[10240, 20480]] * 2
     assert [list(line.get_ydata()) for line in ax.lines] == [[40.0, 30.0], [50.0, 31.0]]
     assert ax.get_yscale() == "log" and ax.get_xlabel() == "tokens trained on"
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == ["at 512 tokens of context",
+                                                                         "at 2048 tokens of context"]
+    points.update(c={"step": 10, "tokens": 5120, "run": "y", "checkpoint_dir": "/r/y-checkpoints"},
+                  d={"step": 20, "tokens": 10240, "run": "y", "checkpoint_dir": "/r/y-checkpoints"})
+    ax = tables.training_curve_figure([512, 2048], table, points).axes[0]
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == [
+        "x, at 512 tokens of context", "x, at 2048 tokens of context", "y, at 512 tokens of context",
+        "y, at 2048 tokens of context"]
+    assert list(ax.lines[2].get_ydata()) == [60.0, 55.0]
 
 
 def test_training_checkpoints_that_cannot_be_evaluated_are_refused(three_steps, tmp_path, capsys):

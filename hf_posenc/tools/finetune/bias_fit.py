@@ -127,7 +127,7 @@ def capture_attention(student, teacher, blocks: torch.Tensor, queries: int | Non
     with contextlib.ExitStack() as stack:
         original = teacher.model if teacher.model is not None else stack.enter_context(unpatched(student))
         with _kept_weights(original, layers, queries) as kept:
-            targets = capture_targets(original, inputs, layers)
+            targets = capture_targets(original, inputs, layers, outputs=False)
     probabilities = [kept[index] for index in layers]
     with torch.no_grad(), _kept_weights(student, layers, queries) as kept, \
             fed_teacher_inputs(attention_modules(student), targets):

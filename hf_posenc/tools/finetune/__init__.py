@@ -22,9 +22,9 @@ disk), the run goes into a new folder under $TMPDIR instead, and the one error l
 Tracker logs (``--report-to tensorboard`` etc.) are written live to ``--logging-dir`` (default ``<output-dir>-logs``).
 
 The parts, one module each: ``arguments`` (options and their checks), ``data`` (the packed text), ``positions``
-(PoSE ids, document restarts), ``teacher`` (distillation), ``attention_transfer`` (the per-layer loss), ``prepare`` (accelerator, what trains, optimizer,
-schedule, loaders), ``loss``, ``loop`` (the training loop), ``compiled_step`` (the check of a compiled step),
-``checkpoints`` (resumable checkpoints and resuming) and ``saving`` (the output folder); ``tools/sharding`` (the
+(PoSE ids, document restarts), ``teacher`` (distillation), ``teacher_samples`` (text the teacher writes),
+``attention_transfer`` (the per-layer loss), ``prepare`` (accelerator, what trains, optimizer, schedule, loaders),
+``loss``, ``loop`` (the training loop), ``compiled_step`` (the check of a compiled step), ``checkpoints`` (resumable checkpoints and resuming) and ``saving`` (the output folder); ``tools/sharding`` (the
 FSDP2 units of a patched model, a ZeRO-3 parameter read whole) serves the memory estimate too. ``run_finetune``
 below puts them together.
 """
@@ -45,7 +45,7 @@ from ..text import documents_of
 from .arguments import LR_SCHEDULERS, SAVE_FORMS, TRAIN_ONLY, build_parser, check_args, settings
 from .checkpoints import Progress, resume_point, resume_progress, resume_settings
 from .compiled_step import COMPILED_STEP_TOLERANCE, checked_compiled_loss, compile_error_text
-from .data import TrainingData, position_options, training_data
+from .data import TrainingData, position_options, training_data, with_samples
 from .loop import NonFiniteLoss, train, training_step
 from .loss import evaluate_loss, model_inputs, step_loss
 from .prepare import (Training, enable_gradient_checkpointing, lora_targets, make_accelerator, prepare_training,
@@ -53,6 +53,7 @@ from .prepare import (Training, enable_gradient_checkpointing, lora_targets, mak
 from .saving import run_summary, save_output, weights_digest, write_loss_log
 from ..sharding import fsdp_wrap_units
 from .teacher import make_teacher
+from .teacher_samples import teacher_samples
 
 __all__ = ["COMPILED_STEP_TOLERANCE", "LR_SCHEDULERS", "NonFiniteLoss", "Progress", "SAVE_FORMS", "TRAIN_ONLY",
            "Training", "TrainingData", "build_parser", "check_args", "checked_compiled_loss", "compile_error_text",
@@ -90,6 +91,10 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
     data = training_data(args, tokenizer, docs, accelerator.num_processes)
     restarts = position_options(args, model)
     teacher = make_teacher(args, model)
+    samples = teacher_samples(args, accelerator, model, teacher, tokenizer,
+                              say=print if accelerator.is_main_process and not args.no_progress else None)
+    if samples is not None:
+        data = with_samples(data, samples.blocks)
     if request is not None:
         torch.manual_seed(args.seed)  # methods with randomly initialised parameters start the same everywhere
         request.apply(model)
@@ -103,6 +108,7 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
     bias_fit = fit_bias(args, accelerator, model, teacher, data) if resume is None else None
     training = prepare_training(args, accelerator, model, data, teacher)
     training.bias_fit = bias_fit
+    training.teacher_samples = samples
     training.teacher = teacher.to(accelerator.device) if teacher is not None else None
     training.restarts = restarts
     if trackers:
@@ -138,9 +144,10 @@ def fit_bias(args: argparse.Namespace, accelerator, model, teacher, data):
         model.to(accelerator.device)
         teacher.to(accelerator.device)
     joined = (args.fit_bias_length or args.max_length) // args.max_length
-    blocks = data.train_blocks[:args.fit_bias_blocks * joined]
+    text_blocks = data.train_blocks[:data.train_blocks.shape[0] - data.sample_blocks]  # consecutive: the text's
+    blocks = text_blocks[:args.fit_bias_blocks * joined]
     if blocks.shape[0] < joined:
-        raise DataError(f"--fit-bias-length {args.fit_bias_length}: the training text has {data.train_blocks.shape[0]} "
+        raise DataError(f"--fit-bias-length {args.fit_bias_length}: the training text has {text_blocks.shape[0]} "
                         f"blocks of {args.max_length} tokens, fewer than the {joined} one fit block joins; lower "
                         "--fit-bias-length or add text")
     blocks = blocks[:blocks.shape[0] // joined * joined].reshape(-1, joined * args.max_length)

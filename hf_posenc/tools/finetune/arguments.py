@@ -123,6 +123,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fit-bias-queries", type=int, default=None,
                    help="the fit reads the last N queries of each block, those that see the most keys (default all)")
     g.add_argument("--fit-bias-lr", type=float, default=0.05, help="Adam's learning rate in the bias fit")
+    g.add_argument("--teacher-samples", type=int, default=0,
+                   help="before training, N blocks of --max-length tokens sampled from the --distill-from teacher "
+                        "(from its end-of-text token, no top-k or top-p, in batches seeded from --seed) join the "
+                        "training blocks: text the original wrote, which carries its distribution past the "
+                        "training text's words (teacher_samples.py)")
+    g.add_argument("--teacher-sample-temperature", type=float, default=1.0,
+                   help="sampling temperature of --teacher-samples")
+    g.add_argument("--teacher-samples-file", type=Path, default=None,
+                   help="keeps the --teacher-samples (token ids and the settings that drew them): read where it "
+                        "exists with the same settings, else written after sampling; a resumed run reads it "
+                        "instead of sampling again")
     return p
 
 
@@ -146,6 +157,21 @@ def check_bias_fit(args: argparse.Namespace) -> None:
     if args.fit_bias_steps and args.distill_from is None:
         raise PosEncError(f"--fit-bias-steps {args.fit_bias_steps} fits the bias to a teacher's attention: add "
                           "--distill-from original (or a checkpoint folder)")
+
+
+def check_teacher_samples(args: argparse.Namespace) -> None:
+    """--teacher-samples: blocks a teacher writes before training."""
+    check_number("--teacher-samples", args.teacher_samples, 0)
+    check_number("--teacher-sample-temperature", args.teacher_sample_temperature, 0, above=True)
+    if args.teacher_samples and args.distill_from is None:
+        raise PosEncError(f"--teacher-samples {args.teacher_samples} samples text from a teacher: add "
+                          "--distill-from original (or a checkpoint folder)")
+    if args.teacher_samples_file is not None:
+        if not args.teacher_samples:
+            raise UsageError("--teacher-samples-file keeps the blocks of --teacher-samples: add --teacher-samples N")
+        if args.teacher_samples_file.is_dir():
+            raise UsageError(f"--teacher-samples-file {args.teacher_samples_file} is a folder; give a file path "
+                             "(e.g. runs/teacher-samples.pt)")
 
 
 def check_transfer(args: argparse.Namespace) -> None:
@@ -207,6 +233,7 @@ def check_args(args: argparse.Namespace) -> MethodRequest | None:
                          "existing checkpoint folder")
     check_transfer(args)
     check_bias_fit(args)
+    check_teacher_samples(args)
     check_encoding(args.encoding)
     extra_options = parse_options(args.method_option)
     if extra_options and not args.method:

@@ -23,6 +23,7 @@ class TrainingData:
     eval_blocks: torch.LongTensor
     train_positions: torch.LongTensor | None = None  # [n, max_length]: restarting at each document
     eval_positions: torch.LongTensor | None = None
+    sample_blocks: int = 0  # the last of train_blocks that --teacher-samples added (not the text's)
 
 
 def training_data(args: argparse.Namespace, tokenizer, docs, world: int) -> TrainingData:
@@ -51,3 +52,14 @@ def position_options(args: argparse.Namespace, model) -> bool:
         raise UsageError(f"--pose-target-length: {model.config.model_type} models take no position_ids (their "
                          "positions come from the attention mask), so PoSE cannot give them skipped positions")
     return bool(args.document_restarts and takes_positions and args.pose_target_length is None)
+
+
+def with_samples(data: TrainingData, blocks: torch.LongTensor) -> TrainingData:
+    """`data` with `blocks` (each one document, positions 0..L-1) after its training blocks: the loader shuffles
+    them in, and the first blocks (those the bias fit reads) stay the text's."""
+    import torch
+
+    positions = torch.arange(blocks.shape[1]).expand_as(blocks)
+    return TrainingData(data.documents, data.n_tokens, torch.cat([data.train_blocks, blocks]), data.eval_blocks,
+                        torch.cat([data.train_positions, positions]), data.eval_positions,
+                        data.sample_blocks + blocks.shape[0])

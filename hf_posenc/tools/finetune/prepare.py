@@ -35,6 +35,7 @@ class Training:
     restarts: bool = False  # position ids restart at each document (--document-restarts, where the model takes them)
     compiled_step: dict | None = None  # the check of a compiled step (accelerate's --dynamo_backend), once made
     bias_fit: Any = None  # bias_fit.BiasFit under --fit-bias-steps (None when resumed: the checkpoint holds it)
+    teacher_samples: Any = None  # teacher_samples.TeacherSamples under --teacher-samples
 
 
 def make_accelerator(args: argparse.Namespace, trackers: list[str], logging_dir: Path):

@@ -87,6 +87,15 @@ class Teacher:
             self.model.to(device)
         return self
 
+    @contextlib.contextmanager
+    def generating(self, student):
+        """The teacher as a model to call (generate, sample) inside the block: its own, or `student` unpatched."""
+        if self.model is not None:
+            yield self.model
+        else:
+            with unpatched(student) as model:
+                yield model
+
     def within_window(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """`inputs` (tensors [B, L, ...]) cut to the teacher's first `window` positions where longer."""
         import torch

@@ -42,7 +42,8 @@ from .estimates import announce_run_time, check_memory, estimate_forward_bytes, 
 from ..registry import get_family
 from .training_state import IncompleteCheckpoint, read_state
 from .models import SMOLLM2, is_training_checkpoint, load_model, model_name
-from .outputs import OVERWRITE_HELP, atomic_output_dir, check_output_dir_on_main, write_json
+from .outputs import (CHECKPOINTS_SUFFIX, OVERWRITE_HELP, atomic_output_dir, beside, check_output_dir_on_main,
+                      write_json)
 from .perplexity import perplexity_at_length, window_plan
 from .progress import progress as progress_bar
 from .runtime import (DTYPES, UNPATCHED, MethodRequest, UsageError, accelerator_if_launched, check_at_least, is_main,
@@ -141,10 +142,10 @@ def training_point(model_spec: str) -> dict[str, Any] | None:
         elif (path / "loss_log.json").is_file():
             log = json.loads((path / "loss_log.json").read_text())
             chosen = json.loads((path / "training_args.json").read_text()).get("checkpoint_dir")
-            checkpoint_dir = Path(chosen).resolve() if chosen else path.with_name(path.name + "-checkpoints")
+            checkpoint_dir = Path(chosen).resolve() if chosen else beside(path, CHECKPOINTS_SUFFIX)
         else:
             return None
-        run = checkpoint_dir.name.removesuffix("-checkpoints") or checkpoint_dir.name
+        run = checkpoint_dir.name.removesuffix(CHECKPOINTS_SUFFIX) or checkpoint_dir.name
         return {"step": int(log[-1]["step"]), "tokens": int(log[-1]["tokens"]), "run": run,
                 "checkpoint_dir": str(checkpoint_dir)} if log else None
     except (OSError, KeyError, ValueError, TypeError, IndexError, IncompleteCheckpoint):

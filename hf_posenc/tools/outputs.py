@@ -26,6 +26,14 @@ OVERWRITE_HELP = ("write into an --output-dir that holds other files (not an ear
                   "same-named files are replaced, nothing else in it is removed")
 
 
+CHECKPOINTS_SUFFIX = "-checkpoints"  # finetune's resumable checkpoints: <output-dir>-checkpoints by default
+
+
+def beside(output_dir: Path, suffix: str) -> Path:
+    """The folder named `output_dir` + `suffix` beside it (finetune's default checkpoint and log folders)."""
+    return output_dir.with_name(output_dir.name + suffix) if output_dir.name else output_dir / suffix.lstrip("-")
+
+
 def output_path(path: str | os.PathLike) -> Path:
     """``path`` absolute and normalised ('.' is the current folder, '~' expanded); symbolic links are kept."""
     return Path(os.path.abspath(os.path.expanduser(path)))

@@ -35,11 +35,10 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from ..models import load_model
-from ..outputs import check_output_dir_on_main, output_path, remove_leftovers
+from ..outputs import CHECKPOINTS_SUFFIX, beside, check_output_dir_on_main, output_path, remove_leftovers
 from ..runtime import DTYPES, set_threads
 from ..text import documents_of
 from .arguments import LR_SCHEDULERS, SAVE_FORMS, TRAIN_ONLY, build_parser, check_args, settings
@@ -72,10 +71,10 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     output_dir = output_path(args.output_dir)
     # Not inside --output-dir: that folder is written atomically at the end, and the logs are wanted while training.
-    logging_dir = args.logging_dir or _beside(output_dir, "-logs")
+    logging_dir = args.logging_dir or beside(output_dir, "-logs")
     trackers = trackers_for(args.report_to, logging_dir)
     accelerator = make_accelerator(args, trackers, logging_dir)
-    checkpoint_dir = output_path(args.checkpoint_dir or _beside(output_dir, "-checkpoints"))
+    checkpoint_dir = output_path(args.checkpoint_dir or beside(output_dir, CHECKPOINTS_SUFFIX))
     # Before any training: a folder that cannot be written would otherwise fail the run at its end, or at a save.
     check_output_dir_on_main(accelerator, output_dir, "finetune", args.overwrite,
                              also_writable={"--checkpoint-dir": checkpoint_dir} if args.save_every else None)
@@ -167,10 +166,6 @@ def fit_bias(args: argparse.Namespace, accelerator, model, teacher, data):
                   f"{args.fit_bias_lr:g}), or a start nearer the original's attention (FIRE's ALiBi-like default "
                   "rose for its first steps on SmolLM2 where fire:init=random fell)", file=sys.stderr, flush=True)
     return fit
-
-
-def _beside(output_dir: Path, suffix: str) -> Path:
-    return output_dir.with_name(output_dir.name + suffix) if output_dir.name else output_dir / suffix.lstrip("-")
 
 
 def _flat_config(args) -> dict:

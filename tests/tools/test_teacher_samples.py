@@ -45,6 +45,14 @@ def test_a_cold_sample_is_the_greedy_continuation_without_end_of_text(tiny_dir):
     assert torch.equal(drawn[0], greedy_without_eos(model, eos, 3, 24))
 
 
+def test_a_top_1_sample_is_greedy_at_any_temperature(tiny_dir):
+    model, tokenizer = original(tiny_dir)
+    eos = tokenizer.eos_token_id
+    drawn = draw_samples(model, 3, 24, eos, temperature=2.0, seed=1, top_k=1)
+    assert torch.equal(drawn[0], greedy_without_eos(model, eos, 3, 24))
+    assert not torch.equal(draw_samples(model, 3, 24, eos, temperature=2.0, seed=1)[0], drawn[0])
+
+
 def test_samples_are_seeded_per_batch_and_leave_the_global_rng_alone(tiny_dir):
     model, tokenizer = original(tiny_dir)
     eos, n = tokenizer.eos_token_id, 2 * SAMPLE_BATCH + 3
@@ -116,7 +124,8 @@ def test_a_resumed_run_reads_the_kept_samples_and_equals_the_straight_one(tiny_d
 
 @pytest.mark.parametrize("change,message", [
     (["--teacher-sample-temperature", "0.5"], "temperature 1.0 (now 0.5)"),
-    (["--seed", "3"], "seed 0 (now 3)")])
+    (["--seed", "3"], "seed 0 (now 3)"),
+    (["--teacher-sample-top-k", "50"], "top_k 0 (now 50)")])
 def test_kept_samples_made_otherwise_are_refused_and_nothing_written(tiny_dir, tmp_path, capsys, change, message):
     samples_file = tmp_path / "samples.pt"
     assert run_cli("finetune", finetune_argv(tiny_dir, tmp_path / "first", samples_file)) == 0
@@ -132,11 +141,12 @@ def test_kept_samples_made_otherwise_are_refused_and_nothing_written(tiny_dir, t
     (lambda a: [x for i, x in enumerate(a) if a[i - 1:i + 1] != ["--distill-from", "original"]
                 and x != "--distill-from"], "add --distill-from original"),
     (lambda a: [*a, "--teacher-sample-temperature", "0"], "--teacher-sample-temperature must be"),
+    (lambda a: [*a, "--teacher-sample-top-k", "-1"], "--teacher-sample-top-k must be"),
     (lambda a: [*a, "--teacher-samples", "0"], "--teacher-samples-file keeps the blocks of --teacher-samples"),
     (lambda a: [*a, "--max-length", "128"], "longer than the teacher's window (64)"),
     (lambda a: [*a[:a.index("--teacher-samples-file") + 1], "NOT-A-SAMPLES-FILE",
                 *a[a.index("--teacher-samples-file") + 2:]], "not a samples file written by --teacher-samples"),
-], ids=["no-teacher", "temperature", "file-without-samples", "past-window", "foreign-file"])
+], ids=["no-teacher", "temperature", "top-k", "file-without-samples", "past-window", "foreign-file"])
 def test_bad_sample_settings_are_refused_with_the_fix(tiny_dir, tmp_path, capsys, edit, message):
     (tmp_path / "NOT-A-SAMPLES-FILE").write_text("some text")
     argv = edit(finetune_argv(tiny_dir, tmp_path / "ft", tmp_path / "samples.pt"))
@@ -162,4 +172,5 @@ def test_two_processes_draw_their_shares_and_gather_the_same_samples(tiny_dir, t
     assert len(digests) == 2 and digests[0] == digests[1]
     model, tokenizer = original(tiny_dir)
     expected = draw_samples(model, 2 * SAMPLE_BATCH + 5, 32, tokenizer.eos_token_id, 1.0, seed=0)
-    assert torch.equal(torch.load(samples_file, weights_only=True)["blocks"], torch.cat([expected[i] for i in range(3)]))
+    kept = torch.load(samples_file, weights_only=True)["blocks"]
+    assert torch.equal(kept, torch.cat([expected[i] for i in range(3)]))

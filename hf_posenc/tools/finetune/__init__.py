@@ -24,9 +24,10 @@ Tracker logs (``--report-to tensorboard`` etc.) are written live to ``--logging-
 The parts, one module each: ``arguments`` (options and their checks), ``data`` (the packed text), ``positions``
 (PoSE ids, document restarts), ``teacher`` (distillation), ``teacher_samples`` (text the teacher writes),
 ``attention_transfer`` (the per-layer loss), ``prepare`` (accelerator, what trains, optimizer, schedule, loaders),
-``loss``, ``loop`` (the training loop), ``compiled_step`` (the check of a compiled step), ``checkpoints`` (resumable checkpoints and resuming) and ``saving`` (the output folder); ``tools/sharding`` (the
-FSDP2 units of a patched model, a ZeRO-3 parameter read whole) serves the memory estimate too. ``run_finetune``
-below puts them together.
+``loss``, ``loop`` (the training loop), ``compiled_step`` (the check of a compiled step), ``checkpoints``
+(resumable checkpoints and resuming) and ``saving`` (the output folder); ``tools/sharding`` (the FSDP2 units
+of a patched model, a ZeRO-3 parameter read whole) serves the memory estimate too. ``run_finetune`` below puts
+them together.
 """
 
 from __future__ import annotations
@@ -150,7 +151,8 @@ def fit_bias(args: argparse.Namespace, accelerator, model, teacher, data):
                         f"blocks of {args.max_length} tokens, fewer than the {joined} one fit block joins; lower "
                         "--fit-bias-length or add text")
     blocks = blocks[:blocks.shape[0] // joined * joined].reshape(-1, joined * args.max_length)
-    bar = progress_bar(total=args.fit_bias_steps, desc="fit bias", unit="step", enabled=verbose and not args.no_progress)
+    bar = progress_bar(total=args.fit_bias_steps, desc="fit bias", unit="step",
+                       enabled=verbose and not args.no_progress)
     try:
         device = next(model.parameters()).device
         fit = fit_positional_bias(model, teacher, blocks.to(device), args.fit_bias_steps, args.fit_bias_lr,

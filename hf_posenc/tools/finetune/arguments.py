@@ -125,11 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fit-bias-lr", type=float, default=0.05, help="Adam's learning rate in the bias fit")
     g.add_argument("--teacher-samples", type=int, default=0,
                    help="before training, N blocks of --max-length tokens sampled from the --distill-from teacher "
-                        "(from its end-of-text token, no top-k or top-p, in batches seeded from --seed) join the "
+                        "(from its end-of-text token, in batches seeded from --seed) join the "
                         "training blocks: text the original wrote, which carries its distribution past the "
                         "training text's words (teacher_samples.py)")
     g.add_argument("--teacher-sample-temperature", type=float, default=1.0,
                    help="sampling temperature of --teacher-samples")
+    g.add_argument("--teacher-sample-top-k", type=int, default=0,
+                   help="--teacher-samples draw from the K likeliest tokens at each step (0: from all, the teacher's "
+                        "own distribution; generate's usual default is 50)")
     g.add_argument("--teacher-samples-file", type=Path, default=None,
                    help="keeps the --teacher-samples (token ids and the settings that drew them): read where it "
                         "exists with the same settings, else written after sampling; a resumed run reads it "
@@ -163,6 +166,7 @@ def check_teacher_samples(args: argparse.Namespace) -> None:
     """--teacher-samples: blocks a teacher writes before training."""
     check_number("--teacher-samples", args.teacher_samples, 0)
     check_number("--teacher-sample-temperature", args.teacher_sample_temperature, 0, above=True)
+    check_number("--teacher-sample-top-k", args.teacher_sample_top_k, 0, hint="0 draws from every token")
     if args.teacher_samples and args.distill_from is None:
         raise PosEncError(f"--teacher-samples {args.teacher_samples} samples text from a teacher: add "
                           "--distill-from original (or a checkpoint folder)")

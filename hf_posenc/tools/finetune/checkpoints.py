@@ -32,7 +32,8 @@ RESUME_SETTINGS = ("model", "dtype", "train_only", "lora_r", "lora_alpha", "lora
                    "positional_lr", "weight_decay", "lr_scheduler", "warmup_steps", "pose_target_length",
                    "pose_chunks", "document_restarts", "distill_from", "distill_temperature", "distill_alpha",
                    "transfer_steps", "fit_bias_steps", "fit_bias_blocks", "fit_bias_lr", "fit_bias_length",
-                   "fit_bias_queries", "teacher_samples", "teacher_sample_temperature")
+                   "fit_bias_queries", "teacher_samples", "teacher_sample_temperature",
+                   "teacher_sample_top_k")
 
 
 @dataclass

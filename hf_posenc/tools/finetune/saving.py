@@ -56,9 +56,10 @@ def run_summary(args: argparse.Namespace, training: Training, progress: Progress
             "loss": "KL of each changed layer's attention weights to the teacher's, on the teacher's inputs"},
         "teacher_samples": None if training.teacher_samples is None else {
             "blocks": int(training.teacher_samples.blocks.shape[0]),
-            "tokens": int(training.teacher_samples.blocks.numel()), "temperature": args.teacher_sample_temperature, "seconds": training.teacher_samples.seconds,
+            "tokens": int(training.teacher_samples.blocks.numel()), "temperature": args.teacher_sample_temperature,
+            "top_k": args.teacher_sample_top_k, "seconds": training.teacher_samples.seconds,
             "read_from": training.teacher_samples.read_from,
-            "sampling": "generate from the end-of-text token, no top-k or top-p, end-of-text suppressed"},
+            "sampling": "generate from the end-of-text token, which is suppressed after it (top_k 0: every token)"},
         "effective_batch_blocks": args.batch_size * args.gradient_accumulation_steps * world,
         "tokens_per_step": tokens_per_step,
         "steps_done": progress.step,

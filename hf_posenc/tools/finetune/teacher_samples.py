@@ -7,8 +7,8 @@ one the model had, so the KL carries it whole rather than through one text's wor
 Kim & Rush 2016, "Sequence-Level Knowledge Distillation"; on-policy variants: Agarwal et al. 2024, GKD).
 
 Each sample is one block of ``--max-length`` tokens: the tokenizer's end-of-text token, then ``max_length - 1``
-tokens drawn by ``generate`` (KV cache, no top-k or top-p, the end-of-text token suppressed so that every row is one
-document of the block's full length). Rows are drawn in batches of ``SAMPLE_BATCH``, batch i from the seed
+tokens drawn by ``generate`` (KV cache, from every token unless ``--teacher-sample-top-k``, the end-of-text token
+suppressed so that every row is one document of the block's full length). Rows are drawn in batches of ``SAMPLE_BATCH``, batch i from the seed
 ``seed + i``, so the same seed gives the same blocks on any number of processes: each process draws its share of
 the batches and all of them are gathered. ``--teacher-samples-file`` keeps them (token ids and the settings that
 made them) for the next run and for ``--resume-from``.
@@ -39,17 +39,17 @@ class TeacherSamples:
 
 
 def draw_samples(model, n: int, length: int, start_token: int, temperature: float, seed: int,
-                 batches: list[int] | None = None, progress: Callable[[int], None] | None = None
-                 ) -> dict[int, torch.LongTensor]:
+                 batches: list[int] | None = None, progress: Callable[[int], None] | None = None,
+                 top_k: int = 0) -> dict[int, torch.LongTensor]:
     """Rows sampled from `model`: {batch index: [rows, length]} for the batches of SAMPLE_BATCH rows in `batches`
     (default all of ``ceil(n / SAMPLE_BATCH)``), each from ``start_token`` and the seed ``seed + index``; the global
-    RNG is left as it was. `progress(rows)` after each batch."""
+    RNG is left as it was. `progress(rows)` after each batch; `top_k` > 0 draws from the K likeliest tokens only."""
     import torch
     from transformers import GenerationConfig
 
     count = -(-n // SAMPLE_BATCH)
-    config = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=length - 1,
-                              min_new_tokens=length - 1, eos_token_id=start_token, pad_token_id=start_token)
+    config = GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=1.0,
+                              max_new_tokens=length - 1, min_new_tokens=length - 1, eos_token_id=start_token, pad_token_id=start_token)
     device = next(model.parameters()).device
     drawn = {}
     was_training = model.training
@@ -80,7 +80,7 @@ def teacher_samples(args, accelerator, model, teacher, tokenizer, say: Callable[
         return None
     wanted = {"version": FILE_VERSION, "teacher": str(args.distill_from), "model": str(args.model),
               "count": args.teacher_samples, "length": args.max_length,
-              "temperature": args.teacher_sample_temperature, "seed": args.seed,
+              "temperature": args.teacher_sample_temperature, "top_k": args.teacher_sample_top_k, "seed": args.seed,
               "start_token": tokenizer.eos_token_id}
     path = Path(args.teacher_samples_file) if args.teacher_samples_file else None
     if path is not None and path.is_file():
@@ -108,7 +108,7 @@ def teacher_samples(args, accelerator, model, teacher, tokenizer, say: Callable[
                 writer.to(accelerator.device)
             mine = draw_samples(writer, args.teacher_samples, args.max_length, tokenizer.eos_token_id,
                                 args.teacher_sample_temperature, args.seed, list(range(rank, count, world)),
-                                progress=lambda rows: bar.update(rows * world))
+                                progress=lambda rows: bar.update(rows * world), top_k=args.teacher_sample_top_k)
     finally:
         bar.close()
     drawn = dict(gather_object(list(mine.items()))) if world > 1 else mine

@@ -92,7 +92,7 @@ def run_finetune(args: argparse.Namespace) -> dict[str, Any]:
     restarts = position_options(args, model)
     teacher = make_teacher(args, model)
     samples = teacher_samples(args, accelerator, model, teacher, tokenizer,
-                              say=print if accelerator.is_main_process and not args.no_progress else None)
+                              say=print if accelerator.is_main_process else None)
     if samples is not None:
         data = with_samples(data, samples.blocks)
     if request is not None:

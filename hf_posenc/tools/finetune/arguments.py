@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "training text's words (teacher_samples.py)")
     g.add_argument("--teacher-sample-temperature", type=float, default=1.0,
                    help="sampling temperature of --teacher-samples")
+    g.add_argument("--teacher-sample-batch", type=int, default=32,
+                   help="rows per generate call of --teacher-samples (each batch seeded on its own: the blocks "
+                        "depend on it)")
     g.add_argument("--teacher-sample-top-k", type=int, default=0,
                    help="--teacher-samples draw from the K likeliest tokens at each step (0: from all, the teacher's "
                         "own distribution; generate's usual default is 50)")
@@ -167,6 +170,7 @@ def check_teacher_samples(args: argparse.Namespace) -> None:
     check_number("--teacher-samples", args.teacher_samples, 0)
     check_number("--teacher-sample-temperature", args.teacher_sample_temperature, 0, above=True)
     check_number("--teacher-sample-top-k", args.teacher_sample_top_k, 0, hint="0 draws from every token")
+    check_number("--teacher-sample-batch", args.teacher_sample_batch, 1)
     if args.teacher_samples and args.distill_from is None:
         raise PosEncError(f"--teacher-samples {args.teacher_samples} samples text from a teacher: add "
                           "--distill-from original (or a checkpoint folder)")

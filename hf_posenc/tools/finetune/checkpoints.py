@@ -33,7 +33,7 @@ RESUME_SETTINGS = ("model", "dtype", "train_only", "lora_r", "lora_alpha", "lora
                    "pose_chunks", "document_restarts", "distill_from", "distill_temperature", "distill_alpha",
                    "transfer_steps", "fit_bias_steps", "fit_bias_blocks", "fit_bias_lr", "fit_bias_length",
                    "fit_bias_queries", "teacher_samples", "teacher_sample_temperature",
-                   "teacher_sample_top_k")
+                   "teacher_sample_top_k", "teacher_sample_batch")
 
 
 @dataclass

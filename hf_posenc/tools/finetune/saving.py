@@ -57,7 +57,8 @@ def run_summary(args: argparse.Namespace, training: Training, progress: Progress
         "teacher_samples": None if training.teacher_samples is None else {
             "blocks": int(training.teacher_samples.blocks.shape[0]),
             "tokens": int(training.teacher_samples.blocks.numel()), "temperature": args.teacher_sample_temperature,
-            "top_k": args.teacher_sample_top_k, "seconds": training.teacher_samples.seconds,
+            "top_k": args.teacher_sample_top_k, "batch": args.teacher_sample_batch,
+            "seconds": training.teacher_samples.seconds,
             "read_from": training.teacher_samples.read_from,
             "sampling": "generate from the end-of-text token, which is suppressed after it (top_k 0: every token)"},
         "effective_batch_blocks": args.batch_size * args.gradient_accumulation_steps * world,

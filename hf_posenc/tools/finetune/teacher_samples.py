@@ -8,10 +8,11 @@ Kim & Rush 2016, "Sequence-Level Knowledge Distillation"; on-policy variants: Ag
 
 Each sample is one block of ``--max-length`` tokens: the tokenizer's end-of-text token, then ``max_length - 1``
 tokens drawn by ``generate`` (KV cache, from every token unless ``--teacher-sample-top-k``, the end-of-text token
-suppressed so that every row is one document of the block's full length). Rows are drawn in batches of ``SAMPLE_BATCH``, batch i from the seed
-``seed + i``, so the same seed gives the same blocks on any number of processes: each process draws its share of
-the batches and all of them are gathered. ``--teacher-samples-file`` keeps them (token ids and the settings that
-made them) for the next run and for ``--resume-from``.
+suppressed so that every row is one document of the block's full length). Rows are drawn in batches of
+``--teacher-sample-batch`` (throughput grows with it: each decoding step reads every weight for a few rows), batch i
+from the seed ``seed + i``, so the same seed and batch give the same blocks on any number of processes: each process
+draws its share of the batches and all of them are gathered. ``--teacher-samples-file`` keeps them (token ids and the
+settings that made them) for the next run and for ``--resume-from``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ..runtime import UsageError
 if TYPE_CHECKING:
     import torch
 
-SAMPLE_BATCH = 16
+SAMPLE_BATCH = 32
 FILE_VERSION = 1
 
 
@@ -40,23 +41,24 @@ class TeacherSamples:
 
 def draw_samples(model, n: int, length: int, start_token: int, temperature: float, seed: int,
                  batches: list[int] | None = None, progress: Callable[[int], None] | None = None,
-                 top_k: int = 0) -> dict[int, torch.LongTensor]:
-    """Rows sampled from `model`: {batch index: [rows, length]} for the batches of SAMPLE_BATCH rows in `batches`
-    (default all of ``ceil(n / SAMPLE_BATCH)``), each from ``start_token`` and the seed ``seed + index``; the global
+                 top_k: int = 0, batch_size: int = SAMPLE_BATCH) -> dict[int, torch.LongTensor]:
+    """Rows sampled from `model`: {batch index: [rows, length]} for the batches of `batch_size` rows in `batches`
+    (default all of ``ceil(n / batch_size)``), each from ``start_token`` and the seed ``seed + index``; the global
     RNG is left as it was. `progress(rows)` after each batch; `top_k` > 0 draws from the K likeliest tokens only."""
     import torch
     from transformers import GenerationConfig
 
-    count = -(-n // SAMPLE_BATCH)
+    count = -(-n // batch_size)
     config = GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=1.0,
-                              max_new_tokens=length - 1, min_new_tokens=length - 1, eos_token_id=start_token, pad_token_id=start_token)
+                              max_new_tokens=length - 1, min_new_tokens=length - 1, eos_token_id=start_token,
+                              pad_token_id=start_token)
     device = next(model.parameters()).device
     drawn = {}
     was_training = model.training
     model.eval()
     try:
         for index in range(count) if batches is None else batches:
-            rows = min(SAMPLE_BATCH, n - index * SAMPLE_BATCH)
+            rows = min(batch_size, n - index * batch_size)
             prompt = torch.full((rows, 1), start_token, dtype=torch.long, device=device)
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
                 torch.manual_seed(seed + index)
@@ -80,7 +82,8 @@ def teacher_samples(args, accelerator, model, teacher, tokenizer, say: Callable[
         return None
     wanted = {"version": FILE_VERSION, "teacher": str(args.distill_from), "model": str(args.model),
               "count": args.teacher_samples, "length": args.max_length,
-              "temperature": args.teacher_sample_temperature, "top_k": args.teacher_sample_top_k, "seed": args.seed,
+              "temperature": args.teacher_sample_temperature, "top_k": args.teacher_sample_top_k,
+              "batch": args.teacher_sample_batch, "seed": args.seed,
               "start_token": tokenizer.eos_token_id}
     path = Path(args.teacher_samples_file) if args.teacher_samples_file else None
     if path is not None and path.is_file():
@@ -99,7 +102,7 @@ def teacher_samples(args, accelerator, model, teacher, tokenizer, say: Callable[
 
     started = time.perf_counter()
     rank, world = accelerator.process_index, accelerator.num_processes
-    count = -(-args.teacher_samples // SAMPLE_BATCH)
+    count = -(-args.teacher_samples // args.teacher_sample_batch)
     bar = progress_bar(total=args.teacher_samples, desc="teacher samples", unit="block",
                        enabled=accelerator.is_main_process and not args.no_progress)
     try:
@@ -108,7 +111,8 @@ def teacher_samples(args, accelerator, model, teacher, tokenizer, say: Callable[
                 writer.to(accelerator.device)
             mine = draw_samples(writer, args.teacher_samples, args.max_length, tokenizer.eos_token_id,
                                 args.teacher_sample_temperature, args.seed, list(range(rank, count, world)),
-                                progress=lambda rows: bar.update(rows * world), top_k=args.teacher_sample_top_k)
+                                progress=lambda rows: bar.update(rows * world), top_k=args.teacher_sample_top_k,
+                                batch_size=args.teacher_sample_batch)
     finally:
         bar.close()
     drawn = dict(gather_object(list(mine.items()))) if world > 1 else mine

@@ -62,6 +62,7 @@ FULL_SWAP_LR = 5e-4
 FULL_SWAP_STEPS = 400
 FULL_SWAP_FIT = {"fit_bias_steps": 30, "fit_bias_blocks": 1, "fit_bias_length": 8192, "fit_bias_queries": 128,
                  "fit_bias_lr": 0.2}
+SAMPLE_STEP_SECONDS = 0.25  # a decoding step of 32 rows of SmolLM2 (finetune --teacher-samples), 2 idle threads
 FIT_SECONDS_PER_STEP = 6.7  # a fit step on 2048 x 512 captured pairs per layer (8192 x 128 too): 30 in 201 s, 1 thread
 # What --help says the job shows and how to read its table (the figures: docs/finetuning-and-evaluation.md).
 READING = ("What it shows: a model whose RoPE is swapped for another positional method gets back close to the "
@@ -101,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="distil from the original (the unpatched model): loss = alpha x KL + (1 - alpha) x LM loss; "
                         "0: the LM loss alone, no teacher (default %(default)s; see finetune --distill-from)")
     p.add_argument("--distill-temperature", type=float, default=1.0, help="with --distill-alpha (default 1)")
+    p.add_argument("--teacher-samples", type=int, default=0,
+                   help="N blocks of --train-length tokens sampled from the original join the book's (finetune "
+                        "--teacher-samples): on WikiText-2 the lever that moved a full swap (docs/finetuning-and-"
+                        "evaluation.md, 'Full swap'); costs N x --train-length decoding steps' worth of time")
+    p.add_argument("--teacher-samples-file", type=Path, default=None,
+                   help="keeps the --teacher-samples for the next run (read where it holds the same settings)")
     p.add_argument("--lengths", default=None,
                    help="evaluation lengths (default 256,512,1024,2048,4096; quick 256,512,1024)")
     p.add_argument("--max-windows", type=int, default=None, help="windows per text and length (default 1)")
@@ -130,6 +137,12 @@ def apply_defaults(args: argparse.Namespace) -> argparse.Namespace:
     check_number("--distill-temperature", args.distill_temperature, 0, above=True)
     size = "quick" if args.quick else "full" if getattr(args, "full", False) else "full swap" if full_swap \
         else "default"
+    check_number("--teacher-samples", args.teacher_samples, 0)
+    if args.teacher_samples and args.distill_alpha is None:
+        raise UsageError(f"--teacher-samples {args.teacher_samples} samples the original as the teacher of a "
+                         "distillation: leave --distill-alpha above 0")
+    if args.teacher_samples_file is not None and not args.teacher_samples:
+        raise UsageError("--teacher-samples-file keeps the blocks of --teacher-samples: add --teacher-samples N")
     if full_swap and args.distill_alpha is None:
         raise UsageError("--full-swap fits the bias to the original's attention and distils from it: leave "
                          "--distill-alpha above 0")
@@ -163,6 +176,10 @@ def estimate_seconds(args: argparse.Namespace, speed: float = 1.0, cached: bool 
     fit = getattr(args, "fit_bias", None) or {}
     if fit:  # the teacher's and the student's capture forwards, then the steps on the captured weights
         train += 3 * forward_seconds(fit["fit_bias_length"]) + fit["fit_bias_steps"] * FIT_SECONDS_PER_STEP
+    samples = getattr(args, "teacher_samples", 0)
+    kept = getattr(args, "teacher_samples_file", None)
+    if samples and not (kept is not None and Path(kept).is_file()):  # one decoding step per token, 32 rows at once
+        train += -(-samples // 32) * args.train_length * SAMPLE_STEP_SECONDS
     # 2 texts x (original, + extension, + swap untrained, swap fine-tuned); the swap's attention path ~1.1x slower
     evaluate = sum(args.max_windows * forward_seconds(n) for n in args.lengths) * 2 * (1 + 1 + 1.1 + 1.1)
     return speed * (train + evaluate) + 15.0 + (0.0 if cached else DEQUANTISE_SECONDS)
@@ -200,7 +217,8 @@ def finetune_swap(args: argparse.Namespace, book: Path, output_dir: Path) -> dic
         model=SMOLLM2, method=args.swap, train_only=args.train_only, text_file=[str(book)], start_text=BOOK_START,
         text_fraction=TRAIN_FRACTION, max_length=args.train_length, max_steps=args.train_steps, lr=args.lr,
         warmup_steps=max(1, args.train_steps // 10), seed=args.seed, output_dir=output_dir,
-        no_progress=args.no_progress, **distillation(args), **args.fit_bias))
+        no_progress=args.no_progress, teacher_samples=args.teacher_samples,
+        teacher_samples_file=args.teacher_samples_file, **distillation(args), **args.fit_bias))
     losses = [e["loss"] for e in json.loads((output_dir / "loss_log.json").read_text())]
     quarter = max(1, len(losses) // 4)
     summary["loss_first_quarter"] = sum(losses[:quarter]) / quarter
@@ -267,6 +285,8 @@ def run_main_job(args: argparse.Namespace) -> dict:
 
     loss = "the LM loss" if args.distill_alpha is None else \
         f"distillation from the original (alpha {args.distill_alpha}, T {args.distill_temperature})"
+    if args.teacher_samples:
+        loss += f" (and {args.teacher_samples} blocks sampled from it)"
     print(f"main job: SmolLM2-135M-Instruct (de-quantised from Q4_1), RoPE -> {args.swap} fine-tuned "
           f"{args.train_steps} steps x {args.train_length} tokens with {loss} on the first 80% of {BOOK}; "
           f"perplexity at {args.lengths} ({args.max_windows} window(s) each) of the original, + {args.extension}, "

@@ -119,6 +119,15 @@ def test_main_job_full_swap_runs_the_full_swap_recipe(capsys):
     assert (chosen.swap, chosen.lr, chosen.train_only) == ("kerple", 1e-3, "qkvo")
     with pytest.raises(main_job.UsageError, match="leave --distill-alpha above 0"):
         main_job.apply_defaults(parse(["--full-swap", "--distill-alpha", "0"]))
+    # --teacher-samples: handed to the fine-tune, counted in the estimate unless a kept file holds them
+    sampled = main_job.apply_defaults(parse(["--full-swap", "--teacher-samples", "64"]))
+    assert main_job.finetune.settings(teacher_samples=sampled.teacher_samples).teacher_samples == 64
+    assert main_job.estimate_seconds(sampled) > main_job.estimate_seconds(swap)
+    for bad, message in ((["--teacher-samples", "8", "--distill-alpha", "0"], "leave --distill-alpha above 0"),
+                         (["--teacher-samples-file", "x.pt"], "add --teacher-samples N"),
+                         (["--teacher-samples", "-1"], "--teacher-samples must be")):
+        with pytest.raises(main_job.UsageError, match=message):
+            main_job.apply_defaults(parse(bad))
     with pytest.raises(SystemExit):
         parse(["--full", "--full-swap"])
     assert "not allowed with argument" in capsys.readouterr().err

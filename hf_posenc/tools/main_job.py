@@ -62,7 +62,7 @@ FULL_SWAP_LR = 5e-4
 FULL_SWAP_STEPS = 400
 FULL_SWAP_FIT = {"fit_bias_steps": 30, "fit_bias_blocks": 1, "fit_bias_length": 8192, "fit_bias_queries": 128,
                  "fit_bias_lr": 0.2}
-SAMPLE_STEP_SECONDS = 0.25  # a decoding step of 32 rows of SmolLM2 (finetune --teacher-samples), 2 idle threads
+SAMPLE_STEP_SECONDS = 0.28  # a decoding step of 32 rows of SmolLM2 (finetune --teacher-samples): 2 idle EPYC threads
 FIT_SECONDS_PER_STEP = 6.7  # a fit step on 2048 x 512 captured pairs per layer (8192 x 128 too): 30 in 201 s, 1 thread
 # What --help says the job shows and how to read its table (the figures: docs/finetuning-and-evaluation.md).
 READING = ("What it shows: a model whose RoPE is swapped for another positional method gets back close to the "

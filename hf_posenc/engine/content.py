@@ -60,7 +60,7 @@ class ContentCall:
     grad_enabled: bool = False
     no_grad_layers: set[int] = field(default_factory=set)
     relayed: dict[int, tuple] = field(default_factory=dict)
-    relayed_mlp_outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # the same, for `carried_mlp_output`
+    relayed_mlp_outputs: dict[int, tuple] = field(default_factory=dict)  # the same, for `carried_mlp_output`
 
 
 def compile_refusal(method: str) -> str:
@@ -145,7 +145,7 @@ class MlpOutputCapture:
             return None
         content.mlp_outputs[self.layer_idx] = output
         if torch.is_grad_enabled() and output.requires_grad:
-            output = _AddRelayedGradient.apply(output, content, self.layer_idx)  # see `carried_mlp_output`
+            output = _AddLeafGradients.apply(output, content.relayed_mlp_outputs, self.layer_idx, output)
         residual = content.held_residuals.pop(self.layer_idx, None)
         return output if residual is None else residual + output
 
@@ -233,46 +233,31 @@ def carried_state(content: ContentCall, layer: int, reader: int) -> tuple[torch.
 def carried_mlp_output(content: ContentCall, layer: int, reader: int) -> torch.Tensor:
     """Layer `layer`'s MLP output as the next layer, `reader`, reads it (TAPE's gate_input='mlp_output'): across a
     reentrant checkpoint's boundary as a leaf, for the reason `carried_state` gives; MlpOutputCapture's
-    `_AddRelayedGradient` hands the leaf's gradient to the MLP output in the producing layer's recomputation."""
+    `_AddLeafGradients` hands the leaf's gradient to the MLP output in the producing layer's recomputation."""
     output = content.mlp_outputs.get(layer)
     if output is None:
         raise RuntimeError(f"hf_posenc: no MLP output was captured for layer {layer}.")
     if torch.is_grad_enabled() and (layer in content.no_grad_layers or reader in content.no_grad_layers):
         leaf = output.detach().requires_grad_()
-        content.relayed_mlp_outputs[layer] = leaf
+        content.relayed_mlp_outputs[layer] = (leaf,)
         return leaf
     return output
 
 
-class _AddRelayedGradient(torch.autograd.Function):
-    """Identity on layer `layer`'s MLP output; its backward adds the gradient the next layer left on the leaf it read
-    that output as (`carried_mlp_output`), if it read one."""
+class _AddLeafGradients(torch.autograd.Function):
+    """Identity on `output`; its backward also gives `tensors` (what layer `layer` handed to the next layer) the
+    gradients left on the leaves the next layer read them as (`carried_state`, `carried_mlp_output`), which
+    `relayed[layer]` holds, one leaf per tensor, if it read leaves. Passing `output` itself as a tensor adds its
+    leaf's gradient to its own (autograd sums the two edges)."""
 
     @staticmethod
-    def forward(ctx, output, content, layer):
-        ctx.content, ctx.layer = content, layer
+    def forward(ctx, output, relayed, layer, *tensors):
+        ctx.relayed, ctx.layer, ctx.count = relayed, layer, len(tensors)
         return output.view_as(output)
 
     @staticmethod
     def backward(ctx, grad_output):
-        leaf = ctx.content.relayed_mlp_outputs.pop(ctx.layer, None)
-        if leaf is not None and leaf.grad is not None:
-            grad_output = grad_output + leaf.grad
-        return grad_output, None, None
-
-
-class _AddHandOverGradients(torch.autograd.Function):
-    """Identity on `output`; its backward also gives `tensors` (layer `layer`'s hand-over) the gradients left on the
-    leaves the next layer read it as (`carried_state`), if it read leaves."""
-
-    @staticmethod
-    def forward(ctx, output, content, layer, *tensors):
-        ctx.content, ctx.layer, ctx.count = content, layer, len(tensors)
-        return output.view_as(output)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        leaves = ctx.content.relayed.pop(ctx.layer, None) or (None,) * ctx.count
+        leaves = ctx.relayed.pop(ctx.layer, None) or (None,) * ctx.count
         return (grad_output, None, None, *(None if leaf is None else leaf.grad for leaf in leaves))
 
 
@@ -291,8 +276,8 @@ class RelayCarriedState:
         if content is None or not torch.is_grad_enabled() or self.layer_idx not in content.states:
             return None
         first = output[0] if isinstance(output, tuple) else output
-        relayed = _AddHandOverGradients.apply(first, content, self.layer_idx, content.states[self.layer_idx],
-                                              content.mixed.get(self.layer_idx))
+        relayed = _AddLeafGradients.apply(first, content.relayed, self.layer_idx, content.states[self.layer_idx],
+                                          content.mixed.get(self.layer_idx))
         return (relayed, *output[1:]) if isinstance(output, tuple) else relayed
 
 

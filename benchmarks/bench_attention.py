@@ -203,7 +203,7 @@ def run_benchmark(lengths=LENGTHS, methods=METHODS, paths=("blocked",), layers: 
     """Run every (method, path) at every length; returns rows with ratios to native RoPE (sdpa). Times first for
     every case, then (with `memory`) peak memory for every case (on the CPU with the mmap threshold lowered).
     ``on_row(rows)`` after every measurement (a run cut short keeps what it measured)."""
-    from tqdm import tqdm
+    from hf_posenc.tools.progress import progress as progress_bar
 
     from hf_posenc.tools.runtime import MethodRequest
 
@@ -224,7 +224,7 @@ def run_benchmark(lengths=LENGTHS, methods=METHODS, paths=("blocked",), layers: 
     jobs.sort(key=lambda job: job[0])
 
     def each_job(desc):
-        for length, method, path in tqdm(jobs, disable=not progress, desc=desc):
+        for length, method, path in progress_bar(jobs, enabled=progress, desc=desc):
             ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(length)).to(device)
             unpatch_model(model)
             if method != "rope (native)":

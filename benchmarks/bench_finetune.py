@@ -145,7 +145,7 @@ def run_benchmark(lengths=LENGTHS, methods=None, layers: int = 30, steps: int = 
 
 def _run_benchmark(lengths, methods, layers, steps, checkpointing, threads, memory, progress, mixed_precision, on_row,
                    compile_with, paired) -> list[Row]:
-    from tqdm import tqdm
+    from hf_posenc.tools.progress import progress as progress_bar
 
     from hf_posenc.tools.runtime import MethodRequest
 
@@ -174,7 +174,7 @@ def _run_benchmark(lengths, methods, layers, steps, checkpointing, threads, memo
         step(index)
         return time.perf_counter() - start
 
-    for length, gc, method, compiled in tqdm(jobs, disable=not progress, desc="bench_finetune: time"):
+    for length, gc, method, compiled in progress_bar(jobs, enabled=progress, desc="bench_finetune: time"):
         beside = native_steps.get((length, gc, compiled)) if method != "native" else None
         try:
             if method == "native" and paired:  # a new setting: the previous settings' native models go
@@ -223,7 +223,7 @@ def _run_benchmark(lengths, methods, layers, steps, checkpointing, threads, memo
     native_steps.clear()
     if memory and not torch.cuda.is_available():
         _fix_mmap_threshold()
-        for row in tqdm(rows, disable=not progress, desc="bench_finetune: memory"):
+        for row in progress_bar(rows, enabled=progress, desc="bench_finetune: memory"):
             if row.error:
                 continue
             step = build(row.length, row.checkpointing, row.method, row.compiled)

@@ -79,7 +79,7 @@ def _reference_table_gradient(query, key, value, table, grad_output) -> torch.Te
 def run(device: str = "cuda", lengths=(2048, 8192), dtypes=("bfloat16", "float32"), options=tuple(OPTIONS),
         heads: int = 9, kv_heads: int = 3, head_dim: int = 64, repeats: int = 5, progress: bool = True) -> list[Row]:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    from tqdm import tqdm
+    from hf_posenc.tools.progress import progress as progress_bar
 
     backward = torch.device(device).type != "cpu"
     compiled = torch.compile(flex_attention, dynamic=False)
@@ -87,7 +87,7 @@ def run(device: str = "cuda", lengths=(2048, 8192), dtypes=("bfloat16", "float32
     jobs = [(dtype, length, name) for dtype in dtypes for length in lengths for name in options]
     problem = None
     with torch._dynamo.config.patch(recompile_limit=64):  # one compile per option, dtype and length
-        for dtype_name, length, name in tqdm(jobs, disable=not progress, desc="bench_flex_options"):
+        for dtype_name, length, name in progress_bar(jobs, enabled=progress, desc="bench_flex_options"):
             dtype = getattr(torch, dtype_name)
             if problem is None or problem["key"] != (dtype_name, length):
                 generator = torch.Generator().manual_seed(0)

@@ -127,14 +127,14 @@ def _kernel_times(method: str, model, length: int, rounds: int) -> tuple[float, 
 
 def run(methods=METHODS, lengths=(2048, 4096), layers: int = 1, rounds: int = 5, threads: int | None = None,
         progress: bool = True) -> list[Row]:
-    from tqdm import tqdm
+    from hf_posenc.tools.progress import progress as progress_bar
 
     from hf_posenc import attention
 
     if threads:
         torch.set_num_threads(threads)
     rows = []
-    for length, method in tqdm([(n, m) for n in lengths for m in methods], disable=not progress,
+    for length, method in progress_bar([(n, m) for n in lengths for m in methods], enabled=progress,
                                desc="bench_fused_cpu"):
         native, patched = _model("native", layers, length), _model(method, layers, length)
         ids = torch.randint(0, 512, (1, length), generator=torch.Generator().manual_seed(2))

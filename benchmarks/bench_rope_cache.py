@@ -23,12 +23,12 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hf_posenc import patch_model, unpatch_model
 from hf_posenc.engine.cache_names import forward_cache_keyword
 from hf_posenc.tools.machine import machine_description, machine_header
+from hf_posenc.tools.progress import progress
 
 VARIANTS = {
     "native rope": None,
@@ -63,7 +63,7 @@ def run(lengths=(512, 1024, 2048, 4096), window: int = 1024, layers: int = 4, ne
     model = build_model(layers, window)
     results: dict[str, dict[int, float]] = {name: {} for name in VARIANTS}
     jobs = [(name, length) for length in lengths for name in VARIANTS]
-    for name, length in tqdm(jobs, desc="decode benchmark"):
+    for name, length in progress(jobs, desc="decode benchmark", unit="run"):
         unpatch_model(model)
         if VARIANTS[name] is not None:
             method, options = VARIANTS[name]

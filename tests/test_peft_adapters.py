@@ -152,6 +152,30 @@ def test_modules_to_save_train_a_copy_that_the_patch_computes_with(tmp_path):
         assert torch.equal(hf_posenc.from_pretrained(tmp_path / "merged")(ids).logits, active)
 
 
+def test_patched_after_get_peft_model_saves_merged_under_the_architectures_names(tmp_path):
+    """LoRA first, then the patch (or the patch put back under LoRA, as finetune's teacher does each step): the save
+    hook's original state is read from a tree of PEFT layers. Merged, the model saves under the architecture's names
+    and reloads equal (it was saved as q_proj.base_layer / lora_A / lora_B, read back as random projections);
+    unmerged, save_pretrained refuses and writes nothing."""
+    from safetensors.torch import load_file
+
+    peft_model = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                                           init_lora_weights=False))
+    hf_posenc.patch_model(peft_model.get_base_model(), "alibi")
+    with pytest.raises(hf_posenc.PosEncError, match=r"PEFT adapter layers not merged \(model.layers.0.self_attn.q_proj"):
+        peft_model.get_base_model().save_pretrained(tmp_path / "unmerged")
+    assert not (tmp_path / "unmerged").exists()
+    ids = random_ids(2, 9)
+    merged = peft_model.merge_and_unload()
+    merged.save_pretrained(tmp_path / "merged")
+    saved = load_file(tmp_path / "merged" / "model.safetensors")
+    assert not [key for key in saved if "lora" in key or "base_layer" in key]
+    reloaded, info = hf_posenc.from_pretrained(tmp_path / "merged", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, merged(ids).logits)
+
+
 def test_save_adapter_with_modules_to_save_loads_onto_an_unpatched_base(tmp_path):
     model = hf_posenc.patch_model(tiny_model("llama"), "kerple")
     peft_model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False,

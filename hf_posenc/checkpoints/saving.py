@@ -49,25 +49,48 @@ PUSH_OPTIONS = ("repo_id", "commit_message", "private", "revision", "create_pr")
 Publish = Callable[..., Any]
 
 
-def attach_save_hook(model: nn.Module, method: PositionalMethod, log, publish: Publish | None = None,
-                     kept: PatchedSavePretrained | None = None) -> None:
+def attach_save_hook(model: nn.Module, method: PositionalMethod, log, publish: Publish | None = None) -> None:
     """Called inside the patch transaction on the unpatched model, just before the patch is installed: remembers the
-    original state dict (references, no copies) and gives the model a `save_pretrained` that saves the patch.
-    `kept`: the hook of the same patch before it was taken off and put back (the distillation teacher's unpatched
-    forward), whose original state is kept: the tree may hold PEFT's LoRA layers by then, whose names are not the
-    architecture's (a merged model would otherwise be saved with its adapters unmerged).
+    original state dict (references, no copies; under the architecture's own names, `architecture_state`) and gives
+    the model a `save_pretrained` that saves the patch.
 
     The patches the method builds on (`method.builds_on()`: a RoPE scaling on GPT-2 scales a `rope` patch) are
     recorded with it and replayed in order when the checkpoint is loaded."""
-    if kept is not None:
-        original_state, config_before = kept.original_state, kept.config_before
-    else:
-        original_state = model.state_dict(keep_vars=True)
-        config_before = {name: copy.deepcopy(getattr(model.config, name, None)) for name in NATIVE_CONFIG_KEYS}
-    save = PatchedSavePretrained(model, method, original_state, model.save_pretrained, config_before, publish)
+    config_before = {name: copy.deepcopy(getattr(model.config, name, None)) for name in NATIVE_CONFIG_KEYS}
+    save = PatchedSavePretrained(model, method, architecture_state(model), model.save_pretrained, config_before,
+                                 publish)
     log.set_attr(model, "save_pretrained", save)
     object.__setattr__(method, INITIAL_STATE_ATTR,
                        {key: value.detach().clone() for key, value in method.state_dict().items()})
+
+
+def peft_layers(model: nn.Module) -> list[str]:
+    """Names of PEFT's tuner layers in the tree (LoRA's q_proj around the original Linear, its `base_layer`)."""
+    import sys
+
+    tuners = sys.modules.get("peft.tuners.tuners_utils")  # imported wherever such a layer exists
+    if tuners is None:
+        return []
+    return [name for name, module in model.named_modules() if isinstance(module, tuners.BaseTunerLayer)]
+
+
+def architecture_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict(keep_vars=True)`` under the architecture's names: a PEFT tuner layer gives its base layer's
+    tensors under its own name and its adapter weights not at all. A model patched after ``get_peft_model`` (or put
+    back under it, as the distillation teacher does each step) is saved merged with the names a loader expects; it
+    was saved with ``q_proj.base_layer.weight`` and ``lora_A``, which every loader read as random projections."""
+    state = model.state_dict(keep_vars=True)
+    tuners = peft_layers(model)
+    if not tuners:
+        return state
+    named = {}
+    for key, value in state.items():
+        owner = next((name for name in tuners if key.startswith(f"{name}.")), None)
+        if owner is None:
+            named[key] = value
+        elif key.startswith(f"{owner}.base_layer."):
+            named[f"{owner}.{key[len(owner) + len('.base_layer.'):]}"] = value
+    return named
 
 
 def changed_positional_state(method: PositionalMethod) -> list[str]:
@@ -124,6 +147,11 @@ class PatchedSavePretrained:
                 write_adapter_patch(save_directory, metadata, positional_state(model, method), prefix)
             return
         if state_dict is None:
+            unmerged = peft_layers(model)
+            if unmerged:  # the architecture's weights would be saved without the adapters' updates
+                raise PosEncError(f"This model holds PEFT adapter layers not merged ({unmerged[0]}, ...), which its "
+                                  "save_pretrained cannot write under the architecture's names: merge them first "
+                                  "(peft_model.merge_and_unload()) or save the adapter (hf_posenc.save_adapter).")
             state_dict = checkpoint_state_dict(model, method, self.original_state)
         missing = sorted(set(metadata["positional_state"]) - set(state_dict))
         if missing:

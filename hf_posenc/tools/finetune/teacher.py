@@ -150,7 +150,6 @@ def unpatched(model):
     inner = _inner_model(model)
     applied = applied_patch(inner)
     adapters = wrapper.disable_adapter() if hasattr(wrapper, "disable_adapter") else contextlib.nullcontext()
-    save_hook = inner.__dict__.get("save_pretrained")  # the patch's, which undo takes off
     if applied is not None:
         applied.log.undo()
         delattr(inner, PATCH_ATTR)
@@ -160,18 +159,16 @@ def unpatched(model):
     finally:
         if applied is not None:  # the same method module goes back, with the save_pretrained of a patched model
             initial = getattr(applied.method, INITIAL_STATE_ATTR, None)
-            _reinstall(inner, get_family(inner.config), applied, _save_hook_again(save_hook))
+            _reinstall(inner, get_family(inner.config), applied, _save_hook_again(applied))
             if initial is not None:  # what it was installed with, so trained weights still count as trained
                 object.__setattr__(applied.method, INITIAL_STATE_ATTR, initial)
 
 
-def _save_hook_again(save_hook):
-    """What re-attaches the patched model's save_pretrained when the patch is put back (see engine/install.py), with
-    the state the model had before its first patch (`save_hook`'s), not the tree's now, which may hold LoRA layers."""
+def _save_hook_again(applied):
+    """What re-attaches the patched model's save_pretrained when the patch is put back (see engine/install.py)."""
     import functools
 
     from hf_posenc.checkpoints.hub import publish_saved
-    from hf_posenc.checkpoints.saving import PatchedSavePretrained, attach_save_hook
+    from hf_posenc.checkpoints.saving import attach_save_hook
 
-    kept = save_hook if isinstance(save_hook, PatchedSavePretrained) else None
-    return functools.partial(attach_save_hook, publish=publish_saved, kept=kept)
+    return functools.partial(attach_save_hook, publish=publish_saved)

@@ -148,6 +148,10 @@ def _load_checkpoint(spec: str, dtype: torch.dtype):
         reason = "offline (HF_HUB_OFFLINE), so not tried as a Hub id" if hub_offline() else "and not a Hub id"
         raise UsageError(f"--model {spec!r}: no such directory ({reason}); check the path")
     if path.exists() and not (path / "config.json").is_file():
+        if (path / "adapter_config.json").is_file():
+            raise UsageError(f"--model {spec!r}: {path} is a PEFT adapter (finetune --save adapter), not a whole model; "
+                             "pass the run saved merged (the default --save merged), or merge it in Python: "
+                             "hf_posenc.load_adapter(PATH, base_model=BASE).merge_and_unload().save_pretrained(OUT)")
         raise UsageError(f"--model {spec!r}: {path} has no config.json (not a transformers checkpoint)")
     try:
         model, info = from_pretrained(str(path) if path.exists() else spec, dtype=dtype, output_loading_info=True)

@@ -34,6 +34,9 @@ def test_what_is_not_a_model_is_refused(spec, message):
 def test_a_folder_without_config_is_refused(tmp_path):
     with pytest.raises(UsageError, match="has no config.json"):
         load_model(str(tmp_path), verbose=False)
+    (tmp_path / "adapter_config.json").write_text("{}")  # what finetune --save adapter writes, with no config.json
+    with pytest.raises(UsageError, match=r"is a PEFT adapter \(finetune --save adapter\).*merge_and_unload"):
+        load_model(str(tmp_path), verbose=False)
 
 
 def _rewrite_weights(folder, edit):

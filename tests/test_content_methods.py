@@ -179,7 +179,10 @@ def test_drope_without_its_options_is_nope_exactly(model_type):
         nope = hf_posenc.patch_model(tiny_model(model_type), "nope")(ids).logits
         drope = hf_posenc.patch_model(tiny_model(model_type), "drope", qk_norm=False)(ids).logits
         normed = hf_posenc.patch_model(tiny_model(model_type), "drope")(ids).logits
-    assert torch.equal(nope, drope)
+    if model_type == "bloom":  # NoPE keeps BLOOM's own eager attention (zero ALiBi); the patched path runs SDPA
+        assert max_diff(nope, drope) <= 1e-6
+    else:
+        assert torch.equal(nope, drope)
     assert max_diff(nope, normed) > 1e-3  # the norms are no identity: the options act
 
 

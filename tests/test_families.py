@@ -93,3 +93,36 @@ def test_lora_targets_come_from_the_family_so_an_unknown_model_type_is_refused()
 def test_is_native_says_when_plain_transformers_computes_the_patch(model_type, method, native):
     model = patch_for_contract(tiny_model(model_type), method)
     assert get_family(model.config).is_native(model, hf_posenc.get_positional_module(model)) is native
+
+
+@pytest.mark.parametrize("method", ["kerple", "fox"])
+def test_bloom_takes_the_kernels_unless_its_weights_are_asked_for(method):
+    # BLOOM's config always says "eager" (transformers has no other implementation for it); the patched attention
+    # returns weights only when output_attentions asks, and otherwise runs what LLaMA under sdpa runs.
+    import torch
+
+    from hf_posenc import attention
+    from helpers import left_pad, max_diff
+    from tiny_models import random_ids
+
+    model = hf_posenc.patch_model(tiny_model("bloom"), method).eval()
+    ids, mask = left_pad([random_ids(1, 20)[0], random_ids(1, 13)[0]])
+    with torch.no_grad():
+        attention.last_paths.clear()
+        plain = model(ids).logits
+        fast = dict(attention.last_paths)
+        attention.last_paths.clear()
+        eager = model(ids, output_attentions=True)
+        slow = dict(attention.last_paths)
+        padded = model(ids, attention_mask=mask, output_attentions=True)
+        padded_plain = model(ids, attention_mask=mask).logits
+    layers = model.config.num_hidden_layers
+    if method == "fox":  # (a bias method's blocks count "blocked" either way: tests/test_triton_path.py has BLOOM)
+        assert fast.get("separable causal") == layers and "separable causal" not in slow, (fast, slow)
+    assert max_diff(plain, eager.logits) <= 1e-5
+    keep = mask.bool()
+    assert max_diff(padded_plain[keep], padded.logits[keep]) <= 1e-5
+    for weights in (eager.attentions, padded.attentions):
+        assert len(weights) == layers and weights[0].shape == (2, model.config.n_head, 20, 20)
+        assert torch.allclose(weights[0].sum(-1), torch.ones(()), atol=1e-5)
+    assert torch.equal(padded.attentions[0][1, :, -1, :7], torch.zeros(model.config.n_head, 7))  # the pads

@@ -79,8 +79,20 @@ def test_triton_path_equals_blocked_on_packed_documents(method, device):
 
 
 def test_triton_path_equals_blocked_on_gpt2(device):
-    # (BLOOM runs eager attention only, which returns the weights: the blocked path serves it.)
     _assert_paths_agree(_patched("kerple", device, "gpt2"), input_ids=random_ids(2, 24))
+
+
+@pytest.mark.parametrize("method", ["kerple", "trainable alibi"])
+def test_triton_path_equals_blocked_on_bloom(method, device):
+    # BLOOM's config always says "eager"; without output_attentions its calls take the kernels (its float mask
+    # read as padding), with them the blocked path that returns the weights.
+    model = _patched(method, device, "bloom")
+    ids, mask = left_pad([random_ids(1, 24)[0], random_ids(1, 17)[0]])
+    _assert_paths_agree(model, input_ids=ids, attention_mask=mask)
+    attention.last_paths.clear()
+    with torch.no_grad(), attention.attention_path("triton"):
+        weights = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_attentions=True).attentions
+    assert attention.last_paths["triton"] == 0 and len(weights) == model.config.num_hidden_layers
 
 
 def test_triton_path_serves_queries_after_a_cache(device):

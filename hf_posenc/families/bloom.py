@@ -28,17 +28,39 @@ def zero_alibi(module: nn.Module, args: tuple, kwargs: dict):
     return args, kwargs
 
 
+def sdpa_form_mask(state, mask: torch.Tensor | None, q: int, kv: int) -> torch.Tensor | None:
+    """BLOOM's eager mask (additive [B, 1, q, kv]: 0 where a key is attended, the dtype's minimum elsewhere) in the
+    form transformers hands LLaMA's sdpa attention: bool, or None where it holds causality only (no padding). The
+    paths then treat a BLOOM call as a LLaMA one, to the bit (a float mask reaches SDPA as an additive one, 1e-7
+    off the boolean). A caller's mask that adds anything else is kept; under torch.compile too (no host reads)."""
+    if mask is None or not mask.is_floating_point() or state.forward.traced:
+        return mask
+
+    def read():
+        allowed = mask == 0
+        if not bool((allowed | (mask <= torch.finfo(mask.dtype).min / 2)).all()):
+            return mask
+        causal = torch.ones(q, kv, dtype=torch.bool, device=mask.device).tril(kv - q)
+        return None if bool((allowed == causal).all()) else allowed
+    return state.once_per_forward(("bloom sdpa mask", mask.data_ptr(), tuple(mask.shape)), read)
+
+
 def attention_forward(self, hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
                       output_attentions=False, **kwargs):
     """BloomAttention.forward with the score computation replaced by the shared attention path (bound to one
-    module instance by `route_attention`; the class is untouched)."""
+    module instance by `route_attention`; the class is untouched). BLOOM's config always says "eager" (transformers
+    has no other implementation for it), so the path is told whether the weights are wanted: without them it takes
+    the same kernels as LLaMA under sdpa (SDPA, flash, flex, Triton, the fused CPU kernels) instead of a
+    materialised softmax per block."""
     batch, q = hidden_states.shape[:2]
     query, key, value = self._reshape(self.query_key_value(hidden_states))
     if layer_past is not None:
         key, value = layer_past.update(key, value, self.layer_idx)
     dropout = self.attention_dropout.p if self.training else 0.0
+    if not output_attentions:
+        attention_mask = sdpa_form_mask(getattr(self, STATE_ATTR), attention_mask, q, key.shape[2])
     output, weights = posenc_attention(self, query, key, value, attention_mask, scaling=self.inv_norm_factor,
-                                       dropout=dropout)
+                                       dropout=dropout, eager=bool(output_attentions))
     output = self.dense(output.reshape(batch, q, -1))
     return dropout_add(output, residual, self.hidden_dropout, self.training), weights
 

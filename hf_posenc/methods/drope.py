@@ -11,7 +11,8 @@ rms_norm_eps (1e-5 for the SmolLM and Llama-2 models they recalibrate), one pair
 replaces the module's `scaling` where the config has one (their `from_source`); none of their configs sets it, so the
 default is the model's own 1 / sqrt(head_dim).
 
-`qk_norm=False` with `softmax_scale=None` is NoPE exactly (their plain `nope` variant); with `qk_norm=True` the
+`qk_norm=False` with `softmax_scale=None` is NoPE exactly (their plain `nope` variant; on BLOOM within float
+rounding, since its NoPE keeps BLOOM's eager code and this runs SDPA); with `qk_norm=True` the
 model changes at once (the norms are not identities), which the recalibration is for. The KV cache holds the keys
 before the norm, normalised again at each call (per token, so cached decoding equals a full forward).
 """

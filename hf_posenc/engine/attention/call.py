@@ -17,7 +17,8 @@ from ..state import PositionState
 class AttentionCall:
     """query [B, H, q, D], key/value [B, H_kv, kv, D] (the whole cache); `attention_mask` the one transformers
     built (bool or additive float, [B or 1, 1, q, kv]) or None; `dropout` already 0 outside training; `eager`:
-    the model's config asks for eager attention (weights returned). `query_slots` [q] and `key_slots` [kv] are
+    the attention weights are returned (the model's config asks for eager attention, or BLOOM's caller for
+    its weights). `query_slots` [q] and `key_slots` [kv] are
     cache slots, `query_positions` [B or 1, q] and `key_positions` [B or 1, kv] each token's own position
     (PositionState.relative_positions). A path that cuts a call (rows of queries, a probe) makes a copy with
     `replace`."""
@@ -41,13 +42,14 @@ class AttentionCall:
     @classmethod
     def build(cls, module: nn.Module, state: PositionState, query: torch.Tensor, key: torch.Tensor,
               value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None = None,
-              dropout: float = 0.0, **options) -> AttentionCall:
-        """The call as transformers' AttentionInterface hands it over (scaling None: 1 / sqrt(D))."""
+              dropout: float = 0.0, eager: bool | None = None, **options) -> AttentionCall:
+        """The call as transformers' AttentionInterface hands it over (scaling None: 1 / sqrt(D); eager None: as
+        the model's config says)."""
         q, kv = query.shape[2], key.shape[2]
         query_slots, key_slots, query_positions, key_positions = state.relative_positions(q, kv, query.device)
         return cls(module, state, getattr(module, "layer_idx", 0) or 0, query, key, value, attention_mask,
                    query.shape[-1]**-0.5 if scaling is None else scaling, dropout if module.training else 0.0,
-                   state.eager, query_slots, key_slots, query_positions, key_positions, options)
+                   state.eager if eager is None else eager, query_slots, key_slots, query_positions, key_positions, options)
 
     @property
     def method(self) -> PositionalMethod:

@@ -55,9 +55,11 @@ class RoutedAttentionConfig:
 
 def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                     **kwargs):
+                     eager: bool | None = None, **kwargs):
     """AttentionInterface function: query [B, H, q, D], key/value [B, H_kv, kv, D] (the whole cache).
-    Returns (output [B, q, H, D], attention weights or None). All per-model state is read from `module`, so any
+    Returns (output [B, q, H, D], attention weights or None). `eager`: whether the weights are returned (None: as
+    the model's config says; BLOOM's attention, always "eager" in its config, passes its caller's
+    output_attentions). All per-model state is read from `module`, so any
     number of models, patched with different methods, use it at once."""
     state: PositionState | None = getattr(module, STATE_ATTR, None)
     if state is None:
@@ -65,7 +67,7 @@ def posenc_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
             f"{type(module).__name__} uses attention implementation {ATTENTION_NAME!r} but was not patched by "
             "hf_posenc; call hf_posenc.patch_model(model, ...) on this model instead of setting it by hand."
         )
-    call = AttentionCall.build(module, state, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    call = AttentionCall.build(module, state, query, key, value, attention_mask, scaling, dropout, eager, **kwargs)
     if isinstance(call.method, ContentMethod):
         return content_attention(call.replace(scaling=call.method.softmax_scaling(call.scaling)))
     if isinstance(call.method, RotaryMethod) and call.method.scores_per_query_block:

@@ -17,6 +17,7 @@ recency profile, the part of RoPE's effect that a function of i - j can hold (do
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import time
 from dataclasses import dataclass
@@ -97,6 +98,12 @@ def _kept_weights(model, layers: list[int], queries: int):
 
     wanted, kept = set(layers), {}
 
+    def ask_for_weights(index, module, args, kwargs):
+        # BLOOM's attention (its config always "eager") returns its weights when its caller asks for them.
+        if index in wanted and "output_attentions" in inspect.signature(module.forward).parameters:
+            return args, {**kwargs, "output_attentions": True}
+        return None
+
     def keep(index, module, args, kwargs, output):
         if index not in wanted:
             return
@@ -106,7 +113,7 @@ def _kept_weights(model, layers: list[int], queries: int):
                               "cannot read this model's attention")
         kept[index] = weights[..., -queries:, :].float().clone()
 
-    with _eager(model), _hooks(attention_modules(model), lambda *_: None, keep):
+    with _eager(model), _hooks(attention_modules(model), ask_for_weights, keep):
         yield kept
 
 

@@ -15,7 +15,7 @@ from hf_posenc.errors import PosEncError  # noqa: E402
 from helpers import left_pad  # noqa: E402
 from tiny_models import random_ids, tiny_model  # noqa: E402
 
-METHODS = {"kerple": {}, "t5": {}, "trainable alibi": {"trainable": True}, "fire": {}, "sandwich": {}}
+METHODS = {"kerple": {}, "t5": {}, "alibi": {}, "trainable alibi": {"trainable": True}, "fire": {}, "sandwich": {}}
 
 
 def _outputs_and_gradients(model, path, **inputs):

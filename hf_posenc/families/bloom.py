@@ -16,6 +16,7 @@ from torch import nn
 from transformers.models.bloom.modeling_bloom import dropout_add
 
 from ..engine.attention import posenc_attention
+from ..engine.attention.geometry import additive_mask_allowed
 from ..model_info import ModelInfo
 from ..registry import register_family
 from ..engine.state import STATE_ATTR
@@ -37,8 +38,8 @@ def sdpa_form_mask(state, mask: torch.Tensor | None, q: int, kv: int) -> torch.T
         return mask
 
     def read():
-        allowed = mask == 0
-        if not bool((allowed | (mask <= torch.finfo(mask.dtype).min / 2)).all()):
+        allowed = additive_mask_allowed(mask)
+        if allowed is None:
             return mask
         causal = torch.ones(q, kv, dtype=torch.bool, device=mask.device).tril(kv - q)
         return None if bool((allowed == causal).all()) else allowed

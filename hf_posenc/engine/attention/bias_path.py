@@ -17,8 +17,8 @@ from ..kernels.check import PROBE_BATCH, PROBE_ROWS, GradientProbe, KernelCall, 
 from ..kernels.check import serve as serve_checked
 from ..kernels.triton import table_kernel
 from .call import AttentionCall
-from .geometry import (block_mask, block_rows, causal_square, combined_mask, distance_table, max_query_position,
-                       needs_grad, padded_table, position_span, power_of_two_bucket, query_blocks,
+from .geometry import (additive_mask_allowed, block_mask, block_rows, causal_square, combined_mask, distance_table,
+                       max_query_position, needs_grad, padded_table, position_span, power_of_two_bucket, query_blocks,
                        rotates_as_one_block, toeplitz_view)
 from .paths import chosen_path, count_path
 from .form_attention import FormBiasAttention, form_attention_applies, fused_form_applies
@@ -373,8 +373,8 @@ def _triton_masks(call: AttentionCall, offset: int):
         if mask.dtype == torch.bool:
             allowed = mask[:, 0]
         elif mask.is_floating_point():  # an additive mask of 0 and "minus infinity" only
-            allowed = mask[:, 0] == 0
-            if not bool((allowed | (mask[:, 0] <= torch.finfo(mask.dtype).min / 2)).all()):
+            allowed = additive_mask_allowed(mask[:, 0])
+            if allowed is None:
                 return None
         else:
             return None

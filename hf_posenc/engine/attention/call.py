@@ -49,7 +49,8 @@ class AttentionCall:
         query_slots, key_slots, query_positions, key_positions = state.relative_positions(q, kv, query.device)
         return cls(module, state, getattr(module, "layer_idx", 0) or 0, query, key, value, attention_mask,
                    query.shape[-1]**-0.5 if scaling is None else scaling, dropout if module.training else 0.0,
-                   state.eager if eager is None else eager, query_slots, key_slots, query_positions, key_positions, options)
+                   state.eager if eager is None else eager, query_slots, key_slots, query_positions, key_positions,
+                   options)
 
     @property
     def method(self) -> PositionalMethod:

@@ -161,6 +161,13 @@ def power_of_two_bucket(n: int) -> int:
     return int(n).bit_length()
 
 
+def additive_mask_allowed(mask: torch.Tensor) -> torch.Tensor | None:
+    """bool, where an additive float mask of 0 (attended) and "minus infinity" (at most half the dtype's minimum:
+    masked) attends; None where it holds anything else (a bias a boolean mask cannot carry)."""
+    allowed = mask == 0
+    return allowed if bool((allowed | (mask <= torch.finfo(mask.dtype).min / 2)).all()) else None
+
+
 def causal_square(attention_mask, q: int, kv: int) -> bool:
     """Whether query i is key i and nothing is masked but causality: no padding mask, no cache before the call. (With
     q == kv the first query is the first key: PositionState.first_key_slot.)"""
